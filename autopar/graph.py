@@ -1,0 +1,210 @@
+"""The traced model: nodes with shapes, dtypes, FLOPs and bytes; parameters; repeated layers.
+
+A :class:`Graph` is what every later stage reads: the cost model, the search
+and the compiler. It is produced by :func:`autopar.trace` and never mutated
+afterwards (the compiler works on its own copy of the fx graph).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor value (global, unsharded)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclass
+class Node:
+    """One operation of the traced program.
+
+    ``kind`` is the op family the sharding rules and the cost model dispatch
+    on (``linear``, ``matmul``, ``elementwise``, ``layernorm`` ...; see
+    :data:`autopar.trace.KINDS`). ``inputs`` names the nodes whose tensors
+    this node reads, in argument order. ``flops`` and ``act_bytes`` are for
+    the forward pass at the traced batch size and scale linearly with the
+    batch; ``param_bytes`` (weights read) does not.
+    """
+
+    name: str
+    op: str
+    target: str
+    kind: str
+    inputs: list[str]
+    out: TensorInfo | None
+    flops: float = 0.0
+    act_bytes: float = 0.0
+    param_bytes: float = 0.0
+    param: str | None = None          # for parameter / buffer nodes: qualified name
+    module: str = ""                  # innermost owning module ("" = root)
+    group: str | None = None          # repeated-layer instance, e.g. "blocks.3"
+    attrs: dict[str, Any] = field(default_factory=dict)  # op details: dims, shapes
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["out"] = None if self.out is None else {"shape": list(self.out.shape), "dtype": self.out.dtype}
+        return d
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    is_buffer: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class LayerGroup:
+    """Modules of identical structure repeated in the model (e.g. transformer blocks).
+
+    ``instances`` are module paths (``blocks.0``, ``blocks.1``, ...); every
+    instance owns the same sequence of node kinds and parameter shapes, so a
+    decision taken for one can be reused for all.
+    """
+
+    name: str
+    instances: list[str]
+    signature: str
+    nodes_per_instance: int
+    params_per_instance: int
+
+
+@dataclass
+class Graph:
+    """A traced model. Build it with :func:`autopar.trace`."""
+
+    name: str
+    nodes: list[Node]
+    params: dict[str, ParamInfo]
+    inputs: list[str]
+    output: str | None
+    groups: list[LayerGroup]
+    batch_size: int
+    frontend: str                      # "fx" or "export"
+    gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule (not serialised)
+    loss_prefix: str = ""              # "model." when the loss was traced with the model
+    _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+        self._fingerprint: str | None = None
+        self._consumers: dict[str, list[str]] | None = None
+
+    def __getitem__(self, name: str) -> Node:
+        return self._by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def consumers(self, name: str) -> list[str]:
+        """Names of the nodes that read ``name``'s output, in graph order."""
+        if self._consumers is None:
+            cons: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+            for n in self.nodes:
+                for i in dict.fromkeys(n.inputs):
+                    cons[i].append(n.name)
+            self._consumers = cons
+        return self._consumers[name]
+
+    @property
+    def num_params(self) -> int:
+        """Number of trainable parameter elements (buffers excluded)."""
+        return sum(p.numel for p in self.params.values() if not p.is_buffer and p.requires_grad)
+
+    @property
+    def forward_flops(self) -> float:
+        """Forward FLOPs at the traced batch size."""
+        return sum(n.flops for n in self.nodes)
+
+    def group_of(self, node: Node) -> LayerGroup | None:
+        for g in self.groups:
+            if node.group in g.instances:
+                return g
+        return None
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the model's structure: parameters, op sequence, input shapes
+        without the batch dimension. Independent of the example batch size and
+        of the weights' values, so a plan made from a zoo string matches the
+        same model built in a training script."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            pre = self.loss_prefix
+            params = sorted((p.name[len(pre):] if pre and p.name.startswith(pre) else p.name,
+                             list(p.shape), p.dtype, p.is_buffer) for p in self.params.values())
+            ops = [(n.kind, n.target, len(n.inputs)) for n in self.nodes
+                   if n.op not in ("placeholder", "output") and self.in_model(n)]
+            ins = []
+            for name in (self.inputs[:-1] if pre else self.inputs):
+                out = self[name].out
+                ins.append(None if out is None else (["B", *out.shape[1:]], out.dtype))
+            h.update(json.dumps([params, ops, ins], sort_keys=True, default=str).encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def in_model(self, node: Node) -> bool:
+        """False for the nodes of a loss traced together with the model."""
+        pre = self.loss_prefix
+        if not pre:
+            return True
+        if node.param is not None:
+            return node.param.startswith(pre)
+        return node.module == pre[:-1] or node.module.startswith(pre)
+
+    def summary(self) -> dict:
+        """Counts for reports: nodes, parameters, FLOPs, repeated-layer groups."""
+        kinds: dict[str, int] = {}
+        for n in self.nodes:
+            kinds[n.kind] = kinds.get(n.kind, 0) + 1
+        return {
+            "name": self.name,
+            "nodes": len(self.nodes),
+            "params": self.num_params,
+            "forward_flops": self.forward_flops,
+            "batch_size": self.batch_size,
+            "groups": [{"name": g.name, "instances": len(g.instances), "nodes_per_instance": g.nodes_per_instance}
+                       for g in self.groups],
+            "kinds": dict(sorted(kinds.items())),
+            "fingerprint": self.fingerprint,
+        }

@@ -1,0 +1,255 @@
+"""Model strings: turn ``"gpt:layers=96,hidden=12288"`` or ``"my_model.py:make"`` into a model.
+
+Two forms are accepted:
+
+``FAMILY[:key=value,...]``
+    A model of the zoo (:mod:`autopar.zoo.models`): ``gpt``, ``llama``, ``mlp``
+    or ``cnn``. Keys are the fields of the family's config; missing keys take
+    their defaults (see :func:`families`).
+
+``path/to/file.py:factory`` or ``package.module:factory``
+    ``factory()`` returns ``(model, example_inputs)``, optionally followed by a
+    ``loss_fn(output, target)`` and an ``example_target``. ``example_inputs`` is
+    a tuple, or a single tensor.
+
+Known family names win; any other ``X:name`` is taken as a factory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ZooError
+from .models import (CNN, GPT, MLP, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig,
+                     n_params)
+
+# family -> (config class, model class, task); the task picks inputs and loss
+_FAMILIES = {
+    "gpt": (GPTConfig, GPT, "lm"),
+    "llama": (LlamaConfig, Llama, "lm"),
+    "mlp": (MLPConfig, MLP, "classify"),
+    "cnn": (CNNConfig, CNN, "classify"),
+}
+
+
+@dataclass
+class ZooModel:
+    """A model ready for tracing, with example inputs and (optionally) a loss."""
+
+    name: str                    # canonical: "gpt:batch=1,bias=1,...", or the factory spec
+    model: nn.Module
+    example_inputs: tuple        # on the model's device
+    loss_fn: Callable | None     # loss_fn(output, target) -> scalar mean loss
+    example_target: torch.Tensor | None
+    config: dict                 # the family config's fields; {} for factories
+
+
+def lm_loss(logits, target):
+    """Return the mean next-token cross-entropy of ``logits[B, T, V]`` vs ``target[B, T]``."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1))
+
+
+def classification_loss(logits, target):
+    """Return the mean cross-entropy of ``logits[B, C]`` vs class indices ``target[B]``."""
+    return F.cross_entropy(logits, target)
+
+
+def families() -> dict[str, dict]:
+    """Return ``{family: {key: default}}`` for every zoo family.
+
+    GPT's ``ffn`` default is ``None``, meaning ``4 * hidden``.
+    """
+    return {name: {f.name: f.default for f in dataclasses.fields(cfg)}
+            for name, (cfg, _, _) in _FAMILIES.items()}
+
+
+def build(spec: str, *, device="meta", batch: int | None = None, seed: int | None = 0) -> ZooModel:
+    """Build the model a string describes.
+
+    ``device``: where a zoo model's parameters and example inputs live; on
+    ``"meta"`` nothing is allocated, so any size builds instantly. Factories
+    decide their own device and ``device`` is ignored for them.
+    ``batch``: overrides the example batch size of a zoo model (ignored, with a
+    warning, for factories).
+    ``seed``: zoo models are initialised with ``torch.manual_seed(seed)`` inside
+    a forked RNG, so every process builds the same weights and the global RNG
+    is left alone; ``None`` draws from the global RNG instead.
+
+    Returns a :class:`ZooModel`. Raises :class:`ZooError` for an unknown
+    family or key, an invalid value, or a factory that is missing or returns
+    the wrong thing.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ZooError(f"model string {spec!r} is empty: expected FAMILY[:key=value,...] "
+                       f"(families: {', '.join(_FAMILIES)}) or file.py:factory")
+    spec = spec.strip()
+    head, sep, rest = spec.partition(":")
+    if head.lower() in _FAMILIES:
+        return _build_family(head.lower(), rest, device, batch, seed)
+    if sep and "=" not in spec and spec.rpartition(":")[2].isidentifier():
+        if batch is not None:
+            warnings.warn(f"batch={batch} is ignored for factory {spec!r}: its example inputs "
+                          "fix the batch size", stacklevel=2)
+        return _build_factory(spec)
+    raise ZooError(f"unknown model family {head!r}: choose one of {', '.join(_FAMILIES)}, "
+                   "or give a factory as path/to/file.py:factory or package.module:factory")
+
+
+def load(spec: str, *, device="meta") -> tuple[nn.Module, tuple]:
+    """Return ``(model, example_inputs)`` for a model string (see :func:`build`)."""
+    z = build(spec, device=device)
+    return z.model, z.example_inputs
+
+
+# ------------------------------------------------------------------------ families
+
+def _parse_kwargs(family: str, text: str) -> dict:
+    cfg_cls = _FAMILIES[family][0]
+    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, raw = (s.strip() for s in item.partition("="))
+        if key not in fields:
+            raise ZooError(f"unknown key {key!r} for {family}: valid keys are "
+                           f"{', '.join(sorted(fields))}")
+        if not eq or not raw:
+            raise ZooError(f"{family}: key {key!r} has no value: write {key}=VALUE")
+        if key in kwargs:
+            raise ZooError(f"{family}: key {key!r} is given twice")
+        is_float = isinstance(fields[key].default, float)
+        try:
+            kwargs[key] = float(raw) if is_float else int(raw)
+        except ValueError:
+            kind = "a number" if is_float else "an integer"
+            raise ZooError(f"{family}: {key}={raw!r} is invalid: expected {kind}") from None
+    return kwargs
+
+
+def _build_family(family: str, text: str, device, batch, seed) -> ZooModel:
+    cfg_cls, model_cls, task = _FAMILIES[family]
+    kwargs = _parse_kwargs(family, text)
+    if batch is not None:
+        kwargs["batch"] = batch
+    cfg = cfg_cls(**kwargs)  # validates; raises ZooError
+    dev = torch.device(device)
+
+    if seed is None:
+        model = _construct(model_cls, cfg, dev)
+    else:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            model = _construct(model_cls, cfg, dev)
+
+    # Inputs come from a local CPU generator: same values on every device.
+    g = torch.Generator().manual_seed(0)
+    if task == "lm":
+        shape = (cfg.batch, cfg.seq)
+        inputs = (_randint(cfg.vocab, shape, g, dev),)
+        target, loss_fn = _randint(cfg.vocab, shape, g, dev), lm_loss
+    else:
+        shape = (cfg.batch, cfg.inp) if family == "mlp" else \
+            (cfg.batch, cfg.in_channels, cfg.image, cfg.image)
+        inputs = (_randn(shape, g, dev),)
+        target, loss_fn = _randint(cfg.classes, (cfg.batch,), g, dev), classification_loss
+
+    config = dataclasses.asdict(cfg)
+    name = family + ":" + ",".join(f"{k}={config[k]!r}" for k in sorted(config))
+    return ZooModel(name, model, inputs, loss_fn, target, config)
+
+
+def _construct(model_cls, cfg, dev):
+    with dev:  # allocate directly on the device; on meta no memory is touched
+        return model_cls(cfg)
+
+
+def _randint(high, shape, g, dev):
+    if dev.type == "meta":
+        return torch.empty(shape, dtype=torch.long, device=dev)
+    return torch.randint(high, shape, generator=g).to(dev)
+
+
+def _randn(shape, g, dev):
+    if dev.type == "meta":
+        return torch.empty(shape, device=dev)
+    return torch.randn(shape, generator=g).to(dev)
+
+
+# ----------------------------------------------------------------------- factories
+
+def _build_factory(spec: str) -> ZooModel:
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        module = _import_file(target)
+    else:
+        module = _import_module(target)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ZooError(f"{target} has no attribute {attr!r}; callables it defines: "
+                       f"{', '.join(public) or '(none)'}")
+    if not callable(fn):
+        raise ZooError(f"{target}:{attr} is a {type(fn).__name__}, not a callable factory")
+
+    out = fn()
+    if not isinstance(out, (tuple, list)) or not 2 <= len(out) <= 4:
+        raise ZooError(f"factory {spec} must return (model, example_inputs[, loss_fn"
+                       f"[, example_target]]), got {type(out).__name__}"
+                       + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    model, inputs, loss_fn, example_target = (*out, None, None)[:4]
+    if not isinstance(model, nn.Module):
+        raise ZooError(f"factory {spec} returned a {type(model).__name__} as model, "
+                       "expected an nn.Module")
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ZooError(f"factory {spec} returned a {type(loss_fn).__name__} as loss_fn, "
+                       "expected a callable or None")
+    return ZooModel(spec, model, inputs, loss_fn, example_target, {})
+
+
+def _import_file(path: str):
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ZooError(f"model file {path!r} does not exist (looked at {full})")
+    # A unique, stable module name per file, registered in sys.modules so that
+    # dataclasses and pickling inside the user's file work.
+    stem = os.path.splitext(os.path.basename(full))[0]
+    name = f"_autopar_user_{stem}_{zlib.crc32(full.encode()):08x}"
+    mod_spec = importlib.util.spec_from_file_location(name, full)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ZooError(f"cannot import {path!r} as a Python file")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # Only our target (or a parent package) missing is the user's typo;
+        # a missing dependency inside their module is their error to see.
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise ZooError(f"no zoo family or module named {name!r} (missing: {e.name!r}); "
+                           f"families: {', '.join(_FAMILIES)}") from None
+        raise
+
+
+__all__ = ["ZooModel", "build", "load", "families", "lm_loss", "classification_loss",
+           "n_params", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig",
+           "CNN", "CNNConfig"]

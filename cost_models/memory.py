@@ -1,0 +1,67 @@
+"""Bytes of model state (weights, gradients, optimizer state) per device."""
+from __future__ import annotations
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+# Bytes per parameter: (weights, gradients, optimizer state).
+# mixed = bf16/fp16 weights and gradients plus an fp32 master copy, which is
+# counted in the optimizer state (it is sharded with it by ZeRO stage 1).
+_BYTES_PER_PARAM = {
+    "fp32": {"adam": (4, 4, 8), "adamw": (4, 4, 8),          # m, v
+             "sgd": (4, 4, 0), "sgd_momentum": (4, 4, 4)},   # momentum buffer
+    "mixed": {"adam": (2, 2, 12), "adamw": (2, 2, 12),       # master, m, v
+              "sgd": (2, 2, 4), "sgd_momentum": (2, 2, 8)},  # master (+ momentum)
+}
+OPTIMIZERS = tuple(_BYTES_PER_PARAM["fp32"])
+PRECISIONS = tuple(_BYTES_PER_PARAM)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Return the bytes of one element of ``dtype`` (torch name without "torch.").
+
+    Raises ValueError for an unknown dtype, listing valid ones.
+    """
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPE_BYTES)}") from None
+
+
+def model_state_bytes(num_params: int, optimizer: str = "adamw",
+                      precision: str = "fp32") -> dict[str, int]:
+    """Return ``{"weights", "gradients", "optimizer", "total"}`` in bytes for
+    ``num_params`` unsharded parameters.
+
+    Raises ValueError for a negative count or an unknown optimizer / precision.
+    """
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if precision not in _BYTES_PER_PARAM:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if optimizer not in _BYTES_PER_PARAM[precision]:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    w, g, o = (num_params * b for b in _BYTES_PER_PARAM[precision][optimizer])
+    return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
+
+
+def zero_sharded_state_bytes(states: dict[str, int], dp: int, stage: int) -> dict[str, int]:
+    """Return per-device model state bytes under ZeRO ``stage`` over ``dp`` ranks.
+
+    Stage 0 keeps everything; stage 1 shards the optimizer state, stage 2 also
+    the gradients, stage 3 also the weights. A shard is rounded up, since every
+    rank holds an equal padded shard. ``states`` is a result of
+    :func:`model_state_bytes`. Raises ValueError for dp < 1 or stage not in 0-3.
+    """
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    sharded = ("optimizer", "gradients", "weights")[:stage]
+    out = {k: (-(-states[k] // dp) if k in sharded else states[k])
+           for k in ("weights", "gradients", "optimizer")}
+    out["total"] = sum(out.values())
+    return out
