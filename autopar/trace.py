@@ -518,10 +518,11 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
             kind=kind, inputs=[a.name for a in ins], out=out, param=pname,
             module=_module_of(n),
         )
-        node.attrs = _attrs(n, node)
         nodes.append(node)
     by_name = {nd.name: nd for nd in nodes}
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
     for nd in nodes:
+        nd.attrs = _attrs(fx_nodes[nd.name], nd, by_name)
         _cost_node(nd, by_name)
     batch = 1
     for a in args:
@@ -534,18 +535,115 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
     return g
 
 
-def _attrs(n: fx.Node, node: Node) -> dict[str, Any]:
-    """The few op arguments later stages need (reduction dims, causal flags...)."""
+def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` (counting the tensor for methods too) or keyword ``name``."""
+    if name in n.kwargs:
+        return n.kwargs[name]
+    return n.args[i] if len(n.args) > i else default
+
+
+def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
+    """The op arguments the sharding rules need (dims, permutations, ...)."""
     a: dict[str, Any] = {}
-    if node.kind == "sdpa":
-        a["is_causal"] = bool(n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False))
-    if node.kind in ("softmax", "reduction", "cat", "split", "transpose", "expand", "view", "index"):
-        a["args"] = _plain(n.args[1:])
-        a["kwargs"] = _plain(dict(n.kwargs))
-    tm = n.meta.get("tensor_meta")
-    if isinstance(tm, (tuple, list)) and not hasattr(tm, "shape"):
-        a["outs"] = [list(t.shape) if t is not None and hasattr(t, "shape") else None for t in tm]
+    k, t = node.kind, node.target
+    ins = [by_name[i].out for i in node.inputs if i in by_name]
+    x = ins[0].shape if ins and ins[0] is not None else None
+    o = node.out.shape if node.out is not None else None
+    nd = len(x) if x is not None else 0
+    try:
+        if k == "sdpa":
+            a["is_causal"] = bool(_arg(n, 5, "is_causal", False))
+        elif k in ("layernorm", "rmsnorm"):
+            shp = _arg(n, 1, "normalized_shape", ())
+            a["norm_dims"] = len(shp) if isinstance(shp, (list, tuple)) else 1
+        elif k == "softmax":
+            a["dim"] = int(_arg(n, 1, "dim", -1)) % max(nd, 1)
+        elif k in ("split", "cat"):
+            a["dim"] = int(_arg(n, 2 if k == "split" else 1, "dim", 0))
+        elif k == "cross_entropy":
+            a["reduction"] = n.kwargs.get("reduction", "mean")
+            a["ignore_index"] = n.kwargs.get("ignore_index", -100)
+            if n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None:
+                a["reduction"] = "unsupported"
+        elif k == "conv":
+            a["groups"] = int(_arg(n, 6, "groups", 1))
+        elif k == "reduction" and x is not None:
+            dims = _arg(n, 1, "dim", None)
+            if dims is None:
+                dims = list(range(nd))
+            elif isinstance(dims, int):
+                dims = [dims]
+            if all(isinstance(d, int) for d in dims):
+                a["reduce_dims"] = sorted(d % nd for d in dims)
+                a["keepdim"] = bool(_arg(n, 2, "keepdim", False))
+        elif k == "transpose" and x is not None:
+            if t == "t":
+                perm = [1, 0][:nd]
+            elif t == "transpose":
+                d0, d1 = int(n.args[1]) % nd, int(n.args[2]) % nd
+                perm = list(range(nd))
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+            else:
+                dims = n.args[1:] if len(n.args) > 2 else n.args[1] if len(n.args) > 1 else n.kwargs["dims"]
+                perm = [int(d) % nd for d in dims]
+            a["perm"] = perm
+        elif k == "expand" and x is not None and o is not None:
+            if t == "unsqueeze":
+                d = int(_arg(n, 1, "dim", 0)) % (nd + 1)
+                a["dim_map"] = {i: (i if i < d else i + 1) for i in range(nd)}
+            elif t == "squeeze":
+                kept = [i for i in range(nd) if not (x[i] == 1 and len(o) < nd)]
+                a["dim_map"] = {i: j for j, i in enumerate(kept)} if len(kept) == len(o) else None
+            else:
+                off = len(o) - nd
+                a["dim_map"] = {i: i + off for i in range(nd)}
+        elif k == "index" and x is not None and o is not None:
+            a["dim_map"] = _index_map(n, t, nd, len(o))
+        if k == "index" and node.inputs and by_name[node.inputs[0]].kind == "split":
+            node.kind = "item"
+    except (TypeError, ValueError, IndexError, KeyError):
+        pass  # unusual arguments: the rule falls back to replication
     return a
+
+
+def _index_map(n: fx.Node, t: str, nd: int, nout: int) -> dict[int, int] | None:
+    """Input dim -> output dim for getitem / narrow / select (dims kept by the index)."""
+    if t == "narrow":
+        return {i: i for i in range(nd)}
+    if t == "select":
+        d = int(_arg(n, 1, "dim", 0)) % nd
+        return {i: (i if i < d else i - 1) for i in range(nd) if i != d}
+    if t != "getitem":
+        return None
+    idx = n.args[1]
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(isinstance(i, fx.Node) for i in idx) or any(isinstance(i, (list, torch.Tensor)) for i in idx):
+        return None
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    m: dict[int, int] = {}
+    di = do = 0
+    for i in idx:
+        if i is Ellipsis:
+            for _ in range(nd - n_real):
+                m[di] = do
+                di += 1
+                do += 1
+        elif i is None:
+            do += 1
+        elif isinstance(i, int):
+            di += 1
+        elif isinstance(i, slice):
+            m[di] = do
+            di += 1
+            do += 1
+        else:
+            return None
+    while di < nd:
+        m[di] = do
+        di += 1
+        do += 1
+    return m if do == nout else None
 
 
 def _plain(x: Any) -> Any:

@@ -1,0 +1,337 @@
+"""Autograd-aware collectives that move a tensor between placements.
+
+Placements on one mesh axis: R (full copy), S(d) (this rank's contiguous chunk
+along dim d, chunks in group-rank order) and P (partial sums; the value is the
+sum over the group). Gradient conventions, which make tensor parallelism
+correct: the grad of an R value is the full gradient (identical on all ranks),
+the grad of an S(d) value is the shard of the gradient, and the grad of a P
+value is the full gradient (identical on all ranks).
+
+===============================  ============  ======================  ======================
+function                         placement     forward                 backward
+===============================  ============  ======================  ======================
+all_reduce(x, g)                 P -> R        sum all-reduce          identity
+reduce_grad(x, g)                R -> R        identity                sum all-reduce
+all_gather(x, d, g)              S(d) -> R     all-gather along d      take own chunk
+split(x, d, g)                   R -> S(d)     take own chunk          all-gather along d
+reduce_scatter(x, d, g)          P -> S(d)     reduce-scatter along d  all-gather along d
+all_to_all(x, i, o, g)           S(i) -> S(o)  all-to-all              inverse all-to-all
+all_gather_reduce_grad(x, d, g)  S(d) -> R     all-gather along d      reduce-scatter along d
+===============================  ============  ======================  ======================
+
+``reduce_grad`` is Megatron's "f": put it on a replicated input before
+sharded compute whose output grads are partial per rank.
+``all_gather_reduce_grad`` is ``reduce_grad(all_gather(x))`` fused (the
+sequence-parallel entry): its backward reduce-scatters instead of
+all-reducing then slicing, half the traffic.
+
+Every function is the identity when ``group`` is None or has one rank.
+Sharded dims must divide evenly by the group size. Works with gloo and nccl.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import DistributedError
+
+__all__ = ["all_reduce", "reduce_grad", "all_gather", "split", "reduce_scatter", "all_to_all",
+           "all_gather_reduce_grad",
+           "all_reduce_mean_", "GradSync", "broadcast_params_", "group_size", "group_rank"]
+
+# Newer torch renamed these (the old names warn with a FutureWarning).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group) -> int:
+    """Ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _chunk_size(x: torch.Tensor, dim: int, w: int, what: str) -> int:
+    if x.shape[dim] % w:
+        raise DistributedError(
+            f"{what}: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+            f"which is not divisible by the group size {w}")
+    return x.shape[dim] // w
+
+
+def _merge_leading(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(w, *s) -> s with s[dim] replaced by w * s[dim] (concatenate the w slabs along dim)."""
+    s = t.shape[1:]
+    return t.movedim(0, dim).reshape(*s[:dim], t.shape[0] * s[dim], *s[dim + 1:])
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    w = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((w * x.shape[0], *x.shape[1:]))  # gloo: only the concat-along-dim-0 layout
+    _all_gather_single(out, x, group=group)
+    return _merge_leading(out.view(w, *x.shape), dim)
+
+
+def _take(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    c = _chunk_size(x, dim, dist.get_world_size(group), "split")
+    return x.narrow(dim, dist.get_rank(group) * c, c).clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    c = _chunk_size(x, dim, dist.get_world_size(group), "reduce_scatter")
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((c, *xt.shape[1:]))
+    _reduce_scatter_single(out, xt, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group) -> torch.Tensor:
+    w = dist.get_world_size(group)
+    _chunk_size(x, out_dim, w, "all_to_all")
+    send = torch.stack(x.chunk(w, out_dim))  # send[j]: my in_dim shard of rank j's out_dim chunk
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return _merge_leading(recv, in_dim)  # recv[i]: rank i's in_dim shard of my chunk
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _take(g, ctx.dim, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _take(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, in_dim, out_dim, group):
+        ctx.dims, ctx.group = (in_dim, out_dim), group
+        return _all_to_all(x, in_dim, out_dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        in_dim, out_dim = ctx.dims
+        return _all_to_all(g, out_dim, in_dim, ctx.group), None, None, None
+
+
+def _norm_dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise DistributedError(f"dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """P -> R: sum over the group. Backward: identity."""
+    return x if group_size(group) == 1 else _AllReduce.apply(x, group)
+
+
+def reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """R -> R feeding sharded compute: identity forward; backward sums the grad over the group.
+
+    The output aliases ``x`` (no copy), so it must not be modified in place.
+    """
+    return x if group_size(group) == 1 else _ReduceGrad.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """S(dim) -> R: concatenate the group's shards along ``dim``. Backward: own chunk of the grad."""
+    return x if group_size(group) == 1 else _AllGather.apply(x, _norm_dim(x, dim), group)
+
+
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """R -> S(dim): this rank's chunk along ``dim``. Backward: all-gather of the grad."""
+    return x if group_size(group) == 1 else _Split.apply(x, _norm_dim(x, dim), group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """P -> S(dim): sum over the group, keep this rank's chunk along ``dim``. Backward: all-gather."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, _norm_dim(x, dim), group)
+
+
+def all_gather_reduce_grad(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """S(dim) -> R feeding sharded compute: all-gather forward, reduce-scatter backward.
+
+    Same result as ``reduce_grad(all_gather(x, dim, group), group)`` in one collective each way.
+    """
+    return x if group_size(group) == 1 else _AllGatherReduceGrad.apply(x, _norm_dim(x, dim), group)
+
+
+def all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group) -> torch.Tensor:
+    """S(in_dim) -> S(out_dim): input sharded on ``in_dim``, output sharded on ``out_dim``.
+
+    Each rank splits its shard into group-size chunks along ``out_dim``, sends
+    chunk j to rank j, and concatenates what it receives along ``in_dim`` (in
+    the classic naming: split_dim = out_dim, concat_dim = in_dim). Backward:
+    the inverse all-to-all. Identity when ``in_dim == out_dim``.
+    """
+    if group_size(group) == 1:
+        return x
+    in_dim, out_dim = _norm_dim(x, in_dim), _norm_dim(x, out_dim)
+    return x if in_dim == out_dim else _AllToAll.apply(x, in_dim, out_dim, group)
+
+
+# ----------------------------------------------------------------- data parallel
+
+def _buckets(tensors: list[torch.Tensor], bucket_mb: float) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (dtype, device) into buckets of <= bucket_mb MiB.
+
+    Deterministic given the shapes/dtypes, so every rank builds the same buckets.
+    A tensor larger than a bucket gets a bucket of its own.
+    """
+    limit = max(bucket_mb, 0) * 2 ** 20
+    open_: dict[tuple, tuple[list[int], int]] = {}  # (dtype, device) -> (indices, bytes)
+    done: list[list[int]] = []
+    for i, t in enumerate(tensors):
+        key, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        idx, used = open_.get(key, ([], 0))
+        if idx and used + nbytes > limit:
+            done.append(idx)
+            idx, used = [], 0
+        idx.append(i)
+        open_[key] = (idx, used + nbytes)
+    return done + [idx for idx, _ in open_.values()]
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
+
+
+@torch.no_grad()
+def all_reduce_mean_(tensors: Iterable[torch.Tensor], group, bucket_mb: float = 25) -> None:
+    """Average ``tensors`` in place over ``group`` through flattened buckets (no-op for None/size 1)."""
+    tensors = _unique(tensors)
+    w = group_size(group)
+    if w == 1:
+        return
+    for idx in _buckets(tensors, bucket_mb):
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=group)
+        flat.div_(w)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            tensors[i].copy_(piece.view_as(tensors[i]))
+
+
+class GradSync:
+    """Average parameter gradients over a data-parallel group (DDP without overlap).
+
+    Call ``sync()`` after ``backward()`` and before ``optimizer.step()``. The
+    ``.grad`` of each parameter (requires_grad, deduplicated, same order on all
+    ranks) is averaged through flattened buckets of ``bucket_mb`` MiB. A missing
+    grad counts as zeros; one flag per parameter travels with each bucket so a
+    parameter ends with ``grad=None`` only when it had no grad on any rank, and
+    every rank ends with identical grads.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], group, bucket_mb: float = 25):
+        self.params = [p for p in _unique(params) if p.requires_grad]
+        self.group = group
+        self.buckets = _buckets(self.params, bucket_mb)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        w = group_size(self.group)
+        if w == 1:
+            return
+        for idx in self.buckets:
+            ps = [self.params[i] for i in idx]
+            sizes = [p.numel() for p in ps]
+            flat = ps[0].new_zeros(sum(sizes) + len(ps))
+            pieces = flat.split(sizes + [len(ps)])
+            for p, piece in zip(ps, pieces):
+                if p.grad is not None:
+                    piece.copy_(p.grad.reshape(-1))
+            pieces[-1].copy_(torch.tensor([p.grad is not None for p in ps]))
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(w)
+            flags = pieces[-1].tolist()
+            for p, piece, flag in zip(ps, pieces, flags):
+                if p.grad is not None:
+                    p.grad.copy_(piece.view_as(p.grad))
+                elif flag > 0:
+                    p.grad = piece.view_as(p).clone()
+
+
+@torch.no_grad()
+def broadcast_params_(params: Iterable[torch.Tensor], group, src_rank_in_group: int = 0,
+                      bucket_mb: float = 25) -> None:
+    """Copy ``params`` (or buffers) of group rank ``src_rank_in_group`` to the whole group, in place."""
+    tensors = _unique(params)
+    w = group_size(group)
+    if w == 1:
+        return
+    if not 0 <= src_rank_in_group < w:
+        raise DistributedError(f"src_rank_in_group={src_rank_in_group} is not in [0, {w})")
+    src = dist.get_global_rank(group, src_rank_in_group)
+    for idx in _buckets(tensors, bucket_mb):
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+        dist.broadcast(flat, src, group=group)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            tensors[i].copy_(piece.view_as(tensors[i]))

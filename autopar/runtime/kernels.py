@@ -1,0 +1,100 @@
+"""Local kernels for vocabulary-parallel layers (vocab sharded over a tensor-parallel group).
+
+Rank i of the group holds rows ``[vocab_start, vocab_end)`` of the embedding /
+the same columns of the logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.errors import DistributedError
+
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy"]
+
+
+def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> None:
+    if not 0 <= vocab_start <= vocab_end or vocab_end - vocab_start != n_local:
+        raise DistributedError(
+            f"{what}: vocab range [{vocab_start}, {vocab_end}) does not match the local shard size {n_local}")
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor,
+                             vocab_start: int, vocab_end: int) -> torch.Tensor:
+    """Embedding lookup against rows ``[vocab_start, vocab_end)`` of the vocabulary.
+
+    Ids in the range read the local shard, other ids give zero rows, so the
+    output is Partial: summing it over the group gives ``F.embedding(ids, W)``.
+    No collective inside; the weight grad only touches looked-up local rows.
+    """
+    _check_range(weight_shard.shape[0], vocab_start, vocab_end, "vocab_parallel_embedding")
+    inside = (ids >= vocab_start) & (ids < vocab_end)
+    local = torch.where(inside, ids - vocab_start, torch.zeros_like(ids))
+    return F.embedding(local, weight_shard).masked_fill(~inside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy over vocab-sharded logits [N, V/tp]; returns losses [N] (R) in >= float32."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_end, group, ignore_index):
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
+        comm = group is not None and dist.get_world_size(group) > 1
+        m = x.max(dim=-1).values
+        if comm:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x = x - m.unsqueeze(-1)
+        exp = x.exp()
+        valid = target != ignore_index
+        inside = valid & (target >= vocab_start) & (target < vocab_end)
+        local = torch.where(inside, target - vocab_start, torch.zeros_like(target))
+        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
+        stats = torch.stack([exp.sum(-1), target_logit])  # one all-reduce for both
+        if comm:
+            dist.all_reduce(stats, group=group)
+        sum_exp, target_logit = stats
+        loss = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(sum_exp))
+        exp.div_(sum_exp.unsqueeze(-1))  # local slice of the softmax
+        ctx.save_for_backward(exp, local, inside, valid)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, inside, valid = ctx.saved_tensors
+        scale = g.to(softmax.dtype) * valid
+        grad = softmax * scale.unsqueeze(-1)  # new tensor: the saved softmax stays intact
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= scale * inside
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
+                                 vocab_start: int, vocab_end: int, group,
+                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(full_logits, target)`` from vocab-sharded logits, identical on every rank.
+
+    ``logits_shard`` is [..., V/tp] (columns ``[vocab_start, vocab_end)`` of the
+    full logits), ``target`` [...] holds global class ids. Three small
+    all-reduces (max, then sum-exp and target logit together); the backward is
+    local (softmax - onehot on the shard). ``reduction``: "mean" (over targets
+    != ignore_index; NaN when there are none, like torch), "sum" or "none".
+    Computes in at least float32; returns the logits' dtype.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    _check_range(logits_shard.shape[-1], vocab_start, vocab_end, "vocab_parallel_cross_entropy")
+    if logits_shard.shape[:-1] != target.shape:
+        raise DistributedError(
+            f"vocab_parallel_cross_entropy: logits shape {tuple(logits_shard.shape)} and target shape "
+            f"{tuple(target.shape)} do not match (expected target shape {tuple(logits_shard.shape[:-1])})")
+    losses = _VocabParallelCE.apply(logits_shard.reshape(-1, logits_shard.shape[-1]), target.reshape(-1),
+                                    vocab_start, vocab_end, group, ignore_index)
+    if reduction == "none":
+        out = losses.view(target.shape)
+    elif reduction == "sum":
+        out = losses.sum()
+    else:
+        out = losses.sum() / (target != ignore_index).sum()
+    return out.to(logits_shard.dtype)

@@ -1,0 +1,464 @@
+"""Sharding rules: one small function per op family.
+
+Each rule gets a :class:`Ctx` (the node, the shapes of its tensor inputs and
+output on this axis, the axis size ``n``) and returns the valid strategies.
+Shapes are *local to the other mesh axes* already, so divisibility is checked
+against what this axis will actually split. A new op is one function plus one
+line in :data:`RULES`.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..graph import Node
+from .placement import P, R, S, is_shard, shard_dim
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node on one mesh axis.
+
+    ``ins`` is the placement each tensor input must have (in ``node.inputs``
+    order), ``out`` the output's. ``split`` says whether the work is divided
+    over the axis. ``comm`` lists collectives the op runs inside, as
+    ``(kind, nbytes)`` with nbytes of the full tensor. ``scale`` multiplies the
+    local result (a mean over a sharded dim becomes a partial sum).
+    ``kernel`` names a special local implementation (vocabulary-parallel
+    embedding or cross-entropy) the compiler must use.
+    """
+
+    name: str
+    ins: tuple[str, ...]
+    out: str
+    split: bool
+    comm: tuple[tuple[str, float], ...] = ()
+    scale: float = 1.0
+    kernel: str | None = None
+
+
+@dataclass
+class Ctx:
+    node: Node
+    ins: list[Shape | None]     # local shapes of the tensor inputs
+    in_kinds: list[str]         # kinds of the input nodes ("param", "input", ...)
+    out: Shape | None
+    n: int
+    itemsize: int = 4
+
+    def div(self, shape: Shape | None, d: int) -> bool:
+        return shape is not None and 0 <= d < len(shape) and shape[d] % self.n == 0 and shape[d] >= self.n
+
+
+def _all(ctx: Ctx, p: str) -> tuple[str, ...]:
+    return tuple(p for _ in ctx.ins)
+
+
+def _replicated(ctx: Ctx) -> list[Strategy]:
+    return [Strategy("replicate", _all(ctx, R), R, False)]
+
+
+# ---------------------------------------------------------------- matmuls
+def _linear(ctx: Ctx) -> list[Strategy]:
+    """F.linear(x, W[out, in]) (bias is a separate add after tracing)."""
+    x, w = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    out = _replicated(ctx)
+    if x is None or w is None or ctx.node.target != "linear":
+        return out
+    last = len(x) - 1
+    extra = (R,) * (len(ctx.ins) - 2)
+    if ctx.div(w, 0):
+        out.append(Strategy("colwise", (R, S(0)) + extra, S(last), True))
+    if ctx.div(w, 1) and ctx.div(x, last):
+        out.append(Strategy("rowwise", (S(last), S(1)) + extra, P, True))
+    for d in range(last):
+        if ctx.div(x, d):
+            out.append(Strategy(f"batch{d}", (S(d), R) + extra, S(d), True))
+    return out
+
+
+def _matmul(ctx: Ctx) -> list[Strategy]:
+    a, b = ctx.ins[0], ctx.ins[1]
+    o = ctx.out
+    if a is None or b is None or o is None or len(a) < 2 or len(b) < 2:
+        return _replicated(ctx)
+    out = _replicated(ctx)
+    # batch dims (broadcast aligned on the right)
+    for d in range(len(o) - 2):
+        da, db = d - (len(o) - len(a)), d - (len(o) - len(b))
+        sa = S(da) if da >= 0 and a[da] != 1 else R
+        sb = S(db) if db >= 0 and b[db] != 1 else R
+        if (sa == R or ctx.div(a, da)) and (sb == R or ctx.div(b, db)) and (sa, sb) != (R, R):
+            out.append(Strategy(f"batch{d}", (sa, sb), S(d), True))
+    if ctx.div(a, len(a) - 2):
+        out.append(Strategy("rows", (S(len(a) - 2), R), S(len(o) - 2), True))
+    if ctx.div(b, len(b) - 1):
+        out.append(Strategy("cols", (R, S(len(b) - 1)), S(len(o) - 1), True))
+    if ctx.div(a, len(a) - 1) and ctx.div(b, len(b) - 2):
+        out.append(Strategy("contract", (S(len(a) - 1), S(len(b) - 2)), P, True))
+    return out
+
+
+def _sdpa(ctx: Ctx) -> list[Strategy]:
+    """scaled_dot_product_attention(q, k, v[, mask]) on [B, H, T, D]: batch or heads."""
+    out = _replicated(ctx)
+    q = ctx.ins[0]
+    if q is None or len(q) != 4:
+        return out
+    for d in (0, 1):
+        if all(ctx.div(s, d) for s in ctx.ins[:3]):
+            rest = tuple(S(d) if (s is not None and len(s) == 4 and s[d] != 1) else R for s in ctx.ins[3:])
+            out.append(Strategy("batch" if d == 0 else "heads", (S(d),) * 3 + rest, S(d), True))
+    return out
+
+
+def _conv(ctx: Ctx) -> list[Strategy]:
+    x, w = ctx.ins[0], ctx.ins[1]
+    out = _replicated(ctx)
+    groups = ctx.node.attrs.get("groups", 1)
+    if ctx.div(x, 0):
+        out.append(Strategy("batch", (S(0), R), S(0), True))
+    if ctx.div(w, 0) and groups == 1:
+        out.append(Strategy("out_channels", (R, S(0)), S(1), True))
+    if ctx.div(w, 1) and ctx.div(x, 1) and groups == 1:
+        out.append(Strategy("in_channels", (S(1), S(1)), P, True))
+    return out
+
+
+# ---------------------------------------------------------------- lookups and losses
+def _embedding(ctx: Ctx) -> list[Strategy]:
+    """F.embedding(ids, W[V, H]) (export puts the weight first)."""
+    wi = 0 if ctx.in_kinds and ctx.in_kinds[0] in ("param", "buffer") else 1
+    ii = 1 - wi
+    ids, w = ctx.ins[ii], ctx.ins[wi]
+    out = _replicated(ctx)
+    if ids is None or w is None:
+        return out
+
+    def mk(pid: str, pw: str) -> tuple[str, str]:
+        return (pid, pw) if ii == 0 else (pw, pid)
+
+    for d in range(len(ids)):
+        if ctx.div(ids, d):
+            out.append(Strategy(f"batch{d}", mk(S(d), R), S(d), True))
+    if ctx.div(w, 1):
+        out.append(Strategy("hidden", mk(R, S(1)), S(len(ids)), True))
+    if ctx.div(w, 0) and ctx.node.op != "placeholder":
+        out.append(Strategy("vocab", mk(R, S(0)), P, True, kernel="vocab_embedding"))
+    return out
+
+
+def _cross_entropy(ctx: Ctx) -> list[Strategy]:
+    """F.cross_entropy(logits[N, C], target[N]) with mean reduction."""
+    logits, target = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    out = _replicated(ctx)
+    if logits is None or target is None or len(logits) != 2:
+        return out
+    reduction = ctx.node.attrs.get("reduction", "mean")
+    if ctx.div(logits, 0) and reduction in ("mean", "sum"):
+        out.append(Strategy("batch", (S(0), S(0)), P, True,
+                            scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
+    if ctx.div(logits, 1):
+        rows = logits[0] * ctx.itemsize
+        out.append(Strategy("vocab", (S(1), R), R, True,
+                            comm=(("all_reduce", rows), ("all_reduce", rows), ("all_reduce", rows)),
+                            kernel="vocab_cross_entropy"))
+    return out
+
+
+# ---------------------------------------------------------------- normalisation, softmax, pooling
+def _norm(ctx: Ctx) -> list[Strategy]:
+    """layer_norm / rms_norm over the trailing ``len(normalized_shape)`` dims."""
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    k = ctx.node.attrs.get("norm_dims", 1)
+    if x is None:
+        return out
+    for d in range(len(x) - k):
+        if ctx.div(x, d):
+            out.append(Strategy(f"batch{d}", (S(d),) + (R,) * (len(ctx.ins) - 1), S(d), True))
+    return out
+
+
+def _batchnorm(ctx: Ctx) -> list[Strategy]:
+    """batch_norm(x, running_mean, running_var, weight, bias): channels exactly,
+    batch with per-replica statistics (what DDP does without SyncBatchNorm)."""
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    if ctx.div(x, 0):
+        out.append(Strategy("batch", (S(0),) + (R,) * (len(ctx.ins) - 1), S(0), True))
+    if ctx.div(x, 1):
+        out.append(Strategy("channels", (S(1),) + (S(0),) * (len(ctx.ins) - 1), S(1), True))
+    return out
+
+
+def _softmax(ctx: Ctx) -> list[Strategy]:
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    if x is None:
+        return out
+    dim = ctx.node.attrs.get("dim", -1) % len(x)
+    for d in range(len(x)):
+        if d != dim and ctx.div(x, d):
+            out.append(Strategy(f"dim{d}", (S(d),), S(d), True))
+    return out
+
+
+def _pool(ctx: Ctx) -> list[Strategy]:
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    for d in (0, 1):
+        if ctx.div(x, d):
+            out.append(Strategy(f"dim{d}", (S(d),), S(d), True))
+    return out
+
+
+def _reduction(ctx: Ctx) -> list[Strategy]:
+    x, o = ctx.ins[0], ctx.out
+    out = _replicated(ctx)
+    if x is None or o is None:
+        return out
+    dims = ctx.node.attrs.get("reduce_dims")
+    if dims is None:
+        return out
+    keep = ctx.node.attrs.get("keepdim", False)
+    linear = ctx.node.target in ("sum", "mean")
+    for d in range(len(x)):
+        if not ctx.div(x, d):
+            continue
+        if d in dims:
+            if linear:
+                scale = 1.0 / ctx.n if ctx.node.target == "mean" else 1.0
+                out.append(Strategy(f"reduce{d}", (S(d),), P, True, scale=scale))
+        else:
+            od = d if keep else d - sum(1 for r in dims if r < d)
+            out.append(Strategy(f"dim{d}", (S(d),), S(od), True))
+    return out
+
+
+# ---------------------------------------------------------------- elementwise
+_LINEAR_ADD = ("add", "sub", "iadd", "add_", "neg", "radd", "rsub")
+_LINEAR_MUL = ("mul", "truediv", "div", "imul", "mul_", "rmul")
+
+
+def _elementwise(ctx: Ctx) -> list[Strategy]:
+    o = ctx.out
+    out = _replicated(ctx)
+    if o is None:
+        return out
+    nd = len(o)
+    for d in range(nd):
+        req = []
+        ok = o[d] % ctx.n == 0 and o[d] >= ctx.n
+        for s in ctx.ins:
+            if s is None:
+                req.append(R)
+                continue
+            di = d - (nd - len(s))
+            if di < 0 or s[di] == 1:
+                req.append(R)         # broadcast along d: every rank needs all of it
+            elif s[di] == o[d]:
+                req.append(S(di))
+            else:
+                ok = False
+        if ok and any(is_shard(p) for p in req):
+            out.append(Strategy(f"dim{d}", tuple(req), S(d), True))
+    t = ctx.node.target
+    if t in _LINEAR_ADD and ctx.ins:
+        out.append(Strategy("partial", _all(ctx, P), P, False))
+    elif t in _LINEAR_MUL and ctx.ins:
+        # linear in the first operand only (x * scale, x / scale)
+        out.append(Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False))
+    elif t in ("dropout", "float", "to", "type_as", "contiguous", "clone"):
+        out.append(Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False))
+    return out
+
+
+# ---------------------------------------------------------------- views
+def _dim_groups(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]] | None:
+    """Split two shapes of equal numel into aligned runs of dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        ga, gb = [], []
+        pa = pb = 1
+        while True:
+            if pa == pb and (ga or gb) and not (i < len(a) and a[i] == 1 and pa == pb and ga) \
+                    and not (j < len(b) and b[j] == 1 and gb):
+                break
+            if pa <= pb and i < len(a):
+                pa *= a[i]
+                ga.append(i)
+                i += 1
+            elif j < len(b):
+                pb *= b[j]
+                gb.append(j)
+                j += 1
+            elif i < len(a):
+                pa *= a[i]
+                ga.append(i)
+                i += 1
+            else:
+                break
+        if pa != pb:
+            return None
+        groups.append((ga, gb))
+    return groups
+
+
+def view_map(a: Shape, b: Shape, n: int) -> dict[int, int]:
+    """For a reshape from ``a`` to ``b``: input shard dim -> output shard dim,
+    for the dims whose shard stays one contiguous chunk (the outermost
+    non-unit dim of its group on both sides, divisible by ``n``)."""
+    groups = _dim_groups(a, b)
+    m: dict[int, int] = {}
+    if groups is None:
+        return m
+    for ga, gb in groups:
+        ia = [d for d in ga if a[d] != 1]
+        ib = [d for d in gb if b[d] != 1]
+        if ia and ib and a[ia[0]] % n == 0 and b[ib[0]] % n == 0:
+            m[ia[0]] = ib[0]
+    return m
+
+
+def _view(ctx: Ctx) -> list[Strategy]:
+    x, o = ctx.ins[0] if ctx.ins else None, ctx.out
+    out = [Strategy("replicate", _all(ctx, R), R, False),
+           Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False)] if ctx.ins else _replicated(ctx)
+    if x is None or o is None:
+        return out
+    extra = (R,) * (len(ctx.ins) - 1)
+    if ctx.node.target in ("view", "reshape", "flatten", "unflatten", "view_as", "_unsafe_view"):
+        for di, do in view_map(x, o, ctx.n).items():
+            if ctx.div(x, di):
+                out.append(Strategy(f"dim{di}", (S(di),) + extra, S(do), False))
+    elif len(x) == len(o):   # contiguous, clone, to(dtype), ...
+        for d in range(len(x)):
+            if ctx.div(x, d):
+                out.append(Strategy(f"dim{d}", (S(d),) + extra, S(d), False))
+    return out
+
+
+def _transpose(ctx: Ctx) -> list[Strategy]:
+    x = ctx.ins[0]
+    out = [Strategy("replicate", (R,), R, False), Strategy("partial", (P,), P, False)]
+    perm = ctx.node.attrs.get("perm")
+    if x is None or perm is None:
+        return out
+    for od, idim in enumerate(perm):
+        if ctx.div(x, idim):
+            out.append(Strategy(f"dim{idim}", (S(idim),), S(od), False))
+    return out
+
+
+def _expand(ctx: Ctx) -> list[Strategy]:
+    """unsqueeze / squeeze / expand / repeat_interleave / repeat."""
+    x, o = ctx.ins[0], ctx.out
+    out = [Strategy("replicate", _all(ctx, R), R, False)]
+    if x is None or o is None:
+        return out
+    t = ctx.node.target
+    extra = (R,) * (len(ctx.ins) - 1)
+    dmap = ctx.node.attrs.get("dim_map")  # input dim -> output dim, computed at trace time
+    if dmap is None:
+        return out
+    for di, do in dmap.items():
+        if ctx.div(x, di) and ctx.div(o, do):
+            if t in ("expand", "expand_as", "repeat") and x[di] != o[do]:
+                continue
+            out.append(Strategy(f"dim{di}", (S(di),) + extra, S(do), False))
+    if t in ("unsqueeze", "squeeze"):
+        out.append(Strategy("partial", (P,) + extra, P, False))
+    return out
+
+
+def _index(ctx: Ctx) -> list[Strategy]:
+    """getitem / narrow / select: a dim that is kept whole keeps its shard."""
+    out = [Strategy("replicate", _all(ctx, R), R, False)]
+    dmap = ctx.node.attrs.get("dim_map")
+    x, o = ctx.ins[0] if ctx.ins else None, ctx.out
+    if x is None or o is None or dmap is None:
+        return out
+    extra = (R,) * (len(ctx.ins) - 1)
+    for di, do in dmap.items():
+        if ctx.div(x, di) and x[di] == o[do]:
+            out.append(Strategy(f"dim{di}", (S(di),) + extra, S(do), False))
+    return out
+
+
+def _split(ctx: Ctx) -> list[Strategy]:
+    x = ctx.ins[0]
+    out = [Strategy("replicate", (R,), R, False)]
+    dim = ctx.node.attrs.get("dim", 0)
+    if x is None:
+        return out
+    dim %= len(x)
+    for d in range(len(x)):
+        if d != dim and ctx.div(x, d):
+            out.append(Strategy(f"dim{d}", (S(d),), S(d), False))
+    return out
+
+
+def _item(ctx: Ctx) -> list[Strategy]:
+    """getitem on the tuple a split returned: the placement passes through."""
+    return [Strategy("pass", (p,), p, False) for p in (R, P)] + [
+        Strategy(f"dim{d}", (S(d),), S(d), False) for d in range(len(ctx.out or ())) if ctx.div(ctx.out, d)]
+
+
+def _cat(ctx: Ctx) -> list[Strategy]:
+    o = ctx.out
+    out = [Strategy("replicate", _all(ctx, R), R, False), Strategy("partial", _all(ctx, P), P, False)]
+    if o is None:
+        return out
+    dim = ctx.node.attrs.get("dim", 0) % len(o)
+    stack = ctx.node.target == "stack"
+    for d in range(len(o)):
+        if d == dim:
+            continue
+        di = d - 1 if (stack and d > dim) else d
+        if all(ctx.div(s, di) for s in ctx.ins):
+            out.append(Strategy(f"dim{d}", _all(ctx, S(di)), S(d), False))
+    return out
+
+
+def _source(ctx: Ctx) -> list[Strategy]:
+    return [Strategy("replicate", _all(ctx, R), R, False)]
+
+
+RULES: dict[str, Callable[[Ctx], list[Strategy]]] = {
+    "linear": _linear, "matmul": _matmul, "sdpa": _sdpa, "conv": _conv,
+    "embedding": _embedding, "cross_entropy": _cross_entropy,
+    "layernorm": _norm, "rmsnorm": _norm, "batchnorm": _batchnorm,
+    "softmax": _softmax, "pool": _pool, "reduction": _reduction,
+    "elementwise": _elementwise, "view": _view, "transpose": _transpose,
+    "expand": _expand, "index": _index, "split": _split, "item": _item, "cat": _cat,
+    "factory": _source,
+}
+
+_warned: set[str] = set()
+
+
+def has_rule(kind: str) -> bool:
+    return kind in RULES
+
+
+def candidates(ctx: Ctx) -> list[Strategy]:
+    """Valid strategies of ``ctx.node`` on an axis of size ``ctx.n`` (replicate first).
+
+    A node without a rule is replicated, with one warning per op naming it."""
+    rule = RULES.get(ctx.node.kind)
+    if rule is None:
+        key = f"{ctx.node.kind}:{ctx.node.target}"
+        if key not in _warned and ctx.n > 1:
+            _warned.add(key)
+            warnings.warn(f"autopar: no sharding rule for op {ctx.node.target!r} (node {ctx.node.name}, "
+                          f"kind {ctx.node.kind}); it runs replicated", stacklevel=3)
+        return _replicated(ctx)
+    return rule(ctx)
+
+
+def rule_names() -> Sequence[str]:
+    return sorted(RULES)

@@ -1,0 +1,7 @@
+"""Shared pytest set-up: make the helper modules in tests/ (e.g. ``distributed``) importable."""
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
