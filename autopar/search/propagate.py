@@ -50,6 +50,7 @@ class AxisSharding:
     out: dict[str, str] = field(default_factory=dict)
     strategy: dict[str, Strategy] = field(default_factory=dict)
     reused_instances: int = 0
+    copied_from: dict[str, str] = field(default_factory=dict)  # instance -> instance it copied
 
     def input_placement(self, graph: Graph, node: Node, i: int) -> str:
         """Placement the strategy of ``node`` needs for its i-th input."""
@@ -142,6 +143,7 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
                     elif b.name in res.out:
                         res.out[a.name] = res.out[b.name]
                 res.reused_instances += 1
+                res.copied_from[g] = prev
                 continue
             for x in mine:
                 decide(x)
@@ -168,8 +170,6 @@ def track_batch(graph: Graph) -> AxisSharding:
     if cached is not None:
         return cached
     shapes = {nd.name: (nd.out.shape if nd.out is not None else None) for nd in graph.nodes}
-    ng = needs_grad(graph)
-
     def inp(nd: Node) -> str:
         return S(0) if nd.out is not None and len(nd.out.shape) > 0 else R
 
@@ -183,11 +183,12 @@ def track_batch(graph: Graph) -> AxisSharding:
         c += 0.0 if st.split else 0.1          # prefer dividing the work
         c += 0.001 if st.out == P else 0.0
         c += 0.001 if st.out == R else 0.0
+        if any(h is None and w == P for h, w in zip(cur, st.ins)):
+            return INF
         return c
 
     res = _solve(graph, 1, shapes, inp, cost, None)
     graph._batch_sharding = res  # type: ignore[attr-defined]
-    del ng
     return res
 
 
@@ -220,32 +221,23 @@ def scaled_shapes(graph: Graph, batch: int, divide: int = 1) -> dict[str, Shape 
 # --------------------------------------------------------------------------
 def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
               comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
-              itemsize: int = 4) -> AxisSharding:
+              itemsize: int = 4, memory_weight: float = 1e-13) -> AxisSharding:
     """Decide the placements of an axis of size ``n`` (tensor parallel).
 
     ``shapes`` are the node shapes local to the other axes; ``comm(kind,
     nbytes)`` is the time of a collective on this axis, ``compute(node,
     fraction)`` the forward time of a node doing ``fraction`` of its work.
-    The graph's output (the loss) is made replicated.
+    The graph's output (the loss) is made replicated. ``memory_weight``
+    (seconds per byte of replicated weight state) trades memory for time: the
+    manual ``tp=N`` strategies use a large one, so every weight a rule can
+    split is split (Megatron-style), and only the communication pattern is
+    left to the cost model.
     """
     ng = needs_grad(graph)
     sizes = {k: _numel(v) * itemsize for k, v in shapes.items()}
-    by_name = {nd.name: nd for nd in graph.nodes}
 
     def reshard(have: str, want: str, nbytes: float, grad: bool) -> float:
-        if have == want:
-            return 0.0
-        if want == P:
-            return INF                              # never manufacture partial sums
-        if have == R:                               # slice; backward gathers the grad
-            return comm("all_gather", nbytes) if grad else 0.0
-        if have == P:
-            if want == R:
-                return comm("all_reduce", nbytes)
-            return comm("reduce_scatter", nbytes) + (comm("all_gather", nbytes) if grad else 0.0)
-        if want == R:                               # shard -> replicate
-            return comm("all_gather", nbytes)
-        return comm("all_to_all", nbytes) * (2 if grad else 1)
+        return reshard_time(have, want, nbytes, grad, comm)
 
     def param_bytes(name: str) -> float:
         return sizes.get(name, 0.0)
@@ -253,16 +245,15 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     def cost(nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx) -> float:
         c = 0.0
         for have, want, name in zip(cur, st.ins, nd.inputs):
-            src = by_name[name]
             if have is None:   # an unplaced parameter takes what this op wants;
+                if want == P:
+                    return INF
                 # memory is the tie-break: a replicated weight costs its bytes
-                c += (1e-13 if want == R else 1e-13 / n) * param_bytes(name) * 16
-                continue
+                c += memory_weight * param_bytes(name) * (1.0 if want == R else 1.0 / n)
+                have = want
             c += reshard(have, want, sizes.get(name, 0.0), ng.get(name, False))
-            if want == R and st.split and ng.get(name, False) and src.kind != "param":
+            if want == R and st.split and ng.get(name, False):
                 c += comm("all_reduce", sizes.get(name, 0.0))      # backward of reduce_grad
-            elif want == R and st.split and ng.get(name, False):
-                c += comm("all_reduce", sizes.get(name, 0.0))
             if c == INF:
                 return INF
         c += 3.0 * compute(nd, 1.0 / n if st.split else 1.0)       # forward + backward
@@ -271,13 +262,36 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
         if st.out == P:
             c += comm("all_reduce", sizes.get(nd.name, 0.0))       # will be reduced later
         elif is_shard(st.out):
-            c -= 1e-12 * sizes.get(nd.name, 0.0)                   # tie-break: sharded activations
+            # a shard is often gathered again later (norms, residuals): charge
+            # half a gather so that cheap ops do not start sharded chains
+            c += 0.5 * comm("all_gather", sizes.get(nd.name, 0.0))
         return c
 
     def inp(nd: Node) -> str:
         return R
 
     return _solve(graph, n, shapes, inp, cost, R)
+
+
+def reshard_time(have: str, want: str, nbytes: float, grad: bool,
+                 comm: Callable[[str, float], float]) -> float:
+    """Forward + backward time of changing a value's placement on one axis.
+
+    ``nbytes`` is the full (unsharded on this axis) size; ``grad`` whether the
+    value carries a gradient (the backward of a slice is a gather)."""
+    if have == want:
+        return 0.0
+    if want == P:
+        return INF                              # never manufacture partial sums
+    if have == R:                               # slice; backward gathers the grad
+        return comm("all_gather", nbytes) if grad else 0.0
+    if have == P:
+        if want == R:
+            return comm("all_reduce", nbytes)
+        return comm("reduce_scatter", nbytes) + (comm("all_gather", nbytes) if grad else 0.0)
+    if want == R:                               # shard -> replicate
+        return comm("all_gather", nbytes)
+    return comm("all_to_all", nbytes) * (2 if grad else 1)
 
 
 def _numel(shape: Shape | None) -> int:
