@@ -1,2 +1,30 @@
-"""autopar: automatic parallelization planner and compiler for PyTorch."""
+"""autopar: automatic parallelization planner and compiler for PyTorch.
+
+    graph = autopar.trace(model, example_inputs)
+    est   = autopar.evaluate(graph, cluster="dgx-a100-80g", devices=64, strategy="dp=8,tp=8", global_batch=512)
+    plan  = autopar.plan(model, example_inputs, cluster="dgx-a100-80g", devices=64, global_batch=512)
+    pm    = autopar.parallelize(model, example_inputs, loss_fn=..., optimizer=..., strategy="auto")
+"""
 __version__ = "0.1.0"
+
+from .api import evaluate, load_cluster, plan  # noqa: E402
+from .cost import Estimate  # noqa: E402
+from .errors import (AutoparError, ClusterError, CompileError, DistributedError,  # noqa: E402
+                     NoFeasibleStrategyError, PlanError, StrategyError, TraceError, UnsupportedError, ZooError)
+from .graph import Graph  # noqa: E402
+from .plan import Plan  # noqa: E402
+from .search.space import ParallelConfig, parse_strategy  # noqa: E402
+from .trace import trace  # noqa: E402
+
+
+def parallelize(*args, **kwargs):
+    """See :func:`autopar.runtime.parallel.parallelize`."""
+    from .runtime.parallel import parallelize as _p
+    return _p(*args, **kwargs)
+
+
+__all__ = [
+    "trace", "evaluate", "plan", "parallelize", "load_cluster", "Plan", "Graph", "Estimate",
+    "ParallelConfig", "parse_strategy", "AutoparError", "TraceError", "ZooError", "StrategyError", "PlanError",
+    "ClusterError", "NoFeasibleStrategyError", "CompileError", "UnsupportedError", "DistributedError",
+]

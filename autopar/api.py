@@ -1,0 +1,192 @@
+"""The public API: ``trace``, ``evaluate``, ``plan``, ``parallelize``. Thin:
+each calls the stages below it."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch.nn as nn
+
+import cost_models
+
+from . import __version__
+from .cost import Estimate, Evaluator
+from .errors import ClusterError, PlanError, StrategyError
+from .graph import Graph
+from .plan import PLAN_VERSION, Plan
+from .search.grid import search_grid
+from .search.propagate import AxisSharding
+from .search.space import ParallelConfig, parse_strategy
+from .strategies.placement import R
+from .strategies.rules import Strategy
+from .trace import trace
+
+ModelLike = "nn.Module | str | Graph"
+
+
+def load_cluster(cluster: Any) -> cost_models.ClusterSpec:
+    """A preset name, a cluster JSON file, a dict or a ClusterSpec."""
+    try:
+        return cost_models.load_cluster(cluster)
+    except cost_models.ClusterError as e:
+        raise ClusterError(str(e)) from None
+
+
+def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None = None,
+             target: Any = None, batch: int | None = None) -> Graph:
+    """Trace ``model`` unless it already is a :class:`Graph`. A zoo string is
+    built on the meta device with its default loss (batch 2 by default, so the
+    batch dimension can be told apart from the others)."""
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, str):
+        from . import zoo
+        z = zoo.build(model, batch=batch or 2)
+        return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name)
+    return trace(model, example_inputs, loss_fn=loss_fn, target=target)
+
+
+def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
+    if isinstance(strategy, ParallelConfig):
+        if strategy.devices != devices:
+            raise StrategyError(f"strategy {strategy.to_string()} uses {strategy.devices} devices, not {devices}")
+        return strategy
+    return parse_strategy(strategy, devices)
+
+
+def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, strategy: str,
+             global_batch: int, optimizer: str = "adamw", precision: str | None = None) -> Estimate:
+    """Predict one manual strategy: step time (compute and communication
+    parts), TFLOP/s per device, peak memory per device and whether it fits.
+
+    ``model`` is an ``nn.Module`` (with ``example_inputs``), a zoo string or a
+    traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
+    milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
+    graph = as_graph(model, example_inputs)
+    cfg = _config(strategy, devices)
+    ev = _evaluator(graph, cluster, optimizer, precision)
+    return ev.evaluate(cfg, global_batch, devices)
+
+
+def _evaluator(graph: Graph, cluster: Any, optimizer: str, precision: str | None) -> Evaluator:
+    spec = load_cluster(cluster)
+    key = (spec.name, hash(spec), optimizer, precision)
+    cache = getattr(graph, "_evaluators", None)
+    if cache is None:
+        cache = {}
+        graph._evaluators = cache  # type: ignore[attr-defined]
+    if key not in cache:
+        cache[key] = Evaluator(graph, spec, optimizer=optimizer, precision=precision)
+    return cache[key]
+
+
+def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
+         strategy: str | ParallelConfig = "auto", optimizer: str = "adamw", precision: str | None = None,
+         loss_fn: Callable | None = None, target: Any = None, executable_only: bool = False,
+         progress: Callable[[int, int], None] | None = None) -> Plan:
+    """Choose a strategy (``"auto"``: the best that fits of the dp x tp grid,
+    with microbatches, recompute and ZeRO) or take a manual one, and return
+    the :class:`Plan` with its predictions. ``executable_only`` restricts the
+    search to what :func:`parallelize` can run in this release."""
+    t0 = time.perf_counter()
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
+    ev = _evaluator(graph, cluster, optimizer, precision)
+    ev.cluster.check_devices(devices)
+    if strategy == "auto":
+        res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress)
+        est, cfg = res.best, res.best_config
+        # the search time is not part of the JSON: the same inputs must give the same bytes
+        search = {"mode": "grid", "candidates": res.candidates, "feasible": res.feasible}
+    else:
+        cfg = _config(strategy, devices)
+        est = ev.evaluate(cfg, global_batch, devices)
+        search = {"mode": "manual"}
+    sh, _ = ev.sharding(cfg, global_batch)
+    p = build_plan(graph, ev, cfg, est, sh, global_batch, devices, search)
+    p.planning_time_s = time.perf_counter() - t0
+    p.graph = graph
+    return p
+
+
+def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,
+               global_batch: int, devices: int, search: dict) -> Plan:
+    """Assemble the Plan record (per-param and per-op placements on (dp, tp))."""
+    dp_sh = ev.batch
+    params: dict[str, list[str]] = {}
+    ops: dict[str, Any] = {}
+    for nd in graph.nodes:
+        if nd.kind in ("param", "buffer"):
+            if nd.param is not None:
+                params[nd.param] = [dp_sh.out.get(nd.name, R), tp_sharding.out.get(nd.name, R)]
+            continue
+        sd, st = dp_sh.strategy.get(nd.name), tp_sharding.strategy.get(nd.name)
+        if sd is None and st is None:
+            continue
+        sd = sd or Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
+        st = st or Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
+        entry: dict[str, Any] = {
+            "out": [sd.out, st.out],
+            "in": [[a, b] for a, b in zip(sd.ins, st.ins)],
+            "strategy": [sd.name, st.name],
+            "split": [sd.split, st.split],
+        }
+        if st.kernel:
+            entry["kernel"] = st.kernel
+        if st.scale != 1.0 or sd.scale != 1.0:
+            entry["scale"] = [sd.scale, st.scale]
+        ops[nd.name] = entry
+    pred = est.to_dict()
+    predicted = {k: pred[k] for k in ("step_time_s", "compute_time_s", "comm_time_s", "tp_comm_time_s",
+                                      "dp_comm_time_s", "optimizer_time_s", "tflops_per_device",
+                                      "peak_memory_bytes", "fits", "device_memory_bytes", "memory")}
+    data = {
+        "plan_version": PLAN_VERSION,
+        "autopar_version": __version__,
+        "model": {"name": graph.name, "fingerprint": graph.fingerprint, "num_params": graph.num_params,
+                  "num_nodes": len(graph.nodes)},
+        "cluster": {"name": ev.cluster.name, "spec": ev.cluster.to_dict()},
+        "devices": devices,
+        "global_batch": global_batch,
+        "precision": ev.precision,
+        "optimizer": ev.optimizer,
+        "mesh": {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
+        "parallel": cfg.as_dict(),
+        "params": params,
+        "ops": ops,
+        "predicted": predicted,
+        "search": search,
+    }
+    return Plan.from_dict(Plan(data).to_dict())
+
+
+def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
+    """The tensor-parallel decisions recorded in ``plan_`` for ``graph``, or
+    None when the graph's node names differ from the plan's (e.g. another
+    loss function): the caller then re-derives them from the strategy."""
+    ops = plan_.data["ops"]
+    tp = plan_.parallel["tp"]
+    sh = AxisSharding(n=tp)
+    by_param = {v: k for k, v in ((nd.name, nd.param) for nd in graph.nodes if nd.param)}
+    for pname, placements in plan_.data["params"].items():
+        node = by_param.get(pname)
+        if node is None:
+            return None
+        sh.out[node] = placements[1]
+    for nd in graph.nodes:
+        if nd.kind in ("param", "buffer"):
+            continue
+        e = ops.get(nd.name)
+        if e is None:
+            if nd.kind in ("shape", "constant", "output") or (nd.out is None and nd.kind != "split"):
+                continue
+            if nd.kind == "input":
+                sh.out[nd.name] = R
+                continue
+            return None
+        if len(e["in"]) != len(nd.inputs):
+            return None
+        scale = e.get("scale", [1.0, 1.0])[1]
+        sh.strategy[nd.name] = Strategy(e["strategy"][1], tuple(p[1] for p in e["in"]), e["out"][1],
+                                        bool(e.get("split", [False, False])[1]), (), scale, e.get("kernel"))
+        sh.out[nd.name] = e["out"][1]
+    return sh

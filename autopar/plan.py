@@ -1,0 +1,217 @@
+"""The Plan: one versioned, JSON-serialisable record of every decision.
+
+A plan holds the model fingerprint (a plan for another model is refused),
+the cluster, the mesh, the ``parallel`` summary (dp, tp, pp, microbatches,
+schedule, recompute, zero), the placement of every parameter and op on every
+mesh axis, and the predictions. ``to_json`` is deterministic: the same inputs
+give byte-identical text (sorted keys, rounded floats, no timestamps).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from . import __version__
+from .errors import PlanError
+
+PLAN_VERSION = 1
+
+_PLACEMENT = {"type": "string", "pattern": r"^(R|P|S\([0-9]+\))$"}
+PLAN_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "autopar plan",
+    "type": "object",
+    "required": ["plan_version", "autopar_version", "model", "cluster", "devices", "global_batch", "mesh",
+                 "parallel", "params", "ops", "predicted", "search", "precision", "optimizer"],
+    "additionalProperties": False,
+    "properties": {
+        "plan_version": {"const": PLAN_VERSION},
+        "autopar_version": {"type": "string"},
+        "model": {
+            "type": "object",
+            "required": ["name", "fingerprint", "num_params", "num_nodes"],
+            "properties": {"name": {"type": "string"}, "fingerprint": {"type": "string"},
+                           "num_params": {"type": "integer"}, "num_nodes": {"type": "integer"}},
+        },
+        "cluster": {"type": "object", "required": ["name"]},
+        "devices": {"type": "integer", "minimum": 1},
+        "global_batch": {"type": "integer", "minimum": 1},
+        "precision": {"enum": ["fp32", "mixed"]},
+        "optimizer": {"type": "string"},
+        "mesh": {
+            "type": "object", "required": ["shape", "axes"],
+            "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                           "axes": {"type": "array", "items": {"type": "string"}}},
+        },
+        "parallel": {
+            "type": "object",
+            "required": ["dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"],
+            "properties": {
+                "dp": {"type": "integer", "minimum": 1}, "tp": {"type": "integer", "minimum": 1},
+                "pp": {"type": "integer", "minimum": 1}, "microbatches": {"type": "integer", "minimum": 1},
+                "schedule": {"type": "string"}, "recompute": {"enum": ["none", "selective", "full"]},
+                "zero": {"enum": [0, 1, 2, 3]},
+            },
+        },
+        "params": {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}},
+        "ops": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object", "required": ["out", "in", "strategy"],
+                "properties": {
+                    "out": {"type": "array", "items": _PLACEMENT},
+                    "in": {"type": "array", "items": {"type": "array", "items": _PLACEMENT}},
+                    "strategy": {"type": "array", "items": {"type": "string"}},
+                    "kernel": {"type": "string"},
+                    "scale": {"type": "number"},
+                },
+            },
+        },
+        "predicted": {
+            "type": "object",
+            "required": ["step_time_s", "peak_memory_bytes", "tflops_per_device", "fits"],
+        },
+        "search": {"type": "object", "required": ["mode"]},
+    },
+}
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+@dataclass
+class Plan:
+    """A parallelization plan. Build with :func:`autopar.plan`; load with :meth:`Plan.load`."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    planning_time_s: float | None = field(default=None, compare=False)   # not serialised
+    graph: Any = field(default=None, repr=False, compare=False)          # the traced graph, when planned here
+
+    # -- accessors ------------------------------------------------------------
+    @property
+    def parallel(self) -> dict[str, Any]:
+        return self.data["parallel"]
+
+    @property
+    def predicted(self) -> dict[str, Any]:
+        return self.data["predicted"]
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.data["mesh"]["shape"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.data["model"]["fingerprint"]
+
+    @property
+    def strategy(self) -> str:
+        p = self.parallel
+        return (f"dp={p['dp']},tp={p['tp']},pp={p['pp']},microbatches={p['microbatches']},"
+                f"recompute={p['recompute']},zero={p['zero']}")
+
+    # -- serialisation --------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _round(self.data)
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, floats to 6 significant digits)."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
+        """Validate ``d`` against the schema. Raises :class:`PlanError`."""
+        if not isinstance(d, dict):
+            raise PlanError(f"{where}: a plan is a JSON object, got {type(d).__name__}")
+        version = d.get("plan_version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"{where}: plan_version {version!r} is not supported; this autopar "
+                            f"({__version__}) reads version {PLAN_VERSION}")
+        try:
+            jsonschema.validate(d, PLAN_SCHEMA)
+        except jsonschema.ValidationError as e:
+            path = "/".join(str(p) for p in e.absolute_path) or "<top>"
+            raise PlanError(f"{where}: invalid plan at '{path}': {e.message}") from None
+        return cls(d)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"plan file {str(p)!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {str(p)!r} is not valid JSON: {e}") from None
+        return cls.from_dict(d, where=f"plan file {str(p)!r}")
+
+    def check_model(self, fingerprint: str, name: str = "") -> None:
+        """Refuse to apply this plan to a different model."""
+        if fingerprint != self.fingerprint:
+            raise PlanError(f"this plan was made for model {self.data['model']['name']!r} "
+                            f"(fingerprint {self.fingerprint}), but the model given"
+                            f"{' (' + name + ')' if name else ''} has fingerprint {fingerprint}; "
+                            "make a new plan for it with autopar.plan(...)")
+
+    # -- presentation ---------------------------------------------------------
+    def summary(self) -> str:
+        """A readable table of the plan (rich, rendered to text)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        d = self.data
+        pred = d["predicted"]
+        t = Table(title=f"autopar plan: {d['model']['name']}", show_header=False, title_justify="left")
+        t.add_column("key", style="bold")
+        t.add_column("value")
+        mem = pred.get("memory", {})
+        rows = [
+            ("model", f"{d['model']['name']}  ({d['model']['num_params'] / 1e9:.3g} B params, "
+                      f"fingerprint {d['model']['fingerprint']})"),
+            ("cluster", f"{d['cluster']['name']}  x {d['devices']} devices"),
+            ("mesh", " x ".join(f"{a}={s}" for a, s in zip(d["mesh"]["axes"], d["mesh"]["shape"]))),
+            ("strategy", self.strategy),
+            ("global batch", f"{d['global_batch']}  ({d['precision']} precision, {d['optimizer']})"),
+            ("step time", f"{pred['step_time_s']:.4g} s  (compute {pred.get('compute_time_s', 0):.4g} s, "
+                          f"tp comm {pred.get('tp_comm_time_s', 0):.4g} s, dp comm {pred.get('dp_comm_time_s', 0):.4g} s)"),
+            ("throughput", f"{pred['tflops_per_device']:.4g} TFLOP/s per device"),
+            ("peak memory", f"{pred['peak_memory_bytes'] / 2**30:.4g} GiB of "
+                            f"{pred.get('device_memory_bytes', 0) / 2**30:.4g} GiB "
+                            f"({'fits' if pred['fits'] else 'DOES NOT FIT'})"),
+        ]
+        if mem:
+            rows.append(("memory", ", ".join(f"{k} {v / 2**30:.3g} GiB" for k, v in mem.items())))
+        sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
+        rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors"))
+        s = d["search"]
+        if s.get("candidates"):
+            took = f", {self.planning_time_s:.3g} s" if self.planning_time_s is not None else ""
+            rows.append(("search", f"{s['mode']}: {s['candidates']} candidates evaluated, "
+                                   f"{s.get('feasible', 0)} fit{took}"))
+        else:
+            rows.append(("search", s["mode"]))
+        for k, v in rows:
+            t.add_row(k, v)
+        console = Console(width=110, record=True, file=open(os.devnull, "w"))
+        console.print(t)
+        return console.export_text()
+
+    def __repr__(self) -> str:
+        return f"Plan({self.data['model']['name']!r}, {self.strategy}, step {self.predicted['step_time_s']:.4g} s)"
