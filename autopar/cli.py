@@ -1,0 +1,418 @@
+"""The ``autopar`` command: plan, evaluate, show, trace, zoo, presets.
+
+Every command that reports something takes ``--json`` and then writes only
+JSON to stdout (progress bars and spinners go to stderr), so scripts can pipe
+it. Tables, progress and errors are drawn with ``rich``. Every error autopar
+raises on purpose (:class:`autopar.AutoparError`, a bad cluster) is printed as
+one red paragraph without a traceback, and the command exits with code 2,
+the same code as a usage error.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import cost_models
+from cost_models.memory import OPTIMIZERS
+
+from . import __version__
+from .errors import AutoparError
+
+app = typer.Typer(
+    name="autopar",
+    help="Automatic parallelization planner for PyTorch: trace a model, predict strategies, "
+         "search for the best one and write it as a plan.json.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# stdout for results, stderr for progress and errors (so --json output stays clean)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+EXIT_ERROR = 2
+MODEL_HELP = ("Model string: a zoo family 'gpt:layers=2,hidden=64,...' (see `autopar zoo`) "
+              "or a factory 'path/to/file.py:make' returning (model, example_inputs[, loss_fn, target]).")
+
+# -------------------------------------------------------------------------------- options
+ClusterOpt = typer.Option(..., "--cluster", "-c", help="Cluster preset (see `autopar presets`) or a cluster JSON file.")
+DevicesOpt = typer.Option(..., "--devices", "-n", min=1, help="Number of devices (world size).")
+BatchOpt = typer.Option(..., "--global-batch", "-b", min=1, help="Samples per optimizer step, over all devices.")
+OptimizerOpt = typer.Option("adamw", "--optimizer", help=f"Optimizer whose state is counted: {', '.join(OPTIMIZERS)}.")
+PrecisionOpt = typer.Option(None, "--precision", help="fp32 or mixed (default: the cluster's).")
+JsonOpt = typer.Option(False, "--json", help="Print JSON to stdout instead of tables.")
+
+
+# -------------------------------------------------------------------------------- helpers
+def _fail(message: str) -> None:
+    """Print one red error paragraph to stderr and exit with code 2."""
+    err.print(f"[bold red]error:[/] [red]{escape(message)}[/]")
+    raise typer.Exit(EXIT_ERROR)
+
+
+@contextmanager
+def _errors(hint: Callable[[Exception], str] | None = None) -> Iterator[None]:
+    """Turn autopar's own errors into a clean message and exit code 2.
+
+    Anything else (a bug, an exception inside a user's model factory) keeps
+    its traceback: hiding it would hide where to look."""
+    try:
+        yield
+    except (AutoparError, cost_models.ClusterError) as e:
+        msg = str(e)
+        extra = hint(e) if hint is not None else ""
+        _fail(msg + (f"; {extra}" if extra else ""))
+
+
+def _check_options(optimizer: str, precision: str | None) -> None:
+    if optimizer not in OPTIMIZERS:
+        _fail(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if precision is not None and precision not in ("fp32", "mixed"):
+        _fail(f"precision {precision!r} is invalid; valid: fp32, mixed")
+
+
+def _load_graph(model: str, quiet: bool = False) -> Any:
+    """Trace a model string with a spinner on stderr.
+
+    Zoo models are built with an example batch of 2 (as :func:`autopar.plan`
+    does), so the batch dimension can be told apart from the others."""
+    from .api import as_graph
+    with _errors():
+        if quiet or not err.is_terminal:
+            return as_graph(model)
+        with err.status(f"tracing [bold]{escape(model)}[/]"):
+            return as_graph(model)
+
+
+def _tp_hint(graph: Any, devices: int) -> Callable[[Exception], str]:
+    """For a strategy error: the tensor-parallel sizes this model allows on
+    ``devices`` (the strategy parser alone does not know the model)."""
+    def hint(e: Exception) -> str:
+        from .cost import tp_valid_sizes
+        from .errors import StrategyError
+        if not isinstance(e, StrategyError) or "valid sizes" in str(e):
+            return ""
+        sizes = [t for t in tp_valid_sizes(graph) if devices % t == 0]
+        return f"valid sizes of tp for this model on {devices} devices: {', '.join(map(str, sizes))}"
+    return hint
+
+
+def _echo_json(obj: Any) -> None:
+    # plain write: rich would wrap long lines and add colour codes
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.4g} GiB"
+
+
+def _seconds(s: float) -> str:
+    if s == 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if s < 1:
+        return f"{s * 1e3:.4g} ms"
+    return f"{s:.4g} s"
+
+
+def _count(n: float) -> str:
+    for unit, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.4g} {unit}"
+    return f"{n:.4g}"
+
+
+def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", title_style="bold")
+    t.add_column("key", style="bold cyan", no_wrap=True)
+    t.add_column("value")
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+# -------------------------------------------------------------------------------- app
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"autopar {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                                  help="Print the version and exit.")) -> None:
+    """Automatic parallelization planner for PyTorch."""
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    cluster: str = ClusterOpt,
+    devices: int = DevicesOpt,
+    global_batch: int = BatchOpt,
+    strategy: str = typer.Option("auto", "--strategy", "-s",
+                                 help="'auto' (search) or a manual strategy, e.g. 'dp=2,tp=4,microbatches=2'."),
+    optimizer: str = OptimizerOpt,
+    precision: Optional[str] = PrecisionOpt,
+    executable_only: bool = typer.Option(False, "--executable-only",
+                                         help="Search only what autopar.parallelize can run today "
+                                              "(no recompute, no ZeRO)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the plan JSON to this file."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Search for the best strategy (or take a manual one) and print the plan."""
+    from .api import plan as make_plan
+    _check_options(optimizer, precision)
+    graph = _load_graph(model, quiet=as_json)
+    with _errors(_tp_hint(graph, devices)):
+        if strategy == "auto":
+            progress = Progress(TextColumn("searching dp x tp x microbatches x recompute x zero"), BarColumn(),
+                                MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True,
+                                disable=not err.is_terminal)
+            with progress:
+                task = progress.add_task("search", total=None)
+
+                def tick(done: int, total: int) -> None:
+                    progress.update(task, completed=done, total=total)
+
+                p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
+                              strategy="auto", optimizer=optimizer, precision=precision,
+                              executable_only=executable_only, progress=tick)
+        else:
+            p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
+                          strategy=strategy, optimizer=optimizer, precision=precision)
+    if out_path is not None:
+        try:
+            p.save(out_path)
+        except OSError as e:
+            _fail(f"cannot write the plan to {str(out_path)!r}: {e.strerror or e}")
+    if as_json:
+        sys.stdout.write(p.to_json())
+        return
+    typer.echo(p.summary().rstrip("\n"))
+    if out_path is not None:
+        out.print(f"plan written to [bold]{escape(str(out_path))}[/]  (inspect it with `autopar show "
+                  f"{escape(str(out_path))}`)")
+
+
+@app.command()
+def evaluate(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    cluster: str = ClusterOpt,
+    devices: int = DevicesOpt,
+    strategy: str = typer.Option(..., "--strategy", "-s", help="Manual strategy, e.g. 'dp=2,tp=4'."),
+    global_batch: int = BatchOpt,
+    optimizer: str = OptimizerOpt,
+    precision: Optional[str] = PrecisionOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Predict step time and memory of one manual strategy."""
+    from .api import evaluate as estimate
+    _check_options(optimizer, precision)
+    if strategy == "auto":
+        _fail("evaluate takes a manual strategy such as 'dp=2,tp=2'; use `autopar plan` to search")
+    graph = _load_graph(model, quiet=as_json)
+    with _errors(_tp_hint(graph, devices)):
+        est = estimate(graph, cluster=cluster, devices=devices, strategy=strategy, global_batch=global_batch,
+                       optimizer=optimizer, precision=precision)
+    if as_json:
+        _echo_json(est.to_dict())
+        return
+    fits = "[green]fits[/]" if est.fits else "[bold red]DOES NOT FIT[/]"
+    rows = [
+        ("model", escape(graph.name)),
+        ("strategy", est.strategy),
+        ("devices", f"{est.devices}  (global batch {est.global_batch}, {est.precision}, {est.optimizer})"),
+        ("step time", f"[bold]{_seconds(est.step_time_s)}[/]"),
+        ("  compute", _seconds(est.compute_time_s)),
+        ("  tp comm", _seconds(est.tp_comm_time_s)),
+        ("  dp comm", _seconds(est.dp_comm_time_s)),
+        ("  optimizer", _seconds(est.optimizer_time_s)),
+        ("throughput", f"{est.tflops_per_device:.4g} TFLOP/s per device"),
+        ("peak memory", f"[bold]{_gib(est.peak_memory_bytes)}[/] of {_gib(est.device_memory_bytes)}  ({fits})"),
+    ]
+    rows += [(f"  {k}", _gib(v)) for k, v in est.memory.items()]
+    out.print(_kv_table("autopar estimate", rows))
+
+
+def _param_pattern(name: str) -> str:
+    """``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+@app.command()
+def show(
+    path: Path = typer.Argument(..., help="A plan JSON file written by `autopar plan --out`."),
+    limit: int = typer.Option(20, "--limit", min=0, help="Parameter patterns to list (0: all)."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Print a saved plan: summary, parameter placements, op strategies."""
+    from .plan import Plan
+    with _errors():
+        p = Plan.load(path)
+    if as_json:
+        sys.stdout.write(p.to_json())
+        return
+    typer.echo(p.summary().rstrip("\n"))
+    axes = p.data["mesh"]["axes"]
+    params: dict[str, list[str]] = p.data["params"]
+
+    # placement pairs: how many parameter tensors sit where
+    by_pair = Counter(tuple(v) for v in params.values())
+    t = Table(title="parameter placements", title_justify="left", title_style="bold")
+    for a in axes:
+        t.add_column(a)
+    t.add_column("tensors", justify="right")
+    t.add_column("e.g.")
+    for pair, n in sorted(by_pair.items(), key=lambda kv: (-kv[1], kv[0])):
+        example = next(k for k, v in params.items() if tuple(v) == pair)
+        t.add_row(*pair, str(n), escape(example))
+    out.print(t)
+
+    # per parameter, repeated layers collapsed (blocks.0, blocks.1 ... -> blocks.*)
+    patterns: dict[str, dict[tuple, int]] = {}
+    for name, pl in params.items():
+        patterns.setdefault(_param_pattern(name), Counter())[tuple(pl)] += 1
+    t = Table(title="placement per parameter (repeated layers collapsed)", title_justify="left",
+              title_style="bold")
+    t.add_column("parameter")
+    for a in axes:
+        t.add_column(a)
+    t.add_column("tensors", justify="right")
+    rows = [(pat, pair, n) for pat, pairs in patterns.items() for pair, n in pairs.items()]
+    shown = rows if limit == 0 else rows[:limit]
+    for pat, pair, n in shown:
+        t.add_row(escape(pat), *(("[yellow]" + x + "[/]") if x != "R" else x for x in pair), str(n))
+    out.print(t)
+    if len(shown) < len(rows):
+        out.print(f"[dim]... and {len(rows) - len(shown)} more (--limit 0 shows all)[/]")
+
+    # op strategies on each axis
+    ops = p.data["ops"]
+    if ops:
+        t = Table(title="op strategies", title_justify="left", title_style="bold")
+        t.add_column("axis")
+        t.add_column("strategy")
+        t.add_column("ops", justify="right")
+        for i, a in enumerate(axes):
+            c = Counter(e["strategy"][i] for e in ops.values() if i < len(e["strategy"]))
+            for name, n in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])):
+                t.add_row(a, name, str(n))
+        kernels = Counter(e["kernel"] for e in ops.values() if "kernel" in e)
+        for k, n in sorted(kernels.items()):
+            t.add_row("kernel", k, str(n))
+        out.print(t)
+
+
+@app.command()
+def trace(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Trace a model and summarise its graph: nodes, parameters, FLOPs, repeated layers, op kinds."""
+    graph = _load_graph(model, quiet=as_json)
+    s = graph.summary()
+    s["frontend"] = graph.frontend
+    if as_json:
+        _echo_json(s)
+        return
+    out.print(_kv_table("autopar trace", [
+        ("model", escape(s["name"])),
+        ("frontend", s["frontend"]),
+        ("nodes", str(s["nodes"])),
+        ("parameters", f"{_count(s['params'])}  ({s['params']:,})"),
+        ("forward FLOPs", f"{_count(s['forward_flops'])}  (example batch {s['batch_size']})"),
+        ("fingerprint", s["fingerprint"]),
+    ]))
+    if s["groups"]:
+        t = Table(title="repeated layers", title_justify="left", title_style="bold")
+        t.add_column("group")
+        t.add_column("instances", justify="right")
+        t.add_column("nodes each", justify="right")
+        for g in s["groups"]:
+            t.add_row(escape(g["name"]), str(g["instances"]), str(g["nodes_per_instance"]))
+        out.print(t)
+    t = Table(title="op kinds", title_justify="left", title_style="bold")
+    t.add_column("kind")
+    t.add_column("nodes", justify="right")
+    for k, n in sorted(s["kinds"].items(), key=lambda kv: (-kv[1], kv[0])):
+        t.add_row(k, str(n))
+    out.print(t)
+
+
+@app.command()
+def zoo(as_json: bool = JsonOpt) -> None:
+    """List the built-in model families and their keys with defaults."""
+    from . import zoo as zoo_
+    fams = zoo_.families()
+    if as_json:
+        _echo_json(fams)
+        return
+    t = Table(title="model families  (use as FAMILY:key=value,...)", title_justify="left", title_style="bold")
+    t.add_column("family", style="bold cyan")
+    t.add_column("keys (defaults)")
+    for name, keys in fams.items():
+        t.add_row(name, ", ".join(f"{k}={'4*hidden' if (name == 'gpt' and k == 'ffn' and v is None) else v}"
+                                  for k, v in keys.items()))
+    out.print(t)
+    out.print("example: [bold]gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128[/]  "
+              "or a factory: [bold]path/to/file.py:make[/]")
+
+
+@app.command()
+def presets(as_json: bool = JsonOpt) -> None:
+    """List the cluster presets: device, memory, devices per node, links."""
+    rows = []
+    with _errors():
+        for name in cost_models.list_presets():
+            c = cost_models.load_cluster(name)
+            rows.append({
+                "name": name,
+                "device": c.device.name,
+                "memory_bytes": c.device.memory_bytes,
+                "peak_tflops": c.device.peak_flops.get(c.compute_dtype, 0.0) / 1e12,
+                "compute_dtype": c.compute_dtype,
+                "devices_per_node": c.devices_per_node,
+                "max_nodes": c.max_nodes,
+                "intra_node_gb_s": c.intra_node.bandwidth / 1e9,
+                "inter_node_gb_s": c.inter_node.bandwidth / 1e9,
+                "default_precision": c.default_precision,
+                "description": c.description,
+            })
+    if as_json:
+        _echo_json(rows)
+        return
+    t = Table(title="cluster presets  (--cluster NAME, or a path to a cluster JSON file)", title_justify="left",
+              title_style="bold")
+    for col, just in (("preset", "left"), ("device", "left"), ("memory", "right"), ("peak", "right"),
+                      ("devices/node", "right"), ("max nodes", "right"), ("intra / inter node", "right"),
+                      ("precision", "left")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        t.add_row(f"[bold cyan]{r['name']}[/]", r["device"], _gib(r["memory_bytes"]),
+                  f"{r['peak_tflops']:.4g} TFLOP/s {r['compute_dtype']}", str(r["devices_per_node"]),
+                  "any" if r["max_nodes"] is None else str(r["max_nodes"]),
+                  f"{r['intra_node_gb_s']:.3g} / {r['inter_node_gb_s']:.3g} GB/s", r["default_precision"])
+    out.print(t)
+
+
+def main() -> None:
+    """Console-script entry point (``autopar``; ``python -m autopar``)."""
+    app(prog_name="autopar")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""``autopar.parallelize``: plan (or take a plan), compile this rank's program, train.
+
+Every rank runs the same script (under ``torchrun``, or in any process group
+the user created). The returned :class:`ParallelModule` holds this rank's
+shards as its parameters and runs a whole training step with
+:meth:`ParallelModule.train_step`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import api
+from ..errors import AutoparError, PlanError, StrategyError, UnsupportedError
+from ..plan import Plan
+from ..search.propagate import scaled_shapes
+from ..search.space import ParallelConfig
+from ..strategies import is_shard, shard_dim
+from ..trace import trace, with_loss
+from . import collectives as C
+from .dist import Mesh, init_process_group, local_device
+
+
+def default_cluster() -> str:
+    """The preset matching the machine this runs on (``cpu`` without CUDA)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        if "h100" in name or "h200" in name:
+            return "dgx-h100"
+        if "a100" in name:
+            return "dgx-a100-80g"
+        return "dgx-a100-80g"
+    return "cpu"
+
+
+def _as_tuple(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    return tuple(x)
+
+
+def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, example_target: Any = None,
+                optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
+                full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
+                seed_broadcast: bool = True) -> "ParallelModule":
+    """Parallelize ``model`` over the current process group and return a
+    :class:`ParallelModule`.
+
+    * ``example_inputs``: one batch of inputs as every rank would pass it to
+      ``train_step`` (the global batch when ``full_batch=True``, this rank's
+      data-parallel shard when ``False``). ``example_target`` defaults to a
+      zero tensor shaped like the first input, enough for tracing most losses.
+    * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
+    * ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default SGD lr 0.01).
+    * ``strategy``: ``"auto"`` (search the strategies this release can run),
+      a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
+    * ``cluster``: preset name or cluster file for the predictions (default:
+      the machine this runs on).
+
+    The process group is created from the torchrun environment when none
+    exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
+    that do not fit this world or model, :class:`UnsupportedError` for valid
+    strategies this release cannot run yet (pp > 1, recompute, ZeRO).
+    """
+    rank, world = init_process_group(backend)
+    inputs = _as_tuple(example_inputs)
+    if example_target is None:
+        # integer inputs: a language model, targets shaped like the tokens;
+        # float inputs: a classifier, one class id per sample
+        first = inputs[0]
+        shape = first.shape if not first.is_floating_point() else first.shape[:1]
+        example_target = torch.zeros(shape, dtype=torch.long)
+    cluster = cluster or default_cluster()
+    plan_obj: Plan | None = None
+    if isinstance(strategy, (str, os.PathLike)) and str(strategy).endswith(".json") or \
+            isinstance(strategy, Path):
+        plan_obj = Plan.load(strategy)
+    elif isinstance(strategy, Plan):
+        plan_obj = strategy
+    # Trace model + loss. With full_batch=False, the inputs are this rank's
+    # shard: the global batch is that times dp, known once dp is.
+    graph = trace(model, inputs, loss_fn=loss_fn, target=example_target)
+    batch = graph.batch_size
+    if plan_obj is not None:
+        plan_obj.check_model(graph.fingerprint, type(model).__name__)
+        cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
+                                ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")})
+        if cfg.devices != world:
+            raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}), "
+                            f"but this job has {world} processes")
+        gbatch = plan_obj.data["global_batch"]
+    else:
+        gbatch = global_batch or batch
+        if strategy == "auto":
+            if not full_batch and global_batch is None:
+                raise StrategyError("strategy='auto' with full_batch=False needs global_batch=")
+            plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch,
+                                executable_only=True)
+        else:
+            plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch
+                                if full_batch else batch * _dp_of(str(strategy), world),
+                                strategy=str(strategy))
+        cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
+                                ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")})
+        gbatch = plan_obj.data["global_batch"]
+    if not cfg.executable:
+        raise UnsupportedError(f"strategy {cfg.to_string()} is valid and its cost can be evaluated, but this "
+                               "release cannot execute pp > 1, recompute or ZeRO yet; use recompute=none,zero=0")
+    return ParallelModule(model, graph, plan_obj, cfg, loss_fn=loss_fn, optimizer=optimizer,
+                          full_batch=full_batch, global_batch=gbatch, rank=rank, world=world,
+                          seed_broadcast=seed_broadcast)
+
+
+def _dp_of(strategy: str, world: int) -> int:
+    from ..search.space import parse_strategy
+    return parse_strategy(strategy, world).dp
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of a parallelized model.
+
+    ``parameters()`` are this rank's shards (plain tensors); ``plan`` is the
+    Plan with its predictions; ``train_step(inputs, target)`` runs forward,
+    backward and the optimizer step and returns the global mean loss (the same
+    float on every rank); ``full_state_dict()`` gathers unsharded weights.
+    """
+
+    def __init__(self, model: nn.Module, graph, plan: Plan, cfg: ParallelConfig, *, loss_fn: Callable,
+                 optimizer: Callable | None, full_batch: bool, global_batch: int, rank: int, world: int,
+                 seed_broadcast: bool) -> None:
+        super().__init__()
+        self.plan = plan
+        self.config = cfg
+        self.full_batch = full_batch
+        self.global_batch = global_batch
+        self.rank, self.world = rank, world
+        self.mesh = Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
+        self.dp_group, self.tp_group = self.mesh.group(0), self.mesh.group(1)
+        self.dp_rank, self.tp_rank = self.mesh.coord(0), self.mesh.coord(1)
+        self.device = local_device()
+        self._prefix = graph.loss_prefix
+        self.step_times: list[float] = []
+        micro_global = global_batch // cfg.microbatches
+        if seed_broadcast and world > 1:
+            # every rank must start from the same weights (as DDP does)
+            C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
+        if cfg.tp == 1 and graph.frontend != "fx":
+            self.program = with_loss(model, loss_fn, len(graph.inputs) - 1).to(self.device)
+            self.param_placement = {n: "R" for n, _ in self.program.named_parameters()}
+            self.comms = 0
+        else:
+            from ..compile.rewrite import compile_local
+            tp_sh = api.sharding_from_plan(graph, plan)
+            if tp_sh is None:  # the plan was made with another loss: derive the same strategy here
+                ev = api._evaluator(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
+                                    plan.data["precision"])
+                tp_sh, _ = ev.sharding(cfg, global_batch)
+            shapes = scaled_shapes(graph, micro_global, cfg.dp)
+            full = {}
+            gm = graph.gm
+            for n in gm.graph.nodes:
+                if n.op == "get_attr":
+                    obj = gm
+                    for part in n.target.split("."):
+                        obj = getattr(obj, part)
+                    full[n.target] = obj
+            prog = compile_local(graph, tp_sh, shapes, tp_rank=self.tp_rank, tp_group=self.tp_group, params=full)
+            self.program = prog.module.to(self.device)
+            self.param_placement = prog.param_placement
+            self.comms = prog.comms
+        params = [p for p in self.program.parameters() if p.requires_grad]
+        self.optimizer = optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.01)
+        self.grad_sync = C.GradSync(params, self.dp_group) if cfg.dp > 1 else None
+
+    # -- training -------------------------------------------------------------
+    def _local_batch(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.full_batch or self.config.dp == 1:
+            return t
+        if t.shape[0] % self.config.dp:
+            raise StrategyError(f"batch of {t.shape[0]} is not divisible by dp={self.config.dp}")
+        return t.chunk(self.config.dp, dim=0)[self.dp_rank]
+
+    def forward(self, *inputs_and_target: torch.Tensor) -> torch.Tensor:
+        """The local loss of one (local) microbatch."""
+        return self.program(*inputs_and_target)
+
+    def train_step(self, inputs: Any, target: torch.Tensor) -> float:
+        """Forward, backward and optimizer step on this rank; returns the
+        global mean loss as a Python float, equal on every rank."""
+        t0 = time.perf_counter()
+        inputs = tuple(self._local_batch(x).to(self.device) for x in _as_tuple(inputs))
+        target = self._local_batch(target).to(self.device)
+        m = self.config.microbatches
+        expected = self.global_batch // self.config.dp
+        if inputs[0].shape[0] != expected:
+            raise StrategyError(f"this plan runs a global batch of {self.global_batch} "
+                                f"({expected} per data-parallel rank); got {inputs[0].shape[0]} per rank")
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
+            loss = self.program(*xs, tg)
+            (loss / m).backward()
+            total += loss.detach() / m
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
+        self.optimizer.step()
+        if self.config.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.config.dp
+        self.step_times.append(time.perf_counter() - t0)
+        return float(total)
+
+    # -- inspection -----------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights, keyed like the original model's ``state_dict()``
+        (collective: every rank of the tensor-parallel group must call it)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in list(self.program.named_parameters()) + list(self.program.named_buffers()):
+            p = self.param_placement.get(name, "R")
+            full = t.detach()
+            if is_shard(p) and self.config.tp > 1:
+                full = C.all_gather(full, shard_dim(p), self.tp_group)
+            key = name[len(self._prefix):] if self._prefix and name.startswith(self._prefix) else name
+            out[key] = full.cpu()
+        return out
+
+    def describe(self) -> str:
+        """Where each parameter lives on this rank."""
+        lines = [f"rank {self.rank}: dp {self.dp_rank}/{self.config.dp}, tp {self.tp_rank}/{self.config.tp}, "
+                 f"{self.comms} collectives in the program"]
+        for name, t in self.program.named_parameters():
+            lines.append(f"  {name}: {tuple(t.shape)} {self.param_placement.get(name, 'R')}")
+        return "\n".join(lines)
