@@ -173,7 +173,9 @@ class Graph:
             pre = self.loss_prefix
             params = sorted((p.name[len(pre):] if pre and p.name.startswith(pre) else p.name,
                              list(p.shape), p.dtype, p.is_buffer) for p in self.params.values())
-            ops = [(n.kind, n.target, len(n.inputs)) for n in self.nodes
+            # a parameter node's target is its name: drop the loss wrapper's prefix there too
+            ops = [(n.kind, n.target[len(pre):] if pre and n.param is not None and n.target.startswith(pre)
+                    else n.target, len(n.inputs)) for n in self.nodes
                    if n.op not in ("placeholder", "output") and self.in_model(n)]
             ins = []
             for name in (self.inputs[:-1] if pre else self.inputs):

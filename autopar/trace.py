@@ -45,7 +45,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "layernorm": ("layer_norm", "native_layer_norm"),
     "rmsnorm": ("rms_norm",),
     "softmax": ("softmax", "log_softmax", "_softmax", "_log_softmax"),
-    "cross_entropy": ("cross_entropy",),
+    "cross_entropy": ("cross_entropy", "cross_entropy_loss"),
     "conv": ("conv1d", "conv2d", "conv3d", "convolution"),
     "batchnorm": ("batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
                   "native_batch_norm"),
@@ -185,12 +185,18 @@ class _Tracer(fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.path_stack: list[str] = []
+        self.failed_in: str | None = None   # innermost module an exception came from
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
         self.path_stack.append(f"{path or '<root>'} ({type(m).__name__})")
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            # the stack unwinds before trace() sees the error: remember where it began
+            if self.failed_in is None:
+                self.failed_in = self.path_stack[-1]
+            raise
         finally:
             self.path_stack.pop()
 
@@ -279,7 +285,7 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     try:
         graph = tracer.trace(root)
     except Exception as e:  # noqa: BLE001 - any tracing failure is reported with its module
-        where = tracer.path_stack[-1] if tracer.path_stack else f"<root> ({type(root).__name__})"
+        where = tracer.failed_in or f"<root> ({type(root).__name__})"
         raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
     gm = fx.GraphModule(tracer.root, graph, class_name=type(root).__name__)
     _functionalize_modules(gm)
@@ -560,6 +566,12 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             a["dim"] = int(_arg(n, 1, "dim", -1)) % max(nd, 1)
         elif k in ("split", "cat"):
             a["dim"] = int(_arg(n, 2 if k == "split" else 1, "dim", 0))
+        elif k == "cross_entropy" and t == "cross_entropy_loss":
+            # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
+            a["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported")
+            a["ignore_index"] = _arg(n, 4, "ignore_index", -100)
+            if _arg(n, 5, "label_smoothing", 0.0) or _arg(n, 2, "weight") is not None:
+                a["reduction"] = "unsupported"
         elif k == "cross_entropy":
             a["reduction"] = n.kwargs.get("reduction", "mean")
             a["ignore_index"] = n.kwargs.get("ignore_index", -100)
@@ -608,8 +620,9 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
 
 def _index_map(n: fx.Node, t: str, nd: int, nout: int) -> dict[int, int] | None:
     """Input dim -> output dim for getitem / narrow / select (dims kept by the index)."""
-    if t == "narrow":
-        return {i: i for i in range(nd)}
+    if t == "narrow":  # its start/length are global: the narrowed dim cannot be sharded
+        d = int(_arg(n, 1, "dim", 0)) % nd
+        return {i: i for i in range(nd) if i != d}
     if t == "select":
         d = int(_arg(n, 1, "dim", 0)) % nd
         return {i: (i if i < d else i - 1) for i in range(nd) if i != d}
@@ -671,7 +684,10 @@ def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
     k = nd.kind
     flops = 0.0
     if k == "linear":
-        w = par[0] if par else (ins[1].out if len(ins) > 1 else None)
+        if nd.target == "addmm":  # addmm(bias, mat1, mat2[K, N]): K is mat2's dim 0, not the bias's
+            w = ins[-1].out if ins else None
+        else:
+            w = par[0] if par else (ins[1].out if len(ins) > 1 else None)
         kdim = w.shape[-1] if (w is not None and nd.target == "linear") else (w.shape[0] if w else 1)
         flops = 2.0 * out_numel * kdim
     elif k == "matmul":

@@ -146,6 +146,7 @@ class ParallelModule(nn.Module):
         self.dp_rank, self.tp_rank = self.mesh.coord(0), self.mesh.coord(1)
         self.device = local_device()
         self._prefix = graph.loss_prefix
+        self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
         self.step_times: list[float] = []
         micro_global = global_batch // cfg.microbatches
         if seed_broadcast and world > 1:
@@ -228,7 +229,8 @@ class ParallelModule(nn.Module):
             if is_shard(p) and self.config.tp > 1:
                 full = C.all_gather(full, shard_dim(p), self.tp_group)
             key = name[len(self._prefix):] if self._prefix and name.startswith(self._prefix) else name
-            out[key] = full.cpu()
+            if key in self._state_keys:
+                out[key] = full.cpu()
         return out
 
     def describe(self) -> str:
