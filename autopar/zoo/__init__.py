@@ -57,7 +57,7 @@ class ZooModel:
 
 def lm_loss(logits, target):
     """Return the mean next-token cross-entropy of ``logits[B, T, V]`` vs ``target[B, T]``."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 def classification_loss(logits, target):
