@@ -106,7 +106,8 @@ def _tp_hint(graph: Any, devices: int) -> Callable[[Exception], str]:
     def hint(e: Exception) -> str:
         from .cost import tp_valid_sizes
         from .errors import StrategyError
-        if not isinstance(e, StrategyError) or "valid sizes" in str(e):
+        # only for the degree-vs-world errors of the parser, which cannot know the model
+        if not isinstance(e, StrategyError) or "valid sizes" in str(e) or "devices" not in str(e):
             return ""
         sizes = [t for t in tp_valid_sizes(graph) if devices % t == 0]
         return f"valid sizes of tp for this model on {devices} devices: {', '.join(map(str, sizes))}"

@@ -1,0 +1,131 @@
+"""The `autopar` command: every subcommand on a tiny zoo model, errors exit 2."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import autopar
+from autopar.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
+WHERE = ["--cluster", "cpu", "--devices", "4", "--global-batch", "8"]
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def ok(*args):
+    res = run(*args)
+    assert res.exit_code == 0, f"exit {res.exit_code}\nstdout: {res.stdout}\nstderr: {res.stderr}\n{res.exception!r}"
+    return res
+
+
+def fails(*args):
+    res = run(*args)
+    assert res.exit_code == 2, f"exit {res.exit_code}\nstdout: {res.stdout}\nstderr: {res.stderr}"
+    assert "Traceback" not in res.output
+    return " ".join(res.stderr.split())   # rich wraps long lines
+
+
+@pytest.fixture(scope="module")
+def saved_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    res = ok("plan", TINY, *WHERE, "--strategy", "dp=2,tp=2", "--out", path)
+    assert "dp=2,tp=2" in res.stdout and "plan written" in res.stdout
+    return path
+
+
+def test_plan_json_is_only_json_and_uses_all_devices():
+    res = ok("plan", TINY, *WHERE, "--json")
+    d = json.loads(res.stdout)       # nothing but the plan on stdout
+    p = d["parallel"]
+    assert p["dp"] * p["tp"] * p["pp"] == 4
+    assert d["devices"] == 4 and d["search"]["mode"] == "grid"
+
+
+def test_plan_executable_only_excludes_zero_and_recompute():
+    d = json.loads(ok("plan", TINY, *WHERE, "--executable-only", "--json").stdout)
+    assert d["parallel"]["zero"] == 0 and d["parallel"]["recompute"] == "none"
+
+
+def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):
+    plan = autopar.Plan.load(saved_plan)
+    assert plan.parallel["dp"] == 2 and plan.parallel["tp"] == 2
+    res = ok("show", saved_plan)
+    assert "dp=2,tp=2" in res.stdout
+    assert "parameter placements" in res.stdout and "S(" in res.stdout   # tp shards some weights
+    assert "op strategies" in res.stdout
+    assert json.loads(ok("show", saved_plan, "--json").stdout) == plan.to_dict()
+
+
+def test_show_missing_file_exits_2(tmp_path):
+    assert "does not exist" in fails("show", tmp_path / "nope.json")
+
+
+def test_evaluate_json_and_table():
+    d = json.loads(ok("evaluate", TINY, *WHERE, "--strategy", "dp=2,tp=2", "--json").stdout)
+    assert d["step_time_s"] > 0 and d["fits"] and d["parallel"]["tp"] == 2
+    res = ok("evaluate", TINY, *WHERE, "--strategy", "dp=4")
+    assert "step time" in res.stdout and "peak memory" in res.stdout
+
+
+@pytest.mark.parametrize("devices", ["4", "6"])
+def test_bad_tp_size_names_valid_sizes(devices):
+    args = ["--cluster", "cpu", "--devices", devices, "--global-batch", "12"]
+    msg = fails("evaluate", TINY, *args, "--strategy", "tp=3")
+    assert "error" in msg and "valid sizes" in msg and "1, 2" in msg
+    assert "valid sizes" in fails("plan", TINY, *args, "--strategy", "tp=3")
+
+
+def test_unknown_zoo_key_lists_valid_keys():
+    msg = fails("trace", "gpt:layerz=2")
+    assert "layerz" in msg and "hidden" in msg and "layers" in msg
+    assert "layers" in fails("plan", "gpt:layerz=2", *WHERE)
+
+
+def test_other_bad_inputs_exit_2():
+    assert "valid presets" in fails("evaluate", TINY, "--cluster", "nope", "--devices", "4",
+                                    "--global-batch", "8", "--strategy", "dp=4")
+    assert "adamw" in fails("evaluate", TINY, *WHERE, "--strategy", "dp=4", "--optimizer", "lion")
+    assert "plan" in fails("evaluate", TINY, *WHERE, "--strategy", "auto")
+    assert run("plan", TINY).exit_code == 2          # missing required options: click's usage error
+
+
+def test_trace_json_and_table():
+    d = json.loads(ok("trace", TINY, "--json").stdout)
+    assert d["params"] > 0 and d["nodes"] > 0 and d["forward_flops"] > 0
+    assert d["groups"][0]["instances"] == 2 and d["kinds"]["linear"] > 0 and d["frontend"] == "fx"
+    res = ok("trace", TINY)
+    assert "repeated layers" in res.stdout and "linear" in res.stdout
+
+
+def test_trace_user_factory():
+    d = json.loads(ok("trace", ROOT / "examples" / "custom_model.py:make", "--json").stdout)
+    assert d["groups"] and d["params"] > 0
+
+
+def test_zoo_and_presets():
+    fams = json.loads(ok("zoo", "--json").stdout)
+    assert {"gpt", "llama", "mlp", "cnn"} <= set(fams) and "hidden" in fams["gpt"]
+    assert "gpt" in ok("zoo").stdout
+    presets = json.loads(ok("presets", "--json").stdout)
+    assert {"cpu", "dgx-a100-80g"} <= {p["name"] for p in presets}
+    assert all(p["memory_bytes"] > 0 and p["devices_per_node"] > 0 for p in presets)
+    assert "dgx-a100-80g" in ok("presets").stdout
+
+
+def test_version():
+    assert autopar.__version__ in ok("--version").stdout
+
+
+def test_python_dash_m_autopar():
+    res = subprocess.run([sys.executable, "-m", "autopar", "--version"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == f"autopar {autopar.__version__}"
