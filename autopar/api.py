@@ -2,6 +2,7 @@
 each calls the stages below it."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -41,7 +42,9 @@ def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None
         return model
     if isinstance(model, str):
         from . import zoo
-        z = zoo.build(model, batch=batch or 2)
+        family = model.split(":", 1)[0].strip().lower()
+        # a zoo family is built at batch 2 so the batch dim can be told apart
+        z = zoo.build(model, batch=batch or 2) if family in zoo.families() else zoo.build(model)
         return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name)
     return trace(model, example_inputs, loss_fn=loss_fn, target=target)
 
@@ -55,21 +58,37 @@ def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
 
 
 def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, strategy: str,
-             global_batch: int, optimizer: str = "adamw", precision: str | None = None) -> Estimate:
+             global_batch: int, optimizer: str = "adamw", precision: str | None = None,
+             loss_fn: Callable | None = None, target: Any = None) -> Estimate:
     """Predict one manual strategy: step time (compute and communication
     parts), TFLOP/s per device, peak memory per device and whether it fits.
 
     ``model`` is an ``nn.Module`` (with ``example_inputs``), a zoo string or a
     traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
     milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
-    graph = as_graph(model, example_inputs)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     cfg = _config(strategy, devices)
     ev = _evaluator(graph, cluster, optimizer, precision)
-    return ev.evaluate(cfg, global_batch, devices)
+    with _cluster_errors():
+        return ev.evaluate(cfg, global_batch, devices)
+
+
+@contextlib.contextmanager
+def _cluster_errors():
+    """cost_models knows nothing of autopar: re-raise its errors as autopar's."""
+    try:
+        yield
+    except cost_models.ClusterError as e:
+        raise ClusterError(str(e)) from None
 
 
 def _evaluator(graph: Graph, cluster: Any, optimizer: str, precision: str | None) -> Evaluator:
     spec = load_cluster(cluster)
+    from cost_models.memory import model_state_bytes
+    try:
+        model_state_bytes(1, optimizer, "fp32")
+    except ValueError as e:
+        raise StrategyError(f"optimizer {optimizer!r}: {e}") from None
     key = (spec.name, hash(spec), optimizer, precision)
     cache = getattr(graph, "_evaluators", None)
     if cache is None:
@@ -91,16 +110,17 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     t0 = time.perf_counter()
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     ev = _evaluator(graph, cluster, optimizer, precision)
-    ev.cluster.check_devices(devices)
-    if strategy == "auto":
-        res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress)
-        est, cfg = res.best, res.best_config
-        # the search time is not part of the JSON: the same inputs must give the same bytes
-        search = {"mode": "grid", "candidates": res.candidates, "feasible": res.feasible}
-    else:
-        cfg = _config(strategy, devices)
-        est = ev.evaluate(cfg, global_batch, devices)
-        search = {"mode": "manual"}
+    with _cluster_errors():
+        ev.cluster.check_devices(devices)
+        if strategy == "auto":
+            res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress)
+            est, cfg = res.best, res.best_config
+            # the search time is not part of the JSON: the same inputs must give the same bytes
+            search = {"mode": "grid", "candidates": res.candidates, "feasible": res.feasible}
+        else:
+            cfg = _config(strategy, devices)
+            est = ev.evaluate(cfg, global_batch, devices)
+            search = {"mode": "manual"}
     sh, _ = ev.sharding(cfg, global_batch)
     p = build_plan(graph, ev, cfg, est, sh, global_batch, devices, search)
     p.planning_time_s = time.perf_counter() - t0

@@ -68,7 +68,8 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "in": {"type": "array", "items": {"type": "array", "items": _PLACEMENT}},
                     "strategy": {"type": "array", "items": {"type": "string"}},
                     "kernel": {"type": "string"},
-                    "scale": {"type": "number"},
+                    "scale": {"type": "array", "items": {"type": "number"}},
+                    "split": {"type": "array", "items": {"type": "boolean"}},
                 },
             },
         },
@@ -79,6 +80,13 @@ PLAN_SCHEMA: dict[str, Any] = {
         "search": {"type": "object", "required": ["mode"]},
     },
 }
+
+
+def _count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g} {unit}"
+    return str(int(n))
 
 
 def _round(x: Any) -> Any:
@@ -183,7 +191,7 @@ class Plan:
         t.add_column("value")
         mem = pred.get("memory", {})
         rows = [
-            ("model", f"{d['model']['name']}  ({d['model']['num_params'] / 1e9:.3g} B params, "
+            ("model", f"{d['model']['name']}  ({_count(d['model']['num_params'])} params, "
                       f"fingerprint {d['model']['fingerprint']})"),
             ("cluster", f"{d['cluster']['name']}  x {d['devices']} devices"),
             ("mesh", " x ".join(f"{a}={s}" for a, s in zip(d["mesh"]["axes"], d["mesh"]["shape"]))),
@@ -197,7 +205,9 @@ class Plan:
                             f"({'fits' if pred['fits'] else 'DOES NOT FIT'})"),
         ]
         if mem:
-            rows.append(("memory", ", ".join(f"{k} {v / 2**30:.3g} GiB" for k, v in mem.items())))
+            order = ["weights", "gradients", "optimizer", "activations", "transient"]
+            keys = [k for k in order if k in mem] + sorted(k for k in mem if k not in order)
+            rows.append(("memory", ", ".join(f"{k} {mem[k] / 2**30:.3g} GiB" for k in keys)))
         sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
         rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors"))
         s = d["search"]
@@ -209,9 +219,10 @@ class Plan:
             rows.append(("search", s["mode"]))
         for k, v in rows:
             t.add_row(k, v)
-        console = Console(width=110, record=True, file=open(os.devnull, "w"))
-        console.print(t)
-        return console.export_text()
+        with open(os.devnull, "w") as sink:
+            console = Console(width=100, record=True, file=sink)
+            console.print(t)
+            return console.export_text()
 
     def __repr__(self) -> str:
         return f"Plan({self.data['model']['name']!r}, {self.strategy}, step {self.predicted['step_time_s']:.4g} s)"

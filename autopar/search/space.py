@@ -107,7 +107,8 @@ def parse_strategy(text: str, devices: int | None = None) -> ParallelConfig:
         dp = _int("dp", vals["dp"])
     elif devices is not None:
         if devices % (tp * pp):
-            raise StrategyError(f"tp={tp} x pp={pp} does not divide {devices} devices")
+            raise StrategyError(f"tp={tp} x pp={pp} does not divide {devices} devices; "
+                                f"tp x pp must be one of {', '.join(map(str, divisors(devices)))}")
         dp = devices // (tp * pp)
     else:
         dp = 1
