@@ -93,8 +93,10 @@ def tp_valid_sizes(graph: Graph, limit: int | None = None) -> list[int]:
         for h in heads:
             g = math.gcd(g, h)
     else:
-        final = graph[graph.output].out.shape[-1] if graph.output and graph[graph.output].out and \
-            graph[graph.output].out.shape else None
+        last = graph[graph.output] if graph.output else None
+        if last is not None and last.kind == "cross_entropy" and last.inputs:
+            last = graph[last.inputs[0]]   # a traced loss: the model's output is its logits
+        final = last.out.shape[-1] if last is not None and last.out is not None and last.out.shape else None
         widths = [graph[nd.inputs[1]].out.shape[0] for nd in graph.nodes
                   if nd.kind in ("linear", "conv") and len(nd.inputs) > 1 and graph[nd.inputs[1]].kind == "param"]
         widths = [w for w in widths if w != final] or widths

@@ -120,6 +120,7 @@ class Graph:
     frontend: str                      # "fx" or "export"
     gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule (not serialised)
     loss_prefix: str = ""              # "model." when the loss was traced with the model
+    aliases: dict[str, str] = field(default_factory=dict)  # tied parameter name -> the name it is read by
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

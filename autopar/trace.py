@@ -289,10 +289,48 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
         raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
     gm = fx.GraphModule(tracer.root, graph, class_name=type(root).__name__)
     _functionalize_modules(gm)
+    aliases = _merge_tied(gm)
     _propagate_shapes(gm, args)
     g = _build_graph(gm, name, "fx", args)
     g.loss_prefix = prefix
+    g.aliases = aliases
     return g
+
+
+def _tied_names(m: nn.Module) -> dict[str, str]:
+    """``{alias: first name}`` for every parameter or buffer reachable under two names."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in list(m.named_parameters(remove_duplicate=False)) + \
+            list(m.named_buffers(remove_duplicate=False)):
+        canon = first.setdefault(id(t), name)
+        if canon != name:
+            aliases[name] = canon
+    return aliases
+
+
+def _merge_tied(gm: fx.GraphModule) -> dict[str, str]:
+    """Make every read of a tied tensor (GPT-2's ``lm_head.weight`` *is*
+    ``transformer.wte.weight``) one ``get_attr`` of its first name, so the
+    graph has one parameter, one placement and one gradient for it. Returns
+    ``{alias: canonical name}``."""
+    aliases = _tied_names(gm)
+    if not aliases:
+        return aliases
+    seen: dict[str, fx.Node] = {}
+    for n in list(gm.graph.nodes):
+        if n.op != "get_attr" or not isinstance(n.target, str):
+            continue
+        canon = aliases.get(n.target, n.target)
+        if canon in seen:
+            n.replace_all_uses_with(seen[canon])
+            gm.graph.erase_node(n)
+        else:
+            n.target = canon
+            seen[canon] = n
+    gm.graph.lint()
+    gm.recompile()
+    return aliases
 
 
 def _is_meta_model(m: nn.Module) -> bool:
@@ -394,6 +432,8 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
         ep = torch.export.export(root, args, strict=False)
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "Cache" in msg:
+            msg += " (a Hugging Face model returns its KV cache: build it with config.use_cache=False)"
         raise TraceError(f"torch.export cannot trace {type(root).__name__}: {type(e).__name__}: {msg}") from None
     gm = ep.graph_module
     sig = ep.graph_signature
@@ -408,8 +448,22 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
         elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) or v is None for v in val):
             n.meta["tensor_meta"] = tuple(_FakeMeta(tuple(v.shape), v.dtype) if v is not None else None
                                           for v in val)
+    aliases = _tied_names(root)
+    seen: dict[str, fx.Node] = {}
+    for n in list(gm.graph.nodes):      # one placeholder per tied tensor (export lifts one per name)
+        pname = n.meta.get("autopar_param") if n.op == "placeholder" else None
+        if pname is None:
+            continue
+        canon = aliases.get(pname, pname)
+        if canon in seen:
+            n.replace_all_uses_with(seen[canon])
+            gm.graph.erase_node(n)      # this graph is only read for its structure, never run
+        else:
+            n.meta["autopar_param"] = canon
+            seen[canon] = n
     graph = _build_graph(gm, name, "export", args, module_root=root, exported=ep)
     graph.loss_prefix = "model." if isinstance(root, _WithLoss) else ""
+    graph.aliases = aliases
     return graph
 
 

@@ -108,7 +108,9 @@ def test_dp_tp_numerics_match_single_process(spec):
     assert "cannot execute" in res[0]["zero"]
 
 
-def test_mlp_and_cnn_tensor_parallel_numerics():
-    runs = [(MLP, "dp=2,tp=2", "sgd"), (MLP, "tp=4", "adamw"), (CNN, "tp=4", "sgd")]
+def test_mlp_cnn_and_tied_gpt_tensor_parallel_numerics():
+    # GPT with lm_head.weight tied to the embedding: one shard, one gradient from both uses
+    runs = [(MLP, "dp=2,tp=2", "sgd"), (MLP, "tp=4", "adamw"), (CNN, "tp=4", "sgd"),
+            (GPT + ",tie=1", "tp=4", "adamw"), (GPT + ",tie=1", "dp=2,tp=2", "sgd")]
     res = run_distributed(_worker, 4, runs, timeout=400)
     _check(runs, res)

@@ -146,6 +146,9 @@ class ParallelModule(nn.Module):
         self.dp_rank, self.tp_rank = self.mesh.coord(0), self.mesh.coord(1)
         self.device = local_device()
         self._prefix = graph.loss_prefix
+        self._tied: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
+        for alias, canon in graph.aliases.items():
+            self._tied.setdefault(canon, []).append(alias)
         self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
         self.step_times: list[float] = []
         micro_global = global_batch // cfg.microbatches
@@ -223,14 +226,20 @@ class ParallelModule(nn.Module):
         """Unsharded weights, keyed like the original model's ``state_dict()``
         (collective: every rank of the tensor-parallel group must call it)."""
         out: dict[str, torch.Tensor] = {}
+        pre = self._prefix
+
+        def strip(name: str) -> str:
+            return name[len(pre):] if pre and name.startswith(pre) else name
+
         for name, t in list(self.program.named_parameters()) + list(self.program.named_buffers()):
             p = self.param_placement.get(name, "R")
             full = t.detach()
             if is_shard(p) and self.config.tp > 1:
                 full = C.all_gather(full, shard_dim(p), self.tp_group)
-            key = name[len(self._prefix):] if self._prefix and name.startswith(self._prefix) else name
-            if key in self._state_keys:
-                out[key] = full.cpu()
+            for full_name in [name] + self._tied.get(name, []):
+                key = strip(full_name)
+                if key in self._state_keys:
+                    out[key] = full.cpu()
         return out
 
     def describe(self) -> str:

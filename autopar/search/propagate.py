@@ -179,7 +179,10 @@ def track_batch(graph: Graph) -> AxisSharding:
             if have is None:         # unplaced parameter: replicated is what data parallel wants
                 c += 0.0 if want == R else 0.5
             elif have != want:
-                c += 1.0 if not (have == R and is_shard(want)) else 0.01
+                # slicing a replicated value is free of communication, but it must cost more
+                # than the split bonus below: else a value with no batch dim (a positional
+                # embedding of arange(T)) gets its dim 0 taken for the batch
+                c += 1.0 if not (have == R and is_shard(want)) else 0.2
         c += 0.0 if st.split else 0.1          # prefer dividing the work
         c += 0.001 if st.out == P else 0.0
         c += 0.001 if st.out == R else 0.0

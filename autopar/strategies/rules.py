@@ -66,6 +66,11 @@ def _linear(ctx: Ctx) -> list[Strategy]:
     """F.linear(x, W[out, in]) (bias is a separate add after tracing)."""
     x, w = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
     out = _replicated(ctx)
+    if ctx.node.target == "addmm" and len(ctx.ins) == 3:
+        # addmm(bias, mat1[N, K], mat2[K, N']) from torch.export: the rows of mat1 are tokens
+        if ctx.div(ctx.ins[1], 0):
+            out.append(Strategy("batch0", (R, S(0), R), S(0), True))
+        return out
     if x is None or w is None or ctx.node.target != "linear":
         return out
     last = len(x) - 1

@@ -1,0 +1,238 @@
+"""The cost model (autopar.cost.Evaluator) and the placements a manual / auto plan records."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import autopar
+from autopar.api import as_graph
+from autopar.cost import Evaluator
+from autopar.search.space import parse_strategy
+
+GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
+LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
+MLP = "mlp:layers=3,inp=32,hidden=64,classes=10"
+CNN = "cnn:layers=3,channels=8,image=16"
+GPT3 = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+CLUSTERS = ["cpu", "dgx-a100-80g"]
+
+_graphs: dict[str, autopar.Graph] = {}
+
+
+def graph(spec: str) -> autopar.Graph:
+    if spec not in _graphs:
+        _graphs[spec] = as_graph(spec)
+    return _graphs[spec]
+
+
+def est(spec: str, cluster: str, strategy: str, devices: int = 4, global_batch: int = 8, **kw):
+    ev = Evaluator(graph(spec), cluster, **kw)
+    return ev.evaluate(parse_strategy(strategy, devices), global_batch, devices)
+
+
+# ------------------------------------------------------------------ the estimate itself
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("spec,strategy", [(GPT, "dp=2,tp=2"), (GPT, "dp=4"), (LLAMA, "dp=2,tp=2"),
+                                           (MLP, "dp=2,tp=2"), (CNN, "dp=2,tp=2,microbatches=2")])
+def test_fields_positive_and_parts_add_up(spec, strategy, cluster):
+    e = est(spec, cluster, strategy)
+    for name in ("step_time_s", "compute_time_s", "comm_time_s", "dp_comm_time_s", "optimizer_time_s",
+                 "tflops_per_device", "peak_memory_bytes", "device_memory_bytes"):
+        v = getattr(e, name)
+        assert math.isfinite(v) and v > 0, (name, v)
+    assert math.isfinite(e.tp_comm_time_s) and e.tp_comm_time_s >= 0
+    for k, v in e.memory.items():
+        assert math.isfinite(v) and v > 0, (k, v)
+    assert e.fits
+    assert e.step_time_s == pytest.approx(e.compute_time_s + e.comm_time_s + e.optimizer_time_s, rel=1e-9)
+    assert e.comm_time_s == pytest.approx(e.tp_comm_time_s + e.dp_comm_time_s, rel=1e-9)
+    assert e.peak_memory_bytes == pytest.approx(sum(e.memory.values()), rel=1e-9)
+    assert e.devices == 4 and e.global_batch == 8
+    assert e.precision == ("fp32" if cluster == "cpu" else "mixed")
+    assert e.strategy == parse_strategy(strategy, 4).to_string()
+    d = e.to_dict()
+    assert d["parallel"]["dp"] == parse_strategy(strategy, 4).dp
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("spec", [GPT, LLAMA, MLP])
+def test_more_tp_fewer_weight_bytes(spec, cluster):
+    w = [est(spec, cluster, s).memory["weights"] for s in ("dp=4", "dp=2,tp=2", "tp=4")]
+    assert w[0] > w[1] > w[2]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("spec", [GPT, CNN])
+def test_zero_stages_reduce_memory(spec, cluster):
+    es = [est(spec, cluster, f"dp=4,zero={z}") for z in range(4)]
+    peaks = [e.peak_memory_bytes for e in es]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]
+    assert es[1].memory["optimizer"] < es[0].memory["optimizer"]          # stage 1: optimizer state
+    assert es[2].memory["gradients"] < es[1].memory["gradients"]          # stage 2: + gradients
+    assert es[3].memory["weights"] < es[2].memory["weights"]              # stage 3: + weights
+    assert es[3].dp_comm_time_s > es[0].dp_comm_time_s                    # weight all-gathers
+
+
+def test_zero_without_dp_changes_nothing():
+    a, b = est(GPT, "cpu", "tp=4"), est(GPT, "cpu", "tp=4,zero=3")
+    assert a.peak_memory_bytes == b.peak_memory_bytes
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("spec", [GPT, LLAMA])
+def test_recompute_lowers_activations(spec, cluster):
+    none, sel, full = (est(spec, cluster, f"dp=4,recompute={r}") for r in ("none", "selective", "full"))
+    assert full.memory["activations"] < none.memory["activations"]
+    assert sel.memory["activations"] < none.memory["activations"]
+    assert full.compute_time_s > sel.compute_time_s > none.compute_time_s   # recomputation costs time
+
+
+def test_microbatches_lower_activations():
+    one, four = (est(GPT, "cpu", f"dp=2,microbatches={m}", devices=2) for m in (1, 4))
+    assert four.memory["activations"] < one.memory["activations"]
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA, MLP])
+def test_mixed_precision_halves_activations(spec):
+    fp32 = est(spec, "dgx-a100-80g", "dp=2,tp=2", precision="fp32")
+    mixed = est(spec, "dgx-a100-80g", "dp=2,tp=2", precision="mixed")
+    assert mixed.memory["activations"] == pytest.approx(fp32.memory["activations"] / 2)
+    assert mixed.memory["transient"] == pytest.approx(fp32.memory["transient"] / 2)
+
+
+def test_bad_precision():
+    with pytest.raises(autopar.StrategyError, match="precision 'fp8' is invalid"):
+        Evaluator(graph(GPT), "cpu", precision="fp8")
+
+
+@pytest.mark.parametrize("spec", [GPT, MLP])
+def test_tp_comm_only_with_tp(spec):
+    tp = est(spec, "cpu", "tp=2", devices=2, global_batch=2)
+    dp = est(spec, "cpu", "dp=2", devices=2, global_batch=2)
+    assert tp.tp_comm_time_s > 0
+    assert dp.tp_comm_time_s == 0
+    assert dp.dp_comm_time_s > 0
+    assert tp.dp_comm_time_s == 0
+
+
+def test_single_device_no_comm():
+    e = est(GPT, "cpu", "dp=1", devices=1, global_batch=2)
+    assert e.comm_time_s == 0
+    assert e.step_time_s == pytest.approx(e.compute_time_s + e.optimizer_time_s)
+
+
+def test_step_time_grows_with_batch():
+    small, big = est(GPT, "dgx-a100-80g", "dp=4", global_batch=8), est(GPT, "dgx-a100-80g", "dp=4",
+                                                                          global_batch=64)
+    assert big.compute_time_s > small.compute_time_s
+    assert big.memory["activations"] > small.memory["activations"]
+    assert big.memory["weights"] == small.memory["weights"]
+
+
+def test_gpt3_does_not_fit_on_few_cpus():
+    e = autopar.evaluate(graph(GPT3), cluster="dgx-a100-80g", devices=8, strategy="dp=8", global_batch=8)
+    assert not e.fits
+    assert e.peak_memory_bytes > e.device_memory_bytes
+
+
+def test_gpt3_auto_plan_on_1024_a100():
+    p = autopar.plan(graph(GPT3), cluster="dgx-a100-80g", devices=1024, global_batch=1536)
+    assert p.predicted["fits"]
+    assert p.parallel["tp"] >= 2
+    assert p.parallel["dp"] * p.parallel["tp"] == 1024
+    assert 1536 % (p.parallel["dp"] * p.parallel["microbatches"]) == 0
+    assert p.predicted["peak_memory_bytes"] <= p.predicted["device_memory_bytes"]
+    assert p.data["search"]["mode"] == "grid" and p.data["search"]["feasible"] >= 1
+    assert p.data["model"]["num_params"] == pytest.approx(175e9, rel=0.01)
+
+
+# ------------------------------------------------------------------ the batch dimension
+def test_batch_dims_skip_positional_embedding():
+    """wpe(arange(T)) has no batch dim: its (T, C) output must not scale with the batch."""
+    from autopar.search.propagate import batch_dims, scaled_shapes
+    g = graph(GPT)
+    pos = [n for n in g.nodes if n.kind == "embedding" and n.out.shape == (16, 64)]
+    assert len(pos) == 1
+    assert batch_dims(g)[pos[0].name] is None
+    assert scaled_shapes(g, 8)[pos[0].name] == (16, 64)
+    tok = [n for n in g.nodes if n.kind == "embedding" and n.out.shape == (2, 16, 64)]
+    assert batch_dims(g)[tok[0].name] == 0
+    assert scaled_shapes(g, 8, divide=2)[tok[0].name] == (4, 16, 64)
+    # every linear of the model works on the batch
+    for n in g.nodes:
+        if n.kind in ("linear", "sdpa", "layernorm"):
+            assert batch_dims(g)[n.name] == 0, n.name
+
+
+def test_export_graph_tracks_batch_through_addmm():
+    """HF GPT-2 traces through torch.export: its Conv1D layers are addmm on
+    (B*T, C) rows, which must carry the batch, so compute grows with it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from autopar.search.propagate import batch_dims
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                  use_cache=False)
+    with torch.device("meta"):
+        m = transformers.GPT2LMHeadModel(cfg)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(ids).logits
+
+    g = autopar.trace(Logits(m), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert g.frontend == "export"
+    bd = batch_dims(g)
+    mm = [n for n in g.nodes if n.kind in ("linear", "sdpa")]
+    assert len(mm) == 2 * 5 + 1
+    assert all(bd[n.name] == 0 for n in mm)
+    small = autopar.evaluate(g, cluster="dgx-a100-80g", devices=1, strategy="dp=1", global_batch=2)
+    big = autopar.evaluate(g, cluster="dgx-a100-80g", devices=1, strategy="dp=1", global_batch=64)
+    def model_flops(e):
+        return e.tflops_per_device * 1e12 * e.step_time_s * e.devices
+
+    assert big.compute_time_s > small.compute_time_s
+    assert model_flops(big) / model_flops(small) == pytest.approx(32, rel=0.05)
+    assert big.memory["activations"] > 16 * small.memory["activations"]
+
+
+# ------------------------------------------------------------------ placements in a plan
+def _tp(p, name):
+    return p.data["params"][name][1]
+
+
+def test_gpt_tp2_megatron_placements():
+    p = autopar.plan(graph(GPT), cluster="cpu", devices=2, global_batch=2, strategy="tp=2")
+    assert p.parallel["tp"] == 2 and p.data["mesh"] == {"shape": [1, 2], "axes": ["dp", "tp"]}
+    for layer in (0, 1):
+        pre = f"model.blocks.{layer}."
+        for lin in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            assert _tp(p, pre + lin + ".weight") == "S(0)", lin        # column parallel
+        for lin in ("attn.o", "mlp.proj"):
+            assert _tp(p, pre + lin + ".weight") == "S(1)", lin        # row parallel
+        assert _tp(p, pre + "ln_1.weight") == "R"
+    assert _tp(p, "model.lm_head.weight") != "R"
+    # data parallel axis of size 1: every parameter replicated there
+    assert all(v[0] == "R" for v in p.data["params"].values())
+
+
+def test_gpt_dp_axis_replicates_params():
+    p = autopar.plan(graph(GPT), cluster="cpu", devices=4, global_batch=4, strategy="dp=2,tp=2")
+    assert all(v[0] == "R" for v in p.data["params"].values())
+    assert _tp(p, "model.blocks.0.attn.q.weight") == "S(0)"
+
+
+def test_llama_gqa_tp2_shards_kv():
+    p = autopar.plan(graph(LLAMA), cluster="cpu", devices=2, global_batch=2, strategy="tp=2")
+    for layer in (0, 1):
+        pre = f"model.layers.{layer}."
+        for lin in ("attn.q", "attn.k", "attn.v", "mlp.w1", "mlp.w3"):
+            assert _tp(p, pre + lin + ".weight") == "S(0)", lin
+        for lin in ("attn.o", "mlp.w2"):
+            assert _tp(p, pre + lin + ".weight") == "S(1)", lin
+    assert _tp(p, "model.lm_head.weight") != "R"

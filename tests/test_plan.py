@@ -1,0 +1,183 @@
+"""The Plan record: JSON round trip, determinism, schema validation, model checks, summary."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import autopar
+from autopar import Plan, PlanError
+from autopar.api import as_graph, sharding_from_plan
+from autopar.plan import PLAN_VERSION
+
+GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
+LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return as_graph(GPT)
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(gpt_graph):
+    return autopar.plan(gpt_graph, cluster="cpu", devices=4, global_batch=8, strategy="dp=2,tp=2")
+
+
+# ------------------------------------------------------------------ serialisation
+def test_round_trip(gpt_plan, tmp_path):
+    path = gpt_plan.save(tmp_path / "plan.json")
+    assert path.read_text() == gpt_plan.to_json()
+    loaded = Plan.load(path)
+    assert loaded.to_json() == gpt_plan.to_json()
+    assert loaded == gpt_plan                       # data equal (the graph is not compared)
+    assert loaded.strategy == gpt_plan.strategy
+    assert loaded.mesh_shape == (2, 2)
+    assert loaded.fingerprint == gpt_plan.fingerprint
+    assert Plan.from_dict(json.loads(gpt_plan.to_json())).to_json() == gpt_plan.to_json()
+
+
+def test_json_is_sorted_and_has_no_timing(gpt_plan):
+    d = json.loads(gpt_plan.to_json())
+    assert list(d) == sorted(d)
+    assert d["plan_version"] == PLAN_VERSION
+    assert "planning_time_s" not in gpt_plan.to_json()
+    assert gpt_plan.planning_time_s is not None and gpt_plan.planning_time_s >= 0
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,tp=2", "auto"])
+def test_byte_identical_for_same_inputs(strategy):
+    a = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy=strategy)
+    b = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy=strategy)   # traced again
+    assert a.to_json() == b.to_json()
+
+
+def test_plan_of_module_equals_plan_of_zoo_string(gpt_plan):
+    from autopar import zoo
+    z = zoo.build(GPT, device="cpu", batch=2)
+    p = autopar.plan(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target,
+                     cluster="cpu", devices=4, global_batch=8, strategy="dp=2,tp=2")
+    assert p.fingerprint == gpt_plan.fingerprint
+    assert p.data["params"] == gpt_plan.data["params"]
+
+
+# ------------------------------------------------------------------ schema errors
+def _bad(plan: Plan, edit) -> PlanError:
+    d = copy.deepcopy(plan.to_dict())
+    edit(d)
+    with pytest.raises(PlanError) as ei:
+        Plan.from_dict(d)
+    return ei.value
+
+
+def test_missing_top_level_key(gpt_plan):
+    e = _bad(gpt_plan, lambda d: d.pop("ops"))
+    assert "'ops' is a required property" in str(e)
+
+
+def test_missing_nested_key(gpt_plan):
+    e = _bad(gpt_plan, lambda d: d["parallel"].pop("tp"))
+    assert "at 'parallel'" in str(e) and "'tp'" in str(e)
+
+
+def test_bad_placement_string(gpt_plan):
+    name = "model.blocks.0.attn.q.weight"
+    e = _bad(gpt_plan, lambda d: d["params"][name].__setitem__(1, "S(x)"))
+    msg = str(e)
+    assert f"params/{name}/1" in msg and "S(x)" in msg
+
+
+def test_bad_op_placement(gpt_plan):
+    op = next(iter(gpt_plan.data["ops"]))
+    e = _bad(gpt_plan, lambda d: d["ops"][op]["out"].__setitem__(0, "Shard(0)"))
+    assert f"ops/{op}/out/0" in str(e)
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None])
+def test_wrong_plan_version(gpt_plan, version):
+    e = _bad(gpt_plan, lambda d: d.__setitem__("plan_version", version))
+    assert f"plan_version {version!r} is not supported" in str(e)
+
+
+def test_unknown_key_and_bad_values(gpt_plan):
+    assert "'extra'" in str(_bad(gpt_plan, lambda d: d.__setitem__("extra", 1)))
+    assert "at 'parallel/zero'" in str(_bad(gpt_plan, lambda d: d["parallel"].__setitem__("zero", 5)))
+    assert "at 'devices'" in str(_bad(gpt_plan, lambda d: d.__setitem__("devices", 0)))
+
+
+def test_not_an_object():
+    with pytest.raises(PlanError, match="JSON object"):
+        Plan.from_dict([1, 2])
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(bad)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"plan_version": PLAN_VERSION}))
+    with pytest.raises(PlanError, match=r"wrong\.json.*is a required property"):
+        Plan.load(wrong)
+
+
+# ------------------------------------------------------------------ model checks and summary
+def test_check_model(gpt_plan, gpt_graph):
+    gpt_plan.check_model(gpt_graph.fingerprint)        # same model: fine
+    other = as_graph("gpt:layers=2,hidden=128,heads=4,seq=16,vocab=128")
+    with pytest.raises(PlanError) as ei:
+        gpt_plan.check_model(other.fingerprint, "BiggerGPT")
+    msg = str(ei.value)
+    assert gpt_plan.fingerprint in msg and other.fingerprint in msg
+    assert "BiggerGPT" in msg
+
+
+def test_summary(gpt_plan):
+    s = gpt_plan.summary()
+    assert gpt_plan.strategy in s
+    assert "fits" in s and "DOES NOT FIT" not in s
+    assert "dp=2 x tp=2" in s
+    assert gpt_plan.fingerprint in s
+    assert "cpu" in s
+    assert repr(gpt_plan).startswith("Plan(")
+
+
+def test_summary_auto_search():
+    p = autopar.plan(GPT, cluster="cpu", devices=2, global_batch=4)
+    s = p.summary()
+    assert "grid" in s and "candidates evaluated" in s
+    assert p.strategy in s
+
+
+# ------------------------------------------------------------------ sharding_from_plan
+@pytest.mark.parametrize("spec,strategy,devices", [(GPT, "dp=2,tp=2", 4), (GPT, "tp=4", 4),
+                                                   (LLAMA, "tp=2", 2)])
+def test_sharding_from_plan(spec, strategy, devices):
+    g = as_graph(spec)
+    p = autopar.plan(g, cluster="cpu", devices=devices, global_batch=8, strategy=strategy)
+    from autopar.api import _evaluator
+    ev = _evaluator(g, "cpu", "adamw", None)
+    cfg = autopar.parse_strategy(strategy, devices)
+    want, _ = ev.sharding(cfg, 8)
+    got = sharding_from_plan(g, p)
+    assert got is not None
+    assert got.n == cfg.tp
+    for nd in g.nodes:
+        if nd.kind in ("param", "buffer"):
+            assert got.out[nd.name] == want.out.get(nd.name, "R"), nd.name
+    for name, st in want.strategy.items():
+        mine = got.strategy[name]
+        assert (mine.name, mine.ins, mine.out, mine.split, mine.kernel) == \
+            (st.name, st.ins, st.out, st.split, st.kernel), name
+        assert got.out[name] == want.out[name]
+    # and through a JSON round trip
+    again = sharding_from_plan(g, Plan.from_dict(json.loads(p.to_json())))
+    assert again.out == got.out
+
+
+def test_sharding_from_plan_other_graph(gpt_plan):
+    g = as_graph("mlp:layers=2,inp=8,hidden=16,classes=4")
+    assert sharding_from_plan(g, gpt_plan) is None

@@ -1,0 +1,371 @@
+"""autopar.trace: shapes, FLOPs, parameters, repeated-layer groups, fingerprints, errors."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar import zoo
+from autopar.graph import Graph
+
+GPT = "gpt:layers=3,hidden=64,heads=4,seq=16,vocab=128,batch=2"
+LLAMA = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,seq=16,vocab=128,batch=2"
+MLP = "mlp:layers=3,inp=16,hidden=32,classes=10,batch=4"
+CNN = "cnn:layers=3,channels=8,image=16,in_channels=3,classes=10,batch=2"
+GPT3 = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+
+MATMUL_KINDS = ("linear", "matmul", "sdpa", "conv")
+
+
+def _trace(spec: str, device: str = "meta", **kw) -> Graph:
+    z = zoo.build(spec, device=device, **kw)
+    return autopar.trace(z.model, z.example_inputs)
+
+
+def _kinds(g: Graph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in g.nodes:
+        out[n.kind] = out.get(n.kind, 0) + 1
+    return out
+
+
+# ------------------------------------------------------------------ zoo families, CPU and meta
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("spec,expect_kinds", [
+    (GPT, {"linear", "sdpa", "layernorm", "embedding", "view", "transpose"}),
+    (LLAMA, {"linear", "sdpa", "rmsnorm", "embedding", "cat", "split", "expand"}),
+    (MLP, {"linear", "elementwise"}),
+    (CNN, {"conv", "batchnorm", "pool", "linear"}),
+], ids=["gpt", "llama", "mlp", "cnn"])
+def test_zoo_traces(spec, expect_kinds, device):
+    z = zoo.build(spec, device=device)
+    g = autopar.trace(z.model, z.example_inputs)
+    assert g.frontend == "fx"
+    assert expect_kinds <= set(_kinds(g)), _kinds(g)
+    # every op that produces a tensor has a shape; no op of an unknown family
+    for n in g.nodes:
+        if n.op in ("call_function", "call_method") and n.kind not in ("shape", "split"):
+            assert n.out is not None, f"{n.name} ({n.target}) has no output shape"
+            assert all(isinstance(s, int) and s >= 0 for s in n.out.shape)
+        assert n.kind != "other", f"{n.name} ({n.target}) has no op family"
+        assert n.kind != "module", f"{n.name}: leaf module was not functionalised"
+    # FLOPs for the compute-bound ops
+    mm = [n for n in g.nodes if n.kind in MATMUL_KINDS]
+    assert mm
+    for n in mm:
+        assert n.flops > 0, f"{n.name} ({n.kind}) has no FLOPs"
+    assert g.forward_flops > 0
+    # parameters listed with shapes, and they match the module's
+    expected = {k: tuple(v.shape) for k, v in z.model.named_parameters()}
+    got = {k: p.shape for k, p in g.params.items() if not p.is_buffer}
+    assert got == expected
+    assert g.num_params == zoo.n_params(z.model)
+    # the output is the logits
+    out = g[g.output].out
+    assert out is not None and out.shape[0] == z.example_inputs[0].shape[0]
+    assert g.batch_size == z.example_inputs[0].shape[0]
+
+
+def test_gpt_shapes_and_sdpa_flops():
+    g = _trace(GPT)
+    B, T, C, H, V = 2, 16, 64, 4, 128
+    assert g[g.output].out.shape == (B, T, V)
+    sdpa = [n for n in g.nodes if n.kind == "sdpa"]
+    assert len(sdpa) == 3
+    for n in sdpa:
+        assert n.out.shape == (B, H, T, C // H)
+        assert n.attrs["is_causal"] is True
+        # QK^T and PV: 2 * (2 * B*H*T*T*D), halved for causal attention
+        assert n.flops == pytest.approx(4 * B * H * T * T * (C // H) / 2)
+    # each q/k/v/o/fc/proj linear: 2 * tokens * in * out
+    for n in g.nodes:
+        if n.kind == "linear":
+            w = g[n.inputs[1]].out.shape
+            assert n.flops == 2 * B * T * w[0] * w[1]
+
+
+def test_llama_rmsnorm_rotary_gqa():
+    g = _trace(LLAMA)
+    kinds = _kinds(g)
+    assert kinds["rmsnorm"] == 2 * 3 + 1
+    assert kinds["sdpa"] == 3
+    # GQA: k and v project to kv_heads * head_dim = 2 * 16
+    k_w = g.params["layers.0.attn.k.weight"]
+    assert k_w.shape == (32, 64)
+    # rotary buffers are listed as (non-trainable) buffers
+    assert g.params["cos"].is_buffer and g.params["cos"].shape == (16, 16)
+    # repeat_interleave brings k/v up to all 4 heads before attention
+    for n in g.nodes:
+        if n.kind == "sdpa":
+            assert [g[i].out.shape for i in n.inputs[:3]] == [(2, 4, 16, 16)] * 3
+    # SwiGLU: silu(w1 x) * w3 x
+    assert any(n.target == "silu" for n in g.nodes)
+
+
+def test_mlp_linear_flops_exact():
+    B, inp, hid, cls, L = 4, 16, 32, 10, 3
+    g = _trace(MLP, device="cpu")
+    lin = [n for n in g.nodes if n.kind == "linear"]
+    assert len(lin) == L + 1
+    weights = inp * hid + (L - 1) * hid * hid + hid * cls
+    assert sum(n.flops for n in lin) == 2 * B * weights
+    # linear biases are separate adds (row-parallel layers reduce before the bias)
+    adds = [n for n in g.nodes if n.target == "add"]
+    assert len(adds) == L + 1
+
+
+def test_cnn_conv_flops_and_shapes():
+    g = _trace(CNN)
+    convs = [n for n in g.nodes if n.kind == "conv"]
+    assert [n.out.shape for n in convs] == [(2, 8, 16, 16), (2, 8, 8, 8), (2, 8, 4, 4)]
+    # 2 * out_numel * (c_in * 3 * 3)
+    assert [n.flops for n in convs] == [2 * 2 * 8 * 16 * 16 * 3 * 9, 2 * 2 * 8 * 8 * 8 * 8 * 9,
+                                        2 * 2 * 8 * 4 * 4 * 8 * 9]
+    bns = [n for n in g.nodes if n.kind == "batchnorm"]
+    assert len(bns) == 3
+    assert g.params["blocks.0.bn.running_mean"].is_buffer
+    pools = [n for n in g.nodes if n.kind == "pool"]
+    assert [n.out.shape for n in pools] == [(2, 8, 8, 8), (2, 8, 4, 4), (2, 8, 1, 1)]
+    assert g[g.output].out.shape == (2, 10)
+
+
+# ------------------------------------------------------------------ repeated layers
+@pytest.mark.parametrize("spec,name,instances", [
+    (GPT, "blocks.*", ["blocks.0", "blocks.1", "blocks.2"]),
+    (LLAMA, "layers.*", ["layers.0", "layers.1", "layers.2"]),
+    # the first block has another input width: only the last two are equal
+    (MLP, "blocks.*", ["blocks.1", "blocks.2"]),
+    (CNN, "blocks.*", ["blocks.1", "blocks.2"]),
+], ids=["gpt", "llama", "mlp", "cnn"])
+def test_groups(spec, name, instances):
+    g = _trace(spec)
+    assert len(g.groups) == 1
+    grp = g.groups[0]
+    assert grp.name == name
+    assert grp.instances == instances
+    assert grp.nodes_per_instance > 0 and grp.params_per_instance > 0
+    for inst in instances:
+        nodes = [n for n in g.nodes if n.group == inst]
+        assert len(nodes) == grp.nodes_per_instance
+        assert g.group_of(nodes[0]) is grp
+    # nodes of the same position have the same kind in every instance (and the
+    # same shape, but in the CNN, where pooling between blocks shrinks the image)
+    per = [[(n.kind, n.target if n.param is None else None, n.out if spec != CNN else None)
+            for n in g.nodes if n.group == inst] for inst in instances]
+    assert all(p == per[0] for p in per)
+
+
+def test_tied_weights_counted_once():
+    z = zoo.build("gpt:layers=1,hidden=32,heads=2,seq=8,vocab=64,tie=1")
+    g = autopar.trace(z.model, z.example_inputs)
+    assert g.num_params == zoo.n_params(z.model)
+    assert g.aliases == {"lm_head.weight": "wte.weight"}
+    reads = [n for n in g.nodes if n.param == "wte.weight"]
+    assert len(reads) == 1 and len(g.consumers(reads[0].name)) == 2   # embedding and lm_head
+    assert not any(n.param == "lm_head.weight" for n in g.nodes)
+
+
+def test_gpt_group_params_per_instance():
+    g = _trace(GPT)
+    C, F_ = 64, 256
+    per_block = 4 * (C * C + C) + (C * F_ + F_) + (F_ * C + C) + 2 * 2 * C
+    assert g.groups[0].params_per_instance == per_block
+
+
+# ------------------------------------------------------------------ fingerprint
+def test_fingerprint_stable_and_distinct():
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
+    base = _trace(spec, batch=1).fingerprint
+    assert _trace(spec, batch=3).fingerprint == base                     # batch size
+    assert _trace(spec, device="cpu", seed=0).fingerprint == base        # real weights
+    assert _trace(spec, device="cpu", seed=7).fingerprint == base        # other weight values
+    assert _trace("gpt:layers=2,hidden=128,heads=4,seq=16,vocab=128").fingerprint != base
+    assert _trace("gpt:layers=3,hidden=64,heads=4,seq=16,vocab=128").fingerprint != base
+    assert _trace("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=256").fingerprint != base
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA, MLP, CNN], ids=["gpt", "llama", "mlp", "cnn"])
+def test_fingerprint_same_with_loss(spec):
+    """A plan made without the loss must match the model traced with it
+    (parallelize traces model + loss and checks the plan's fingerprint)."""
+    z = zoo.build(spec)
+    plain = autopar.trace(z.model, z.example_inputs)
+    with_loss = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    assert with_loss.loss_prefix == "model."
+    assert with_loss.fingerprint == plain.fingerprint
+
+
+# ------------------------------------------------------------------ loss
+@pytest.mark.parametrize("spec", [GPT, MLP], ids=["gpt", "mlp"])
+def test_trace_with_loss(spec):
+    z = zoo.build(spec, device="cpu")
+    g = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    ce = [n for n in g.nodes if n.kind == "cross_entropy"]
+    assert len(ce) == 1
+    assert g.output == ce[0].name
+    assert ce[0].out.shape == ()
+    assert ce[0].attrs["reduction"] == "mean"
+    assert ce[0].flops > 0
+    assert not g.in_model(ce[0])
+    assert g.inputs[-1] == "target"
+    # parameters are those of the model, prefixed by the wrapper
+    assert all(k.startswith("model.") for k in g.params)
+
+
+def test_trace_loss_without_target_raises():
+    z = zoo.build(MLP)
+    with pytest.raises(autopar.TraceError, match="target"):
+        autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn)
+
+
+def test_trace_zoo_string_includes_loss():
+    g = autopar.trace("mlp:layers=2,inp=8,hidden=16,classes=4")
+    assert any(n.kind == "cross_entropy" for n in g.nodes)
+    assert g.name.startswith("mlp:")
+
+
+def test_trace_bad_arguments():
+    with pytest.raises(autopar.TraceError, match="nn.Module"):
+        autopar.trace(42, (torch.zeros(1),))
+    with pytest.raises(autopar.TraceError, match="example_inputs"):
+        autopar.trace(nn.Linear(2, 2))
+    with pytest.raises(autopar.TraceError, match="frontend"):
+        autopar.trace(nn.Linear(2, 2), (torch.zeros(1, 2),), frontend="jit")
+
+
+# ------------------------------------------------------------------ errors
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:            # data-dependent control flow
+            return self.lin(x)
+        return x
+
+
+class _GateItem(_Gate):
+    def forward(self, x):
+        v = x.sum().item()         # a Python number from data: export cannot guard on it either
+        if v > 0:
+            return self.lin(x)
+        return x
+
+
+class _Net(nn.Module):
+    def __init__(self, gate: nn.Module):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.gate = gate
+
+    def forward(self, x):
+        return self.gate(self.inp(x))
+
+
+@pytest.mark.parametrize("gate_cls", [_Gate, _GateItem])
+def test_data_dependent_control_flow_fx(gate_cls):
+    with pytest.raises(autopar.TraceError) as ei:
+        autopar.trace(_Net(gate_cls()), (torch.randn(2, 8),), frontend="fx")
+    msg = str(ei.value)
+    assert "gate" in msg and gate_cls.__name__ in msg          # the submodule path and class
+    assert "control flow" in msg                                # and the reason
+
+
+def test_data_dependent_control_flow_auto_both_fail(capfd):
+    with pytest.raises(autopar.TraceError) as ei:
+        autopar.trace(_Net(_GateItem()), (torch.randn(2, 8),))
+    msg = str(ei.value)
+    assert "module gate (_GateItem)" in msg
+    assert "control flow" in msg
+    assert "torch.export failed too" in msg
+    assert "data-dependent" in msg
+
+
+# ------------------------------------------------------------------ GPT-3 175B on meta
+def test_gpt3_175b_traces_on_meta():
+    g = autopar.trace(GPT3)
+    assert g.frontend == "fx"
+    assert len(g.groups) == 1
+    grp = g.groups[0]
+    assert len(grp.instances) == 96
+    assert grp.name.endswith("blocks.*")
+    assert g.num_params == pytest.approx(175e9, rel=0.01)
+    assert g[g.output].kind == "cross_entropy"
+
+
+# ------------------------------------------------------------------ Hugging Face GPT-2 (export)
+class _Logits(nn.Module):
+    """HF models return a ModelOutput: planning wants the logits tensor."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m(ids).logits
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                  use_cache=False)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_hf_gpt2_traces(hf_gpt2):
+    ids = torch.randint(0, 128, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = autopar.trace(hf_gpt2, (ids,))
+    # transformers 5.x does not trace with fx; the export fallback does
+    assert g.frontend in ("fx", "export")
+    assert [(grp.name, len(grp.instances)) for grp in g.groups] == [("transformer.h.*", 2)]
+    # lm_head.weight is tied to transformer.wte.weight: listed and counted once
+    names = dict(hf_gpt2.named_parameters())
+    assert {k: p.shape for k, p in g.params.items()} == {k: tuple(v.shape) for k, v in names.items()}
+    assert g.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    assert g.num_params == sum(p.numel() for p in hf_gpt2.parameters())
+    kinds = _kinds(g)
+    assert kinds["sdpa"] == 2 and kinds["layernorm"] == 5 and kinds["embedding"] == 2
+    # GPT-2's Conv1D is addmm(bias, x[N, K], W[K, M]): 2 * N * K * M
+    N = 2 * 16
+    for n in g.nodes:
+        if n.kind == "linear" and n.target == "addmm":
+            k_dim, m_dim = g[n.inputs[-1]].out.shape
+            assert n.out.shape == (N, m_dim)
+            assert n.flops == 2 * N * k_dim * m_dim
+    assert sum(n.flops for n in g.nodes if n.kind == "linear") == pytest.approx(
+        2 * N * (2 * (64 * 192 + 64 * 64 + 64 * 256 + 256 * 64) + 64 * 128))
+
+
+def test_hf_gpt2_export_with_loss(hf_gpt2):
+    ids = torch.randint(0, 128, (2, 16))
+    m = _Logits(hf_gpt2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = autopar.trace(m, (ids,))
+        g = autopar.trace(m, (ids,), loss_fn=zoo.lm_loss, target=ids)
+    assert [(grp.name, len(grp.instances)) for grp in g.groups] == [("model.m.transformer.h.*", 2)]
+    ce = [n for n in g.nodes if n.kind == "cross_entropy"]
+    assert len(ce) == 1 and g.output == ce[0].name
+    assert ce[0].attrs["reduction"] == "mean"
+    assert g.fingerprint == plain.fingerprint
+
+
+def test_hf_gpt2_meta(hf_gpt2):
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        m = transformers.GPT2LMHeadModel(hf_gpt2.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = autopar.trace(_Logits(m), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert len(g.groups) == 1 and len(g.groups[0].instances) == 2
+    assert g[g.output].out.shape == (2, 16, 128)
