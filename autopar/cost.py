@@ -32,7 +32,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 
 from .errors import StrategyError
 from .graph import Graph, Node
-from .search.propagate import AxisSharding, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
+from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
 from .strategies.placement import P, R
@@ -355,11 +355,3 @@ class _Sums:
         self.saved: dict[str, float] = {}
         self.transient = 0.0
 
-
-def _numel(shape) -> int:
-    if shape is None:
-        return 0
-    k = 1
-    for s in shape:
-        k *= s
-    return k
