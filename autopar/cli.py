@@ -1,4 +1,4 @@
-"""The ``autopar`` command: plan, evaluate, show, trace, zoo, presets.
+"""The ``autopar`` command: plan, evaluate, show, trace, zoo, presets, calibrate.
 
 Every command that reports something takes ``--json`` and then writes only
 JSON to stdout (progress bars and spinners go to stderr), so scripts can pipe
@@ -415,6 +415,88 @@ def presets(as_json: bool = JsonOpt) -> None:
     out.print(t)
     out.print("[dim]TFLOP/s: dense peak in the default precision; per node: devices per node; "
               "links: bandwidth per device inside / across nodes[/]")
+
+
+@app.command()
+def calibrate(
+    out_path: Path = typer.Option(..., "--out", "-o", help="Write the calibrated cluster JSON to this file."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer sizes and repetitions (about a minute on 2 cores)."),
+    procs: Optional[int] = typer.Option(None, "--procs", "-p", min=1,
+                                        help="Processes that run at once, one per device "
+                                             "(default: 4 on CPU, every GPU on CUDA)."),
+    base: Optional[str] = typer.Option(None, "--base",
+                                       help="Preset or cluster file whose unmeasured values are kept "
+                                            "(default: cpu; on CUDA dgx-h100, or dgx-a100-80g on an A100)."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Measure this machine (matmul, memory, collectives) and write a cluster file for --cluster."""
+    import time
+
+    from .calibrate import KINDS
+    from .calibrate import calibrate as run_calibration
+    t0 = time.perf_counter()
+    interactive = err.is_terminal
+    progress = Progress(TextColumn("[bold]calibrating[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=not interactive)
+    phase = [""]
+
+    def tick(done: int, total: int, what: str) -> None:
+        progress.update(task, completed=done, total=total, description=escape(what))
+        # without a terminal: one status line per phase (matmul, kernel, memory, each collective)
+        name = what.split()[0] if not what.startswith(("all_", "reduce_", "send_", "broadcast")) else \
+            " ".join(what.split()[:3])
+        if not interactive and name != phase[0]:
+            phase[0] = name
+            err.print(f"calibrating: {escape(what)}  ({done}/{total}, {time.perf_counter() - t0:.0f} s)")
+
+    with _errors(), progress:
+        task = progress.add_task("starting the processes", total=None)
+        if not interactive:
+            err.print(f"calibrating: starting {procs or 'the'} processes")
+        cluster = run_calibration(quick=quick, procs=procs, base=base, progress=tick)
+    try:
+        out_path.write_text(json.dumps(cluster, indent=2, sort_keys=True) + "\n")
+    except OSError as e:
+        _fail(f"cannot write the cluster to {str(out_path)!r}: {e.strerror or e}")
+    with _errors():
+        cost_models.load_cluster(out_path)     # what was written loads back
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        _echo_json(cluster)
+        return
+    dev = cluster["device"]
+    rows = [("cluster", f"{escape(cluster['name'])}  ({escape(cluster['device']['name'])})")]
+    rows += [(f"peak {dt}", f"{v / 1e9:.4g} GFLOP/s") for dt, v in dev["peak_flops"].items()]
+    rows += [
+        ("matmul efficiency", f"{dev['matmul_efficiency']:.3f}"),
+        ("kernel overhead", _seconds(dev["kernel_overhead_s"])),
+        ("memory bandwidth", f"{dev['memory_bandwidth'] / 1e9:.4g} GB/s"),
+        ("memory efficiency", f"{dev['memory_efficiency']:.3f}"),
+        ("intra-node link", f"{_seconds(cluster['intra_node']['latency'])} latency, "
+                            f"{cluster['intra_node']['bandwidth'] / 1e9:.4g} GB/s"),
+        ("time", f"{elapsed:.0f} s"),
+    ]
+    out.print(_kv_table("autopar calibrate (per process, all running at once)", rows))
+    fits = cluster.get("collectives", {}).get("intra_node", {})
+    if fits:
+        sizes = sorted({int(g) for per in fits.values() for g in per})
+        t = Table(title="collectives: alpha, 1/beta  (time = alpha + beta * nbytes)",
+                  title_justify="left", title_style="bold")
+        t.add_column("collective")
+        for g in sizes:
+            t.add_column(f"group {g}", justify="right")
+        for kind in sorted(fits, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+            cells = []
+            for g in sizes:
+                f = fits[kind].get(str(g))
+                cells.append("" if f is None else f"{_seconds(f['alpha'])}, "
+                             + (f"{1 / f['beta'] / 1e9:.3g} GB/s" if f["beta"] else "∞ GB/s"))
+            t.add_row(kind, *cells)
+        out.print(t)
+    else:
+        out.print("[dim]no collectives measured (one process); the base's link values are kept[/]")
+    out.print(f"cluster written to [bold]{escape(str(out_path))}[/]  (use it with `--cluster "
+              f"{escape(str(out_path))}`)")
 
 
 def main() -> None:
