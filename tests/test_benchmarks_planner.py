@@ -1,0 +1,54 @@
+"""Smoke tests of benchmarks/planner_scaling.py and benchmarks/plan_quality.py on
+a tiny GPT and the ``cpu`` preset: structure only, no timings, nothing saved."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import plan_quality, planner_scaling
+from benchmarks.planner_scaling import ModelSpec
+
+TINY = {"tiny": ModelSpec("tiny", layers=2, hidden=64, heads=4, batch=8)}
+CASES = [("tiny", "cpu", 4)]
+
+
+@pytest.fixture(autouse=True)
+def _small_seq(monkeypatch):
+    # the benchmark's models use seq=2048 and vocab=51200; shrink them for a test
+    monkeypatch.setattr(ModelSpec, "spec", property(
+        lambda m: f"gpt:layers={m.layers},hidden={m.hidden},heads={m.heads},seq=16,vocab=128"))
+
+
+def test_planner_scaling_structure(tmp_path):
+    png = tmp_path / "scaling.png"
+    r = planner_scaling.run(CASES, models=TINY, plot_path=png, log=lambda s: None)
+    assert png.exists() and png.stat().st_size > 0 and r["plot"]
+    rows = r["table"]["rows"]
+    assert len(rows) == 1 and len(rows[0]) == len(r["table"]["columns"])
+    rec = r["records"][0]
+    assert rec["layers"] == 2 and rec["nodes"] > 0 and rec["devices"] == 4 and rec["global_batch"] == 8
+    assert rec["strategy"] and rec["evaluated"] >= 1 and rec["grid_size"] >= rec["evaluated"]
+    assert rec["plan_s"] >= rec["search_s"] > 0 and rec["grid_lines"] >= 1
+    assert r["summary"]["cases"] == 1 and r["notes"]
+
+
+def test_plan_quality_structure():
+    r = plan_quality.run(CASES, models=TINY, log=lambda s: None)
+    rec = r["records"][0]
+    assert rec["auto"] is not None and rec["grid_best"] is not None
+    # the auto planner is a grid over the same space: it can never lose to the exhaustive grid
+    assert not rec["auto_below_grid"] and rec["auto_over_grid"] == pytest.approx(1.0)
+    assert rec["grid_evaluated"] >= rec["auto_search"]["candidates"]
+    assert rec["auto_over_dp"] is None or rec["auto_over_dp"] >= 1 - 1e-9
+    assert rec["auto_over_zero3"] is None or rec["auto_over_zero3"] >= 1 - 1e-9
+    assert len(r["table"]["rows"][0]) == len(r["table"]["columns"])
+    assert r["summary"]["cases where auto < grid best (search bugs)"] == 0
+
+
+def test_manual_strategies_cover_the_grammar():
+    from autopar.api import as_graph
+    g = as_graph("gpt:layers=1,hidden=32,heads=4,seq=8,vocab=64")
+    strategies, rejected = plan_quality.manual_strategies(g, devices=8, batch=8)
+    assert rejected == 1                                  # tp=8 does not divide 4 heads
+    # tp in {1, 2, 4} (dp 8, 4, 2); microbatches divide 8/dp; 3 recompute modes x 4 ZeRO stages
+    assert len(strategies) == (1 + 2 + 3) * 3 * 4
+    assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3" in strategies
