@@ -108,12 +108,20 @@ def tp_valid_sizes(graph: Graph, limit: int | None = None) -> list[int]:
     return [d for d in out if limit is None or d <= limit]
 
 
+def _tp_sizes_cached(graph: Graph) -> list[int]:
+    sizes = getattr(graph, "_tp_sizes", None)
+    if sizes is None:
+        sizes = tp_valid_sizes(graph)
+        graph._tp_sizes = sizes
+    return sizes
+
+
 def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: int) -> None:
     """Raise :class:`StrategyError` if ``cfg`` cannot run this model on ``devices``."""
     if cfg.devices != devices:
         raise StrategyError(f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} = {cfg.devices} devices, "
                             f"but {devices} were given")
-    valid = tp_valid_sizes(graph)
+    valid = _tp_sizes_cached(graph)
     if cfg.tp not in valid:
         what = "attention heads" if any(n.kind == "sdpa" for n in graph.nodes) else "layer widths"
         raise StrategyError(f"tensor parallel size {cfg.tp} does not divide the model's {what}; "
@@ -140,6 +148,7 @@ class Evaluator:
         self.batch = track_batch(graph)
         self.grad = needs_grad(graph)
         self._tp_cache: dict[tuple, AxisSharding] = {}
+        self._shapes_cache: dict[tuple, dict] = {}
         self._sums_cache: dict[tuple, tuple] = {}
         self.params = {nd.name: nd for nd in graph.nodes if nd.kind in ("param", "buffer")}
 
@@ -167,7 +176,10 @@ class Evaluator:
         """The tensor-parallel axis decisions and the local shapes for ``cfg``."""
         mb_global = global_batch // cfg.microbatches
         key = (cfg.tp, cfg.dp, mb_global, memory_weight)
-        shapes = scaled_shapes(self.graph, mb_global, cfg.dp)
+        skey = (mb_global, cfg.dp)
+        if skey not in self._shapes_cache:
+            self._shapes_cache[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
+        shapes = self._shapes_cache[skey]
         if key not in self._tp_cache:
             topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
             local_batch = mb_global / cfg.dp
