@@ -303,20 +303,23 @@ class GradSync:
         for idx in self.buckets:
             ps = [self.params[i] for i in idx]
             sizes = [p.numel() for p in ps]
-            flat = ps[0].new_zeros(sum(sizes) + len(ps))
+            # no zero-fill of the whole buffer and no separate pass for the
+            # division: both cost a full memory pass each (~2 ms per 16 MiB on CPU)
+            flat = ps[0].new_empty(sum(sizes) + len(ps))
             pieces = flat.split(sizes + [len(ps)])
             for p, piece in zip(ps, pieces):
                 if p.grad is not None:
                     piece.copy_(p.grad.reshape(-1))
+                else:
+                    piece.zero_()
             pieces[-1].copy_(torch.tensor([p.grad is not None for p in ps]))
             dist.all_reduce(flat, group=self.group)
-            flat.div_(w)
-            flags = pieces[-1].tolist()
+            flags = pieces[-1].tolist()   # how many ranks had a grad
             for p, piece, flag in zip(ps, pieces, flags):
                 if p.grad is not None:
-                    p.grad.copy_(piece.view_as(p.grad))
+                    torch.div(piece.view_as(p.grad), w, out=p.grad)
                 elif flag > 0:
-                    p.grad = piece.view_as(p).clone()
+                    p.grad = piece.view_as(p) / w
 
 
 @torch.no_grad()
