@@ -53,7 +53,7 @@ from cost_models.comm import fit_alpha_beta
 
 from .errors import ClusterError, DistributedError
 
-__all__ = ["calibrate", "measure", "build_cluster", "fit_matmul", "fit_memory", "fit_overhead",
+__all__ = ["calibrate", "measure", "build_cluster", "fit_matmul", "fit_memory", "fit_overhead", "fit_framework",
            "fit_collectives", "link_from_fits", "sizes_for", "MODES"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -326,6 +326,18 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
         f"{who}: torch.add of two 16-element tensors, {meas['overhead'].get('calls', '?')} calls per sample, "
         f"{conc}, median of {reps} samples per process, median over processes")
 
+    # --- framework (host-bound devices)
+    fw = meas.get("framework")
+    if fw:
+        dev["dispatch_overhead_s"] = fit_framework(fw["step_s"], fw["ops"], fw["costed_ops"], overhead)
+        sources["device.dispatch_overhead_s"] = (
+            f"{who}: forward + backward of an fx-traced 8 x (Linear, GELU, LayerNorm) model of width 8, "
+            f"{fw['ops']} ops, {fw['step_s'] * 1e3:.3g} ms per step, / (3 x ops), less the kernel overhead; {conc}")
+        dev["optimizer_overhead_s"] = {**dev.get("optimizer_overhead_s", {}), **fw["optimizer_s"]}
+        for k in fw["optimizer_s"]:
+            sources[f"device.optimizer_overhead_s.{k}"] = (
+                f"{who}: torch.optim {k} step over the {fw['tensors']} tensors of that model, per tensor; {conc}")
+
     # --- memory
     bw, mem_eff = fit_memory([(c["bytes"], c["seconds"]) for c in meas["copy"]],
                              [(e["bytes"], e["seconds"]) for e in meas["elementwise"]])
@@ -390,6 +402,50 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
 # ---------------------------------------------------------------------------------- measuring (children)
 def _median(x: list[float]) -> float:
     return float(statistics.median(x))
+
+
+def _framework_overhead(reps: int) -> dict[str, Any]:
+    """Time a training step of a model too narrow to compute anything (width
+    8): fx-traced as autopar runs it, forward + backward, and each optimizer's
+    step. What is left is the framework's time per op and per tensor."""
+    import torch
+    import torch.nn as nn
+
+    from .graph import NO_DISPATCH
+    from .trace import trace
+
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)]
+    model = nn.Sequential(*layers)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    g = trace(model, (x,), loss_fn=nn.functional.mse_loss, target=y)
+    gm = g.gm
+    ops = sum(1 for n in g.nodes if n.kind not in NO_DISPATCH)
+    costed = sum(1 for n in g.nodes if n.kind not in NO_DISPATCH and (n.flops or n.act_bytes))
+
+    def step():
+        gm(x, y).backward()
+
+    samples, _ = _timed(step, reps, 0.02, lambda: None)
+    params = [p for p in gm.parameters() if p.requires_grad]
+    step()
+    opt_s = {}
+    for name, opt in (("adamw", torch.optim.AdamW(params, lr=1e-4)), ("sgd", torch.optim.SGD(params, lr=1e-4))):
+        t, _ = _timed(opt.step, reps, 0.02, lambda: None)
+        opt_s[name] = _median(t) / len(params)
+    return {"step_s": _median(samples), "ops": ops, "costed_ops": costed, "tensors": len(params),
+            "optimizer_s": opt_s}
+
+
+def fit_framework(step_s: float, ops: int, costed_ops: int, kernel_overhead_s: float) -> float:
+    """Return ``dispatch_overhead_s`` from a forward + backward step of a model
+    with ``ops`` op nodes (``costed_ops`` of them already pay
+    ``kernel_overhead_s`` in the cost model), counted as the cost model counts
+    it: three passes per op."""
+    if ops < 1 or step_s < 0:
+        raise ValueError("fit_framework needs ops >= 1 and a non-negative time")
+    return max(0.0, step_s / (3 * ops) - kernel_overhead_s * costed_ops / ops)
 
 
 def _timed(fn: Callable[[], Any], reps: int, min_sample_s: float, sync: Callable[[], None],
@@ -466,6 +522,10 @@ def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict
     samples, calls = _timed(lambda: torch.add(a, a), sizes.reps, sizes.min_sample_s, sync)
     res["overhead"] = {"seconds": _median(samples), "calls": calls}
     tick("kernel overhead")
+    if not cuda:      # host-bound: the framework's own time per op, and the optimizers' per-tensor loop
+        dist.barrier()
+        res["framework"] = _framework_overhead(sizes.reps)
+        tick("framework overhead")
 
     # --- memory
     for nbytes in sizes.copy_bytes:
@@ -570,6 +630,11 @@ def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             out[key].append({**item, "seconds": _median([r[key][i]["seconds"] for r in per_rank])})
     out["overhead"] = {"seconds": _median([r["overhead"]["seconds"] for r in per_rank]),
                        "calls": per_rank[0]["overhead"]["calls"]}
+    if "framework" in per_rank[0]:
+        fw = per_rank[0]["framework"]
+        out["framework"] = {**fw, "step_s": _median([r["framework"]["step_s"] for r in per_rank]),
+                            "optimizer_s": {k: _median([r["framework"]["optimizer_s"][k] for r in per_rank])
+                                            for k in fw["optimizer_s"]}}
     coll: dict[tuple[str, int, int], float] = {}
     for r in per_rank:
         for c in r["collectives"]:

@@ -31,7 +31,7 @@ import cost_models
 from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, zero_sharded_state_bytes
 
 from .errors import StrategyError
-from .graph import Graph, Node
+from .graph import NO_DISPATCH, Graph, Node
 from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
@@ -218,20 +218,25 @@ class Evaluator:
 
         # model states
         local_params = 0.0
+        n_tensors = 0
         for name, nd in self.params.items():
             info = g.params.get(nd.param)
             if info is None or info.is_buffer or not info.requires_grad:
                 continue
+            n_tensors += 1
             p = sh.out.get(name, R)
             local_params += info.numel / (tp if is_shard(p) else 1)
         states = model_state_bytes(int(local_params), self.optimizer, self.precision)
         states = zero_sharded_state_bytes(states, dp, cfg.zero)
         grad_bytes = local_params * isz
-        dp_comm = topo.collective_time("all_reduce", grad_bytes, 0) if dp > 1 else 0.0
+        # the gradients, and the loss for the caller (one scalar per step)
+        dp_comm = topo.collective_time("all_reduce", grad_bytes, 0) + topo.collective_time("all_reduce", 4, 0) \
+            if dp > 1 else 0.0
         if cfg.zero >= 3 and dp > 1:
             dp_comm += m * 2 * topo.collective_time("all_gather", local_params * isz, 0)
         opt_time = states["optimizer"] * 2 / (self.cluster.device.memory_bandwidth *
                                                self.cluster.device.memory_efficiency)
+        opt_time += n_tensors * self.cluster.device.optimizer_overhead_s.get(self.optimizer, 0.0)
         activations = saved_outside + sum(inst_saved.values())
         if cfg.recompute == "full" and inst_saved:
             activations = saved_outside + self._layer_inputs(sh, shapes, tp) + max(inst_saved.values())
@@ -263,6 +268,7 @@ class Evaluator:
         def comm_tp(kind: str, nbytes: float) -> float:
             return topo.collective_time(kind, nbytes * isz / 4, 1)
 
+        dispatch = self.cluster.device.dispatch_overhead_s
         outside = _Sums()
         per_inst: dict[str, _Sums] = {}
         copied = sh.copied_from
@@ -276,6 +282,8 @@ class Evaluator:
             acc = outside if inst is None else per_inst.setdefault(inst, _Sums())
             frac = 1.0 / tp if st.split else 1.0
             acc.fwd += self._node_time(nd, self._scale(nd, local_batch), frac)
+            if nd.kind not in NO_DISPATCH:
+                acc.fwd += dispatch
             if tp > 1:
                 for i, want in zip(nd.inputs, st.ins):
                     have = sh.out.get(i, want)

@@ -19,6 +19,10 @@ DTYPE_BYTES = {
 }
 
 
+#: node kinds that run no op of their own in a training step
+NO_DISPATCH = frozenset({"param", "buffer", "input", "output", "shape", "constant"})
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Shape and dtype of one tensor value (global, unsharded)."""

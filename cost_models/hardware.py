@@ -20,6 +20,13 @@ class DeviceSpec:
     "bfloat16", "float16") to dense peak FLOP/s. ``matmul_efficiency`` and
     ``memory_efficiency`` are the achievable fractions of peak compute and
     bandwidth; ``kernel_overhead_s`` is the fixed cost of launching one op.
+
+    Host-bound devices (a CPU process: every op runs synchronously in Python)
+    also pay ``dispatch_overhead_s`` per op and pass, views included: the
+    framework's own time (fx, autograd, Python) in a training step; and
+    ``optimizer_overhead_s[optimizer]`` per parameter tensor per optimizer
+    step (a loop over the tensors). On a GPU that host time overlaps the
+    kernels, so GPU presets leave both at 0.
     """
 
     name: str
@@ -29,12 +36,15 @@ class DeviceSpec:
     matmul_efficiency: float
     memory_efficiency: float
     kernel_overhead_s: float = 0.0
+    dispatch_overhead_s: float = 0.0
+    optimizer_overhead_s: dict[str, float] = field(default_factory=dict)
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
         return hash((self.name, self.memory_bytes, tuple(sorted(self.peak_flops.items())),
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
-                     self.kernel_overhead_s))
+                     self.kernel_overhead_s, self.dispatch_overhead_s,
+                     tuple(sorted(self.optimizer_overhead_s.items()))))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -130,6 +140,8 @@ class ClusterSpec:
                 "matmul_efficiency": self.device.matmul_efficiency,
                 "memory_efficiency": self.device.memory_efficiency,
                 "kernel_overhead_s": self.device.kernel_overhead_s,
+                "dispatch_overhead_s": self.device.dispatch_overhead_s,
+                "optimizer_overhead_s": dict(self.device.optimizer_overhead_s),
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -158,6 +170,8 @@ class ClusterSpec:
             matmul_efficiency=float(dev["matmul_efficiency"]),
             memory_efficiency=float(dev["memory_efficiency"]),
             kernel_overhead_s=float(dev.get("kernel_overhead_s", 0.0)),
+            dispatch_overhead_s=float(dev.get("dispatch_overhead_s", 0.0)),
+            optimizer_overhead_s={k: float(v) for k, v in sorted(dev.get("optimizer_overhead_s", {}).items())},
         )
         return cls(
             name=d["name"],

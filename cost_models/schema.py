@@ -73,6 +73,8 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                 "matmul_efficiency": _FRACTION,
                 "memory_efficiency": _FRACTION,
                 "kernel_overhead_s": _NON_NEGATIVE,
+                "dispatch_overhead_s": _NON_NEGATIVE,
+                "optimizer_overhead_s": {"type": "object", "additionalProperties": _NON_NEGATIVE},
             },
             "additionalProperties": False,
         },

@@ -182,3 +182,26 @@ def test_cli_tiny_real_run_writes_a_loadable_cluster(tmp_path):
     assert all(set(v) == {"2"} for v in d["collectives"]["intra_node"].values())
     assert {"float32", "bfloat16"} <= set(d["device"]["peak_flops"])
     assert "tiny sizes" in d["description"]
+
+
+def test_fit_framework_recovers_dispatch_overhead():
+    # 60 ops, 40 of them costed with a 5 us kernel overhead, 20 us dispatch per op and pass
+    ops, costed, k, d = 60, 40, 5e-6, 20e-6
+    step = 3 * ops * d + 3 * costed * k
+    assert cal.fit_framework(step, ops, costed, k) == pytest.approx(d)
+    assert cal.fit_framework(1e-9, ops, costed, k) == 0.0       # never negative
+    with pytest.raises(ValueError):
+        cal.fit_framework(1e-3, 0, 0, k)
+
+
+def test_framework_measurement_lands_in_the_cluster(tmp_path):
+    meas = _synthetic()
+    meas["framework"] = {"step_s": 3e-3, "ops": 50, "costed_ops": 30, "tensors": 16,
+                         "optimizer_s": {"adamw": 1e-4, "sgd": 1e-5}}
+    d = cal.build_cluster(meas, "cpu", host="h", date="d")
+    spec = cost_models.load_cluster(d)
+    assert spec.device.dispatch_overhead_s == pytest.approx(cal.fit_framework(3e-3, 50, 30,
+                                                                               spec.device.kernel_overhead_s))
+    assert spec.device.optimizer_overhead_s["adamw"] == 1e-4
+    assert spec.device.optimizer_overhead_s["sgd_momentum"] > 0          # kept from the preset
+    assert "device.dispatch_overhead_s" in spec.sources
