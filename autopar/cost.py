@@ -340,12 +340,17 @@ class Evaluator:
         else:
             return []
         out = []
+        wants = dict(zip(nd.inputs, st.ins)) if st is not None else {}
         for i in names:
             src = self.graph[i] if i in self.graph else None
             if src is None or src.out is None or not src.out.is_float:
                 continue
-            local = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(sh.out.get(i, R)) else 1)
-            out.append((i, local))
+            have = sh.out.get(i, R)
+            # an input resharded for this op (e.g. all-gathered before a column-parallel
+            # linear) is saved in the placement the op reads, as a tensor of its own
+            want = wants.get(i, have) if tp > 1 else have
+            local = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(want) else 1)
+            out.append((i if want == have else f"{i}@{want}", local))
         return out
 
     def _layer_inputs(self, sh: AxisSharding, shapes: dict, tp: int) -> float:
