@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,19 @@ def save(name: str, result: dict[str, Any], *, readme: bool = True) -> Path:
     if readme:
         update_readme(stem, full)
     return path
+
+
+def timed_run(name: str, run: Any, quick: bool, save_result: bool = True, log: Any = print) -> dict[str, Any]:
+    """Call ``run()`` (which returns a result dict), add ``params.quick`` and
+    ``wall_s``, :func:`save` it unless ``save_result`` is false; return it."""
+    t0 = time.perf_counter()
+    result = run()
+    result.setdefault("params", {})["quick"] = quick
+    result["wall_s"] = time.perf_counter() - t0
+    if save_result:
+        path = save(name, result)
+        log(f"wrote {path} ({result['wall_s']:.0f} s)")
+    return result
 
 
 def _jsonable(x: Any) -> Any:

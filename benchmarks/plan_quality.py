@@ -24,7 +24,7 @@ from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
 from autopar.search.space import KEYS, RECOMPUTE, divisors
 
-from .common import save
+from .common import timed_run
 from .planner_scaling import MODELS, ModelSpec, all_cases, global_batch, short, trace_model
 
 NAME = "plan_quality"
@@ -275,14 +275,7 @@ def _notes(records: list[dict]) -> list[str]:
 
 def main(quick: bool = False, save_result: bool = True) -> dict[str, Any]:
     """Run the benchmark (quick: 4 cases) and save it; return the result dict."""
-    t0 = time.perf_counter()
-    result = run(all_cases(quick))
-    result["params"]["quick"] = quick
-    result["wall_s"] = time.perf_counter() - t0
-    if save_result:
-        path = save(NAME, result)
-        console.print(f"wrote {path} ({result['wall_s']:.0f} s)")
-    return result
+    return timed_run(NAME, lambda: run(all_cases(quick)), quick, save_result, console.print)
 
 
 def cli() -> None:

@@ -31,7 +31,7 @@ from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
 from autopar.search.grid import grid_configs
 
-from .common import RESULTS, device_tag, save
+from .common import RESULTS, device_tag, timed_run
 
 NAME = "planner_scaling"
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -304,14 +304,9 @@ def plot(records: list[dict], path: Path) -> Path:
 def main(quick: bool = False, repeats: int | None = None, save_result: bool = True) -> dict[str, Any]:
     """Run the benchmark (quick: 4 cases) and save it; return the result dict."""
     repeats = repeats if repeats is not None else (1 if quick else 3)
-    t0 = time.perf_counter()
-    result = run(all_cases(quick), repeats=repeats, plot_path=RESULTS / f"{NAME}-{device_tag()}.png")
-    result["params"]["quick"] = quick
-    result["wall_s"] = time.perf_counter() - t0
-    if save_result:
-        path = save(NAME, result)
-        console.print(f"wrote {path} ({result['wall_s']:.0f} s)")
-    return result
+    return timed_run(NAME, lambda: run(all_cases(quick), repeats=repeats,
+                                       plot_path=RESULTS / f"{NAME}-{device_tag()}.png"),
+                     quick, save_result, console.print)
 
 
 def cli() -> None:

@@ -125,48 +125,23 @@ class _ReduceGrad(torch.autograd.Function):
         return g, None
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
+def _dim_collective(name: str, forward, backward) -> type:
+    """An autograd Function ``(x, dim, group)`` whose forward runs
+    ``forward(x, dim, group)`` and whose backward runs ``backward(g, dim, group)``."""
+    def fwd(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+        return forward(x, dim, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _take(g, ctx.dim, ctx.group), None, None
+    def bwd(ctx, g):
+        return backward(g, ctx.dim, ctx.group), None, None
 
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _take(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
-
-
-class _AllGatherReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+_AllGather = _dim_collective("_AllGather", _gather, _take)                    # S(d) -> R
+_Split = _dim_collective("_Split", _take, _gather)                            # R -> S(d)
+_ReduceScatter = _dim_collective("_ReduceScatter", _reduce_scatter, _gather)  # P -> S(d)
+_AllGatherReduceGrad = _dim_collective("_AllGatherReduceGrad", _gather, _reduce_scatter)
 
 
 class _AllToAll(torch.autograd.Function):
