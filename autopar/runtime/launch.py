@@ -51,6 +51,29 @@ def _child(fn, rank: int, world_size: int, port: int, timeout: float, threads: i
     results.put(payload)
 
 
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "closed by peer")
+
+
+def _failure_report(failed: dict[int, str], results, world_size: int, grace_s: float = 2.0) -> str:
+    """The message for a failed run. When one rank raises, its peers fail in
+    their next collective a moment later ("connection reset by peer"), and
+    either report may arrive first: wait ``grace_s`` for the others and name
+    the rank whose error is not such a consequence."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and len(failed) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if not ok:
+            failed[rank] = payload
+    causes = [r for r, tb in sorted(failed.items()) if not any(m in tb for m in _PEER_LOST)]
+    first = causes[0] if causes else min(failed)
+    others = sorted(set(failed) - {first})
+    tail = f"\n(rank(s) {others} failed too)" if others else ""
+    return f"run_distributed: rank {first} of {world_size} failed:\n{failed[first]}{tail}"
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: int = 1) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -83,7 +106,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: i
                         f"run_distributed: {dead[0].name} died with exit code {dead[0].exitcode} without reporting")
                 continue
             if not ok:
-                raise RuntimeError(f"run_distributed: rank {rank} of {world_size} failed:\n{payload}")
+                raise RuntimeError(_failure_report({rank: payload}, results, world_size))
             out[rank] = pickle.loads(payload)
     finally:
         for p in procs:
