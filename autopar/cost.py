@@ -32,6 +32,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
+from .search.ilp import MemoryTerms, solve_axis
 from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
@@ -40,6 +41,27 @@ from .trace import op_family
 
 MEMORY_HEADROOM = 0.9
 MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated weight: manual tp shards every weight it can
+GREEDY_MEMORY_WEIGHT = 1e-15  # the greedy heuristic weighs time; memory only breaks ties
+
+
+@dataclass(frozen=True)
+class Sharder:
+    """How the tensor-parallel axis is decided.
+
+    ``mode``: ``"manual"`` (greedy propagation that shards every weight a rule
+    can split, Megatron-style: the ``tp=N`` strategies), ``"ilp"`` (the
+    optimal per-op choice of :mod:`autopar.search.ilp`) or ``"greedy"``
+    (propagation weighing time only: the fast heuristic for huge graphs).
+    ``pins``: ``(node, placement)`` pairs fixed by the user. ``memory_limit``:
+    bytes per device the ILP must respect (model states + saved activations).
+    """
+
+    mode: str = "manual"
+    pins: tuple[tuple[str, str], ...] = ()
+    memory_limit: float | None = None
+
+
+MANUAL = Sharder()
 
 _NONLINEAR = {"gelu", "relu", "silu", "sigmoid", "tanh", "mul", "truediv", "div", "pow", "exp", "log",
               "rsqrt", "sqrt", "softplus", "erf", "mish", "elu", "leaky_relu", "square", "reciprocal"}
@@ -171,16 +193,30 @@ class Evaluator:
         nbytes = (nd.act_bytes * scale * self.itemsize / 4 + nd.param_bytes * self.itemsize / 4) * frac
         return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, op_family(nd.kind))
 
-    def sharding(self, cfg: ParallelConfig, global_batch: int, memory_weight: float = MANUAL_MEMORY_WEIGHT
+    def sharding(self, cfg: ParallelConfig, global_batch: int, sharder: Sharder = MANUAL
                  ) -> tuple[AxisSharding, dict]:
-        """The tensor-parallel axis decisions and the local shapes for ``cfg``."""
+        """The tensor-parallel axis decisions and the local shapes for ``cfg``.
+
+        Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
+        pins and :class:`StrategyError` when an ILP memory bound cannot be met."""
         mb_global = global_batch // cfg.microbatches
-        key = (cfg.tp, cfg.dp, mb_global, memory_weight)
+        if sharder.mode == "ilp":
+            # the ILP also weighs what a weight costs per step (its gradient reduction and
+            # optimizer update, spread over the microbatches) and, bounded, the memory
+            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3,
+                       (cfg.recompute, cfg.zero) if sharder.memory_limit is not None else None)
+        else:
+            ilp_key = None
+        key = (cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
         skey = (mb_global, cfg.dp)
         if skey not in self._shapes_cache:
             self._shapes_cache[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self._shapes_cache[skey]
         if key not in self._tp_cache:
+            if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
+                # one device on the axis: every choice is the same
+                self._tp_cache[key] = self.sharding(cfg, global_batch)[0]
+                return self._tp_cache[key], shapes
             topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
             local_batch = mb_global / cfg.dp
 
@@ -190,22 +226,88 @@ class Evaluator:
             def compute(nd: Node, frac: float) -> float:
                 return self._node_time(nd, self._scale(nd, local_batch), frac)
 
-            self._tp_cache[key] = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
-                                            itemsize=4, memory_weight=memory_weight)
+            pins = dict(sharder.pins)
+            if sharder.mode == "ilp":
+                memory = self._memory_terms(cfg, shapes, sharder.memory_limit) \
+                    if sharder.memory_limit is not None else None
+                self._tp_cache[key] = solve_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                                                 param_time=self._param_time(cfg, topo), pins=pins,
+                                                 memory=memory)
+            else:
+                weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
+                self._tp_cache[key] = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                                                itemsize=4, memory_weight=weight, pins=pins)
         return self._tp_cache[key], shapes
 
+    def _param_time(self, cfg: ParallelConfig, topo: MeshTopology):
+        """Seconds per microbatch a weight costs in a placement, as
+        :meth:`evaluate` counts them per step: its share of the data-parallel
+        gradient all-reduce, of the optimizer pass and, with ZeRO-3, of the
+        weight all-gathers (the per-message latencies do not depend on the
+        placement and are left out)."""
+        big = float(1 << 30)
+        m, tp, dp, isz = cfg.microbatches, cfg.tp, cfg.dp, self.itemsize
+        per_elem = 0.0
+        if dp > 1:
+            slope = (topo.collective_time("all_reduce", big, 0) - topo.collective_time("all_reduce", 0.0, 0)) / big
+            per_elem += slope * isz / m
+            if cfg.zero >= 3:
+                ag = (topo.collective_time("all_gather", big, 0) - topo.collective_time("all_gather", 0.0, 0)) / big
+                per_elem += 2 * ag * isz
+        opt_bytes = zero_sharded_state_bytes(model_state_bytes(1 << 30, self.optimizer, self.precision),
+                                             dp, cfg.zero)["optimizer"] / big
+        dev = self.cluster.device
+        per_elem += opt_bytes * 2 / (dev.memory_bandwidth * dev.memory_efficiency) / m
+
+        def param_time(nd: Node, p: str) -> float:
+            info = self.graph.params.get(nd.param) if nd.param else None
+            if info is None or info.is_buffer or not info.requires_grad:
+                return 0.0
+            return info.numel * per_elem / (tp if is_shard(p) else 1)
+
+        return param_time
+
+    def _memory_terms(self, cfg: ParallelConfig, shapes: dict, limit: float) -> MemoryTerms:
+        """The ILP's linear memory model for ``cfg``: model states per local
+        parameter element (ZeRO-divided) and the activations each strategy
+        saves, as :meth:`evaluate` counts them (shared inputs counted once per
+        reader: an upper bound)."""
+        big = 1 << 30
+        per_elem = zero_sharded_state_bytes(model_state_bytes(big, self.optimizer, self.precision),
+                                            cfg.dp, cfg.zero)["total"] / big
+        tp = cfg.tp
+
+        def param(nd: Node, p: str) -> float:
+            info = self.graph.params.get(nd.param) if nd.param else None
+            if info is None or info.is_buffer or not info.requires_grad:
+                return 0.0
+            return info.numel * per_elem / (tp if is_shard(p) else 1)
+
+        def saved(nd: Node, st) -> float:
+            wants = dict(zip(nd.inputs, st.ins))
+            total = 0.0
+            for i in self._saved_names(nd, cfg.recompute):
+                total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(wants.get(i, st.out)) else 1)
+            return total
+
+        if cfg.recompute == "full":
+            return MemoryTerms(param=param, saved=saved, limit=limit, group_factor=lambda k: 1.0)
+        return MemoryTerms(param=param, saved=saved, limit=limit)
+
     # -- the estimate ---------------------------------------------------------
-    def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None) -> Estimate:
+    def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None,
+                 sharder: Sharder = MANUAL) -> Estimate:
+        """Predict ``cfg`` with the tensor-parallel axis decided by ``sharder``."""
         g = self.graph
         devices = devices or cfg.devices
         check_config(g, cfg, devices, global_batch)
         self.cluster.check_devices(devices)
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
         topo = MeshTopology(self.cluster, (dp, tp))
-        sh, shapes = self.sharding(cfg, global_batch)
+        sh, shapes = self.sharding(cfg, global_batch, sharder)
         local_batch = global_batch / (dp * m)
         isz = self.itemsize
-        skey = (tp, dp, global_batch // m, cfg.recompute == "selective")
+        skey = (tp, dp, global_batch // m, cfg.recompute == "selective", id(sh))
         if skey not in self._sums_cache:
             self._sums_cache[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
         fwd, tp_comm, transient, saved_outside, inst_saved = self._sums_cache[skey]
@@ -322,8 +424,8 @@ class Evaluator:
 
         return fwd, tp_comm, transient, saved_outside, inst_saved
 
-    def _saved(self, nd: Node, st, sh: AxisSharding, shapes: dict, tp: int, recompute: str):
-        """(value, local bytes) pairs this node keeps for its backward."""
+    def _saved_names(self, nd: Node, recompute: str) -> list[str]:
+        """The float values ``nd`` keeps for its backward."""
         k = nd.kind
         if k in _MATMUL_KINDS:
             names = [i for i in nd.inputs if self.params.get(i) is None]
@@ -340,11 +442,17 @@ class Evaluator:
         else:
             return []
         out = []
-        wants = dict(zip(nd.inputs, st.ins)) if st is not None else {}
         for i in names:
             src = self.graph[i] if i in self.graph else None
-            if src is None or src.out is None or not src.out.is_float:
-                continue
+            if src is not None and src.out is not None and src.out.is_float:
+                out.append(i)
+        return out
+
+    def _saved(self, nd: Node, st, sh: AxisSharding, shapes: dict, tp: int, recompute: str):
+        """(value, local bytes) pairs this node keeps for its backward."""
+        out = []
+        wants = dict(zip(nd.inputs, st.ins)) if st is not None else {}
+        for i in self._saved_names(nd, recompute):
             have = sh.out.get(i, R)
             # an input resharded for this op (e.g. all-gathered before a column-parallel
             # linear) is saved in the placement the op reads, as a tensor of its own

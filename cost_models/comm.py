@@ -35,6 +35,7 @@ tie, to stay pessimistic). Kinds without a fit use the formulas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import prod
 from typing import Any
 
@@ -110,6 +111,14 @@ def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float]) -> tuple[floa
     return float(alpha), float(beta)
 
 
+@lru_cache(maxsize=1024)
+def _spans_nodes(mesh_shape: tuple[int, ...], devices_per_node: int, axis: int) -> bool:
+    # called for every edge of every candidate by the planner: cached
+    node = np.arange(prod(mesh_shape)).reshape(mesh_shape) // devices_per_node
+    node = np.moveaxis(node, axis, -1)
+    return bool((node.max(axis=-1) != node.min(axis=-1)).any())
+
+
 @dataclass(frozen=True)
 class MeshTopology:
     """A device mesh laid out on a cluster.
@@ -141,10 +150,7 @@ class MeshTopology:
 
         Raises ValueError for an axis out of range.
         """
-        axis = self._axis(axis)
-        node = np.arange(self.num_devices).reshape(self.mesh_shape) // self.cluster.devices_per_node
-        node = np.moveaxis(node, axis, -1)
-        return bool((node.max(axis=-1) != node.min(axis=-1)).any())
+        return _spans_nodes(self.mesh_shape, self.cluster.devices_per_node, self._axis(axis))
 
     def axis_link(self, axis: int) -> LinkSpec:
         """Return the link a collective along ``axis`` is limited by.

@@ -1,11 +1,24 @@
-"""A first search: the best strategy of the dp x tp (x microbatches x
-recompute x ZeRO) grid under the cost model.
+"""The search over the mesh and the memory options, with the per-op
+choice of the tensor-parallel axis made by a selectable :class:`Sharder`.
 
-For every tensor-parallel size the model allows, microbatch counts are tried
-from the fewest up and the first that fits is kept for each (recompute, zero)
-choice (more microbatches only lower activation memory and add per-microbatch
-overheads in this cost model). The intra-operator ILP of a later release
-replaces the per-op part of this search.
+For every way the devices factor into ``dp x tp`` (tp sizes the model
+allows; tp inside a node first, as :class:`cost_models.MeshTopology` lays
+the mesh out), microbatch counts are tried from the fewest up and the first
+that fits is kept for each (recompute, zero) choice (more microbatches only
+lower activation memory and add per-microbatch overheads in this cost
+model). Per configuration, the tensor-parallel axis is decided by:
+
+* ``mode="grid"``: the Megatron-style manual sharding only (the exhaustive
+  manual grid);
+* ``mode="ilp"``: the intra-operator ILP (:mod:`autopar.search.ilp`), first
+  for time alone; if that plan does not fit, again under the memory bound.
+  The manual sharding of the same configuration is evaluated too and kept
+  where it is better (the ILP optimum includes it, so this only guards
+  against the linearised memory model; ``SearchResult.won`` counts it);
+* ``mode="greedy"``: greedy propagation by time (the fast heuristic), with
+  the manual sharding as the same guard.
+
+User pins (``(node, placement)`` pairs) constrain every sharder.
 """
 from __future__ import annotations
 
@@ -13,9 +26,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..cost import Estimate, Evaluator, tp_valid_sizes
+from ..cost import MANUAL, MEMORY_HEADROOM, Estimate, Evaluator, Sharder, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from .space import ParallelConfig, divisors
+
+MODES = ("grid", "ilp", "greedy")
 
 
 @dataclass
@@ -26,6 +41,11 @@ class SearchResult:
     feasible: int
     time_s: float
     top: list[Estimate] = field(default_factory=list)
+    best_sharder: Sharder = MANUAL
+    mode: str = "grid"
+    won: dict[str, int] = field(default_factory=dict)     # configs whose best plan came from each sharder
+    ilp_solves: int = 0
+    ilp_time_s: float = 0.0
 
 
 def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False
@@ -49,24 +69,88 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_o
     return out
 
 
+def _label(sh: Sharder) -> str:
+    return sh.mode + ("+memory" if sh.memory_limit is not None else "")
+
+
+class _Chooser:
+    """Evaluates one configuration under the sharders of a mode."""
+
+    def __init__(self, ev: Evaluator, mode: str, pins: tuple[tuple[str, str], ...]) -> None:
+        self.ev, self.mode, self.pins = ev, mode, pins
+        self.won: dict[str, int] = {}
+        self.solves = 0
+        self.solve_s = 0.0
+        self._seen: set[int] = set()
+
+    def _count(self, cfg: ParallelConfig, gb: int, sh: Sharder) -> None:
+        axis, _ = self.ev.sharding(cfg, gb, sh)
+        info = getattr(axis, "ilp", None)
+        if info is not None and id(axis) not in self._seen:
+            self._seen.add(id(axis))
+            self.solves += 1
+            self.solve_s += info.build_s + info.solve_s
+
+    def best(self, cfg: ParallelConfig, gb: int, devices: int, bound: float) -> tuple[Estimate, Sharder]:
+        """The best estimate of ``cfg`` (fitting first, then fastest), and the
+        sharder that gave it. ``bound``: the best fitting time found so far
+        (a memory-bounded ILP that cannot beat it is not solved)."""
+        manual = Sharder("manual", self.pins)
+        if self.mode == "grid":
+            return self.ev.evaluate(cfg, gb, devices, manual), manual
+        first = Sharder(self.mode, self.pins)
+        tries = [(self.ev.evaluate(cfg, gb, devices, first), first)]
+        self._count(cfg, gb, first)
+        ref = self.ev.evaluate(cfg, gb, devices, manual)
+        tries.append((ref, manual))
+        est = tries[0][0]
+        if self.mode == "ilp" and not est.fits and ref.fits and est.step_time_s < min(bound, ref.step_time_s):
+            # the time-optimal choice does not fit; the memory-bounded one lies
+            # between it and the manual sharding
+            cap = est.device_memory_bytes * MEMORY_HEADROOM
+            limit = cap - est.memory["transient"]
+            for _ in range(2):
+                sh = Sharder("ilp", self.pins, limit)
+                try:
+                    e = self.ev.evaluate(cfg, gb, devices, sh)
+                except StrategyError:
+                    break
+                self._count(cfg, gb, sh)
+                tries.append((e, sh))
+                if e.fits:
+                    break
+                limit -= e.peak_memory_bytes - cap
+        tries.sort(key=lambda t: (not t[0].fits, t[0].step_time_s, t[1].mode != self.mode))
+        e, sh = tries[0]
+        self.won[_label(sh)] = self.won.get(_label(sh), 0) + 1
+        return e, sh
+
+
 def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> SearchResult:
-    """Best fitting strategy of the grid (lowest predicted step time; ties go
-    to the smaller tp, then fewer microbatches). Raises
+                progress: Callable[[int, int], None] | None = None, mode: str = "grid",
+                pins: tuple[tuple[str, str], ...] = ()) -> SearchResult:
+    """Best fitting strategy (lowest predicted step time; ties go to the
+    smaller tp, then fewer microbatches), the tensor-parallel axis decided as
+    ``mode`` says (see the module docstring). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest."""
+    if mode not in MODES:
+        raise StrategyError(f"search mode {mode!r} is invalid; valid: {', '.join(MODES)}")
     t0 = time.perf_counter()
+    chooser = _Chooser(ev, mode, tuple(pins))
     lines = grid_configs(ev, devices, global_batch, executable_only=executable_only)
     if not lines:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
                             f"valid tp sizes for this model: {tp_valid_sizes(ev.graph)}")
     evaluated, feasible = 0, []
     closest: Estimate | None = None
+    bound = float("inf")
     for k, line in enumerate(lines):
         for cfg in line:
-            est = ev.evaluate(cfg, global_batch, devices)
+            est, sh = chooser.best(cfg, global_batch, devices, bound)
             evaluated += 1
             if est.fits:
-                feasible.append((est, cfg))
+                feasible.append((est, cfg, sh))
+                bound = min(bound, est.step_time_s)
                 break
             if closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
                 closest = est
@@ -80,6 +164,8 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
             + ("" if not executable_only else
                " (only strategies this release can execute were searched: recompute and ZeRO excluded)"))
     feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].tp, ec[1].microbatches, ec[1].zero, ec[1].recompute))
-    best, cfg = feasible[0]
+    best, cfg, sh = feasible[0]
     return SearchResult(best=best, best_config=cfg, candidates=evaluated, feasible=len(feasible),
-                        time_s=time.perf_counter() - t0, top=[e for e, _ in feasible[:5]])
+                        time_s=time.perf_counter() - t0, top=[e for e, _, _ in feasible[:5]],
+                        best_sharder=sh, mode=mode, won=chooser.won, ilp_solves=chooser.solves,
+                        ilp_time_s=chooser.solve_s)

@@ -51,6 +51,7 @@ class AxisSharding:
     strategy: dict[str, Strategy] = field(default_factory=dict)
     reused_instances: int = 0
     copied_from: dict[str, str] = field(default_factory=dict)  # instance -> instance it copied
+    ilp: object | None = None   # search.ilp.IlpInfo when the ILP decided this axis
 
     def input_placement(self, graph: Graph, node: Node, i: int) -> str:
         """Placement the strategy of ``node`` needs for its i-th input."""
@@ -86,8 +87,9 @@ CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
 
 
 def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placement: Callable[[Node], str],
-           cost: CostFn, output_placement: str | None) -> AxisSharding:
+           cost: CostFn, output_placement: str | None, pins: dict[str, str] | None = None) -> AxisSharding:
     res = AxisSharding(n=n)
+    pins = pins or {}
     inst = _instances(graph)
     prev_of: dict[str, str] = {}
     for g in graph.groups:
@@ -95,6 +97,10 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
             prev_of[b] = a
     done_instance: set[str] = set()
     by_name = {nd.name: nd for nd in graph.nodes}
+    pinned_inst = {by_name[p].group for p in pins if p in by_name}
+    for name, p in pins.items():
+        if name in by_name and by_name[name].kind in ("param", "buffer"):
+            res.out[name] = p       # a pinned parameter is placed before its consumers choose
 
     def decide(nd: Node) -> None:
         if nd.kind in ("input",):
@@ -108,8 +114,9 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
         ctx = Ctx(nd, [shapes.get(i) for i in nd.inputs], [by_name[i].kind for i in nd.inputs],
                   shapes.get(nd.name), n, 4)
         best, best_cost = None, INF
+        pin = pins.get(nd.name)
         for st in candidates(ctx):
-            if len(st.ins) != len(nd.inputs):
+            if len(st.ins) != len(nd.inputs) or (pin is not None and st.out != pin):
                 continue
             c = cost(nd, st, ins_cur, ctx)
             if c < best_cost:
@@ -136,7 +143,8 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
             done_instance.add(g)
             prev = prev_of.get(g)
             mine = inst[g]
-            if prev is not None and external_placements(mine) == external_placements(inst[prev]):
+            if prev is not None and g not in pinned_inst and prev not in pinned_inst and \
+                    external_placements(mine) == external_placements(inst[prev]):
                 for a, b in zip(mine, inst[prev]):
                     if b.name in res.strategy:
                         _apply(a, res.strategy[b.name])
@@ -224,7 +232,7 @@ def scaled_shapes(graph: Graph, batch: int, divide: int = 1) -> dict[str, Shape 
 # --------------------------------------------------------------------------
 def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
               comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
-              itemsize: int = 4, memory_weight: float = 1e-13) -> AxisSharding:
+              itemsize: int = 4, memory_weight: float = 1e-13, pins: dict[str, str] | None = None) -> AxisSharding:
     """Decide the placements of an axis of size ``n`` (tensor parallel).
 
     ``shapes`` are the node shapes local to the other axes; ``comm(kind,
@@ -234,7 +242,10 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     (seconds per byte of replicated weight state) trades memory for time: the
     manual ``tp=N`` strategies use a large one, so every weight a rule can
     split is split (Megatron-style), and only the communication pattern is
-    left to the cost model.
+    left to the cost model. ``pins`` fixes the placement of some nodes
+    (parameters or op outputs); the rest is propagated from them. Only
+    trainable weights weigh as memory: a buffer (rotary tables) stays where
+    its consumers want it.
     """
     ng = needs_grad(graph)
     sizes = {k: _numel(v) * itemsize for k, v in shapes.items()}
@@ -252,7 +263,8 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
                 if want == P:
                     return INF
                 # memory is the tie-break: a replicated weight costs its bytes
-                c += memory_weight * param_bytes(name) * (1.0 if want == R else 1.0 / n)
+                if ng.get(name, False):
+                    c += memory_weight * param_bytes(name) * (1.0 if want == R else 1.0 / n)
                 have = want
             c += reshard(have, want, sizes.get(name, 0.0), ng.get(name, False))
             if want == R and st.split and ng.get(name, False):
@@ -273,7 +285,7 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     def inp(nd: Node) -> str:
         return R
 
-    return _solve(graph, n, shapes, inp, cost, R)
+    return _solve(graph, n, shapes, inp, cost, R, pins)
 
 
 def reshard_time(have: str, want: str, nbytes: float, grad: bool,

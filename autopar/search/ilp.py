@@ -1,0 +1,470 @@
+"""Intra-operator sharding of one mesh axis as an integer linear program.
+
+Every node that carries a placement gets a one-hot choice among the
+candidates of :func:`autopar.strategies.candidates` (parameters: among the
+placements their consumers can read). The objective is the time of one
+microbatch on this axis, as :class:`autopar.cost.Evaluator` counts it:
+
+* per node: forward + backward compute of its local share, the collectives
+  inside the op, and the backward all-reduce of replicated inputs that feed
+  split work;
+* per edge: the forward + backward resharding between what the producer
+  gives and what the consumer reads (:func:`reshard_time`), linearised with
+  one continuous variable per (producer placement, consumer placement) pair
+  whose row and column sums equal the two one-hot choices (the tight
+  "transportation" form Alpa uses).
+
+An optional linear memory constraint bounds the model states of the local
+parameter shards plus the activations saved for backward.
+
+**Repeated layers share their variables**: the k-th node of every instance of
+a layer group is one decision, with its costs multiplied by the number of
+instances, and the edges between consecutive instances are one edge with a
+multiplicity. So 96 identical blocks build an ILP the size of one block. An
+instance that holds a user pin gets variables of its own.
+
+The result is an :class:`AxisSharding` like the greedy propagation's, with
+``ilp`` describing the program (size, times) and, per decision, the
+runners-up with the extra time each would cost with its neighbours fixed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pulp
+
+from ..errors import StrategyError
+from ..graph import Graph, Node
+from ..strategies import Strategy, candidates
+from ..strategies.placement import P, R
+from ..strategies.rules import Ctx
+from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, reshard_time
+
+Shape = tuple[int, ...]
+SCALE = 1e6          # the objective is in microseconds: HiGHS' tolerances suit numbers near 1
+MEMORY_EPS = 1e-15   # s per byte of weight: among equal times, prefer the smaller shards
+
+
+class InfeasiblePins(StrategyError):
+    """The pinned placements admit no assignment (raised with the pins named)."""
+
+
+@dataclass
+class MemoryTerms:
+    """A linear memory bound for the ILP: ``param(node, placement)`` bytes of
+    model states, ``saved(node, strategy)`` bytes of activations kept for
+    backward per instance, ``group_factor`` instances counted for a repeated
+    layer's activations (1 with full recompute), ``limit`` in bytes."""
+
+    param: Callable[[Node, str], float]
+    saved: Callable[[Node, Strategy], float]
+    limit: float
+    group_factor: Callable[[int], float] = lambda k: float(k)
+
+
+@dataclass
+class IlpInfo:
+    """What the program looked like and how it went."""
+
+    nodes: int              # graph nodes with a decision
+    decisions: int          # after sharing the variables of repeated layers
+    variables: int
+    constraints: int
+    build_s: float
+    solve_s: float
+    status: str
+    objective_s: float      # predicted time of one microbatch on this axis (as the ILP counts it)
+    shared_instances: int
+    memory_limited: bool
+    members: dict[str, int] = field(default_factory=dict)    # decision -> nodes it stands for
+    runners_up_fn: Callable[[], dict] | None = None
+
+    def runners_up(self) -> dict[str, list[tuple[str, str, float]]]:
+        """Per op decision (named by its first node), the other candidates as
+        ``(strategy, output placement, extra seconds per microbatch)`` if
+        only that decision changed, cheapest first (at most 3)."""
+        return self.runners_up_fn() if self.runners_up_fn else {}
+
+
+def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
+               comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
+               param_time: Callable[[Node, str], float] | None = None,
+               pins: dict[str, str] | None = None, memory: MemoryTerms | None = None,
+               time_limit_s: float = 60.0) -> AxisSharding:
+    """Optimal placements of an axis of size ``n`` (see the module docstring).
+
+    ``shapes`` are node shapes local to the other axes; ``comm(kind, nbytes)``
+    the time of a collective on this axis for a tensor of ``nbytes`` (at 4
+    bytes per element); ``compute(node, fraction)`` the forward time of a node
+    doing ``fraction`` of its work; ``param_time(node, placement)`` the time
+    per microbatch a parameter costs in that placement outside this axis (its
+    share of the data-parallel gradient reduction and of the optimizer step:
+    a replicated weight has more to reduce and update); ``pins`` fixes the output placement of
+    nodes (parameters included). Raises :class:`InfeasiblePins` when the pins
+    leave no valid assignment, :class:`StrategyError` when the memory bound
+    does.
+    """
+    t0 = time.perf_counter()
+    pins = dict(pins or {})
+    # the structure (decisions, candidates, edges) depends on the shapes and
+    # the pins only: the search re-solves it under many cost models
+    cache = graph.__dict__.setdefault("_ilp_structures", {})
+    skey = (n, id(shapes), tuple(sorted(pins.items())))
+    prob = cache.get(skey)
+    if prob is None or prob.shapes is not shapes:
+        prob = cache[skey] = _Problem(graph, n, shapes, pins)
+    prob.comm, prob.compute = comm, compute
+    prob.param_time = param_time or (lambda nd, p: 0.0)
+    build = time.perf_counter() - t0
+    res = prob.solve(memory, time_limit_s)
+    res.ilp.build_s = build + prob.build_s
+    res.ilp.solve_s = time.perf_counter() - t0 - build - prob.build_s
+    return res
+
+
+class _Problem:
+    def __init__(self, graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> None:
+        self.graph, self.n, self.shapes, self.pins = graph, n, shapes, pins
+        self.by_name = {nd.name: nd for nd in graph.nodes}
+        self.grad = needs_grad(graph)
+        self._keys()
+        self._choices()
+        self._edges()
+        self._ecache: dict[tuple[str, str, str], float] = {}
+
+    # -- which nodes share a decision ----------------------------------------
+    def _keys(self) -> None:
+        g = self.graph
+        inst = _instances(g)
+        pinned_inst = {self.by_name[p].group for p in self.pins if p in self.by_name}
+        self.key: dict[str, str] = {}
+        self.mult: dict[str, int] = {}
+        self.copied_from: dict[str, str] = {}
+        for grp in g.groups:
+            shared = [i for i in grp.instances if i not in pinned_inst and i in inst]
+            if len(shared) < 2:
+                continue
+            template = inst[shared[0]]
+            for i in shared:
+                for a, b in zip(inst[i], template):
+                    self.key[a.name] = b.name
+            for a, b, c in zip(grp.instances, grp.instances[1:], grp.instances[2:]):
+                # c costs what b costs when both read from an instance with the same decisions
+                if a in shared and b in shared and c in shared:
+                    self.copied_from[c] = b
+        for nd in g.nodes:
+            k = self.key.setdefault(nd.name, nd.name)
+            self.mult[k] = self.mult.get(k, 0) + 1
+
+    def _placed(self, nd: Node) -> bool:
+        return not (nd.kind in _SKIP or (nd.out is None and nd.kind not in ("split", "input")))
+
+    # -- the candidates of every decision --------------------------------------
+    def _choices(self) -> None:
+        g, n = self.graph, self.n
+        self.cands: dict[str, list[Strategy]] = {}      # op decisions
+        self.pplace: dict[str, list[str]] = {}          # parameter decisions: placements
+        wants: dict[str, set[str]] = {}
+        for nd in g.nodes:
+            if self.key[nd.name] != nd.name or not self._placed(nd) or nd.kind in ("param", "buffer", "input"):
+                continue
+            ctx = Ctx(nd, [self.shapes.get(i) for i in nd.inputs], [self.by_name[i].kind for i in nd.inputs],
+                      self.shapes.get(nd.name), n, 4)
+            cs = [st for st in candidates(ctx) if len(st.ins) == len(nd.inputs)]
+            pin = self.pins.get(nd.name)
+            if pin is not None:
+                cs = [st for st in cs if st.out == pin]
+                if not cs:
+                    raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
+                                         f"produce on an axis of size {n}; it can produce: "
+                                         f"{', '.join(sorted({s.out for s in candidates(ctx)}))}")
+            if not cs:
+                cs = [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
+            self.cands[nd.name] = cs
+            for st in cs:
+                for i, w in zip(nd.inputs, st.ins):
+                    wants.setdefault(self.key[i], set()).add(w)
+        for nd in g.nodes:
+            if nd.kind in ("param", "buffer") and self.key[nd.name] == nd.name:
+                opts = sorted(({R} | wants.get(nd.name, set())) - {P})
+                pin = self.pins.get(nd.name)
+                if pin is not None:
+                    if pin not in opts:
+                        raise InfeasiblePins(f"pinned placement {pin} for parameter {_label(nd)} is read by no "
+                                             f"strategy of its consumers on an axis of size {n}; possible: "
+                                             f"{', '.join(opts)}")
+                    opts = [pin]
+                self.pplace[nd.name] = opts
+        self._prune()
+
+    def outs(self, k: str) -> list[str]:
+        if k in self.pplace:
+            return self.pplace[k]
+        if k in self.cands:
+            return sorted({st.out for st in self.cands[k]})
+        return [R]      # graph inputs: every rank of this axis holds the same data
+
+    def _prune(self) -> None:
+        """Drop candidates that read a partial sum their producer can never give."""
+        changed = True
+        while changed:
+            changed = False
+            for k, cs in self.cands.items():
+                nd = self.by_name[k]
+                ok = []
+                for st in cs:
+                    bad = False
+                    for i, w in zip(nd.inputs, st.ins):
+                        src = self.by_name[i]
+                        if w == P and (src.kind in ("param", "buffer") or
+                                       (self._placed(src) and P not in self.outs(self.key[i]))):
+                            bad = True
+                            break
+                    if not bad:
+                        ok.append(st)
+                if len(ok) != len(cs):
+                    if not ok:
+                        if self.pins.get(k):
+                            raise InfeasiblePins(f"pinned placement {self.pins[k]} for {_label(nd)} needs a "
+                                                 "partial-sum input that its producer cannot give")
+                        ok = [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
+                    self.cands[k] = ok
+                    changed = True
+
+    # -- costs ------------------------------------------------------------------
+    def nbytes(self, name: str) -> float:
+        return _numel(self.shapes.get(name)) * 4.0
+
+    def node_cost(self, k: str, st: Strategy) -> float:
+        nd = self.by_name[k]
+        c = 3.0 * self.compute(nd, 1.0 / self.n if st.split else 1.0)
+        for kind, nb in st.comm:
+            c += self.comm(kind, nb)
+        for i, w in zip(nd.inputs, st.ins):
+            if w == R and st.split and self.grad.get(i, False):
+                c += self.comm("all_reduce", self.nbytes(i))   # backward of reduce_grad
+        if nd.name == self.graph.output and st.out == P:
+            c += self.comm("all_reduce", 4)
+        return c
+
+    def param_cost(self, k: str, p: str) -> float:
+        return self.param_time(self.by_name[k], p) + MEMORY_EPS * self.nbytes(k) * (1.0 if p == R else 1.0 / self.n)
+
+    def _edges(self) -> None:
+        """(producer decision, consumer decision, input slot) -> multiplicity."""
+        self.edges: dict[tuple[str, str, int], int] = {}
+        for nd in self.graph.nodes:
+            kv = self.key[nd.name]
+            if kv not in self.cands:
+                continue
+            for slot, i in enumerate(nd.inputs):
+                if not self._placed(self.by_name[i]):
+                    continue
+                e = (self.key[i], kv, slot)
+                self.edges[e] = self.edges.get(e, 0) + 1
+
+    def edge_cost(self, u: str, have: str, want: str) -> float:
+        return reshard_time(have, want, self.nbytes(u), self.grad.get(u, False), self.comm)
+
+
+    # -- the program --------------------------------------------------------------
+    def solve(self, memory: MemoryTerms | None, time_limit_s: float) -> AxisSharding:
+        t0 = time.perf_counter()
+        prob = pulp.LpProblem("autopar_axis", pulp.LpMinimize)
+        obj: list = []
+        const = 0.0
+        x: dict[str, list] = {}          # op decision -> one binary per candidate (or [1])
+        xp: dict[str, dict[str, object]] = {}   # param decision -> placement -> binary (or 1)
+        counter = [0]
+
+        def var(prefix: str, cat: str = pulp.LpBinary):
+            counter[0] += 1
+            return pulp.LpVariable(f"{prefix}{counter[0]}", 0, 1, cat)
+
+        for k, cs in self.cands.items():
+            if len(cs) == 1:
+                x[k] = [1]
+            else:
+                x[k] = [var("x") for _ in cs]
+                prob += pulp.lpSum(x[k]) == 1
+        for k, opts in self.pplace.items():
+            if len(opts) == 1:
+                xp[k] = {opts[0]: 1}
+            else:
+                xp[k] = {p: var("p") for p in opts}
+                prob += pulp.lpSum(xp[k].values()) == 1
+
+        def add(coef: float, v) -> None:
+            nonlocal const
+            if coef == 0:
+                return
+            if isinstance(v, int):
+                const += coef * v
+            else:
+                obj.append(coef * v)
+
+        for k, cs in self.cands.items():
+            m = self.mult[k]
+            for st, v in zip(cs, x[k]):
+                add(m * self.node_cost(k, st) * SCALE, v)
+        for k, opts in self.pplace.items():
+            for p, v in xp[k].items():
+                add(self.mult[k] * self.param_cost(k, p) * SCALE, v)
+
+        def out_terms(u: str) -> dict[str, list]:
+            if u in xp:
+                return {p: [v] for p, v in xp[u].items()}
+            if u in x:
+                t: dict[str, list] = {}
+                for st, v in zip(self.cands[u], x[u]):
+                    t.setdefault(st.out, []).append(v)
+                return t
+            return {R: [1]}
+
+        n_edge_vars = 0
+        for (u, v, slot), m in self.edges.items():
+            have = out_terms(u)
+            want: dict[str, list] = {}
+            for st, xv in zip(self.cands[v], x[v]):
+                want.setdefault(st.ins[slot], []).append(xv)
+            cost = {(p, q): self.edge_cost(u, p, q) for p in have for q in want}
+            if all(c == 0 for c in cost.values()):
+                continue
+            if len(have) == 1 or len(want) == 1:
+                for (p, q), c in cost.items():
+                    terms = want[q] if len(have) == 1 else have[p]
+                    for t in terms:
+                        if c == INF:
+                            if not isinstance(t, int):
+                                prob += t == 0
+                            else:
+                                raise InfeasiblePins(f"no placement of {u} can be read as {q}")
+                        else:
+                            add(m * c * SCALE, t)
+                continue
+            ev = {}
+            for (p, q), c in cost.items():
+                if c == INF:
+                    continue
+                e = var("e", pulp.LpContinuous)
+                n_edge_vars += 1
+                ev[p, q] = e
+                add(m * c * SCALE, e)
+            for p, terms in have.items():
+                prob += pulp.lpSum(e for (pp, _), e in ev.items() if pp == p) == pulp.lpSum(terms)
+            for q, terms in want.items():
+                prob += pulp.lpSum(e for (_, qq), e in ev.items() if qq == q) == pulp.lpSum(terms)
+
+        if memory is not None:
+            terms = []
+            for k, opts in self.pplace.items():
+                for p, v in xp[k].items():
+                    b = memory.param(self.by_name[k], p) * self.mult[k]
+                    if b and not isinstance(v, int):
+                        terms.append(b / 2**20 * v)
+                    elif b:
+                        terms.append(b / 2**20)
+            for k, cs in self.cands.items():
+                nd = self.by_name[k]
+                f = memory.group_factor(self.mult[k]) if nd.group is not None else self.mult[k]
+                for st, v in zip(cs, x[k]):
+                    b = memory.saved(nd, st) * f
+                    if b:
+                        terms.append(b / 2**20 * v if not isinstance(v, int) else b / 2**20)
+            prob += pulp.lpSum(terms) <= memory.limit / 2**20
+
+        prob += pulp.lpSum(obj) + const
+        self.build_s = time.perf_counter() - t0
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=1e-7)
+        prob.solve(solver)
+        status = pulp.LpStatus[prob.status]
+        if status not in ("Optimal",):
+            if self.pins and memory is None:
+                raise InfeasiblePins(f"the pinned placements admit no sharding ({status})")
+            raise StrategyError(f"no sharding on this axis satisfies the memory bound of "
+                                f"{memory.limit / 2**30:.3g} GiB ({status})" if memory else
+                                f"the sharding program could not be solved ({status})")
+
+        def chosen(vs: list) -> int:
+            if len(vs) == 1:
+                return 0
+            return max(range(len(vs)), key=lambda j: vs[j].value() or 0.0)
+
+        pick = {k: chosen(x[k]) for k in self.cands}
+        ppick = {k: max(xp[k], key=lambda p: 0.0 if isinstance(xp[k][p], int) else (xp[k][p].value() or 0.0))
+                 if len(xp[k]) > 1 else next(iter(xp[k])) for k in self.pplace}
+        res = AxisSharding(n=self.n)
+        for nd in self.graph.nodes:
+            k = self.key[nd.name]
+            if nd.kind == "input":
+                res.out[nd.name] = R
+            elif k in ppick:
+                res.out[nd.name] = ppick[k]
+            elif k in pick:
+                st = self.cands[k][pick[k]]
+                res.strategy[nd.name] = st
+                res.out[nd.name] = st.out
+        res.out["__output__"] = R
+        res.copied_from = dict(self.copied_from)
+        res.reused_instances = len(self.copied_from)
+        objective = (pulp.value(prob.objective) or 0.0) / SCALE
+        n_vars = sum(len(v) for v in x.values() if len(v) > 1) + \
+            sum(len(v) for v in xp.values() if len(v) > 1) + n_edge_vars
+        decided = [nd for nd in self.graph.nodes if self.key[nd.name] in self.cands or self.key[nd.name] in self.pplace]
+        res.ilp = IlpInfo(nodes=len(decided), decisions=len(self.cands) + len(self.pplace), variables=n_vars,
+                          constraints=len(prob.constraints), build_s=0.0, solve_s=0.0, status=status,
+                          objective_s=objective, shared_instances=sum(1 for nd in self.graph.nodes
+                                                                      if self.key[nd.name] != nd.name),
+                          memory_limited=memory is not None,
+                          members={k: self.mult[k] for k in list(self.cands) + list(self.pplace)})
+        # the runners-up are for --explain: computed when asked for
+        comm, compute, param_time = self.comm, self.compute, self.param_time
+
+        def runners_up() -> dict[str, list[tuple[str, str, float]]]:
+            self.comm, self.compute, self.param_time = comm, compute, param_time
+            return self._runners_up(pick, ppick)
+
+        res.ilp.runners_up_fn = runners_up
+        return res
+
+    def _runners_up(self, pick: dict[str, int], ppick: dict[str, str]) -> dict[str, list[tuple[str, str, float]]]:
+        """Per op decision, the other candidates with the extra time (per
+        microbatch) each would cost if only it changed."""
+        place = dict(ppick)
+        for k, j in pick.items():
+            place[k] = self.cands[k][j].out
+        ins_of: dict[str, list[tuple[str, int, int]]] = {}
+        outs_of: dict[str, list[tuple[str, int, int]]] = {}
+        for (u, v, slot), m in self.edges.items():
+            ins_of.setdefault(v, []).append((u, slot, m))
+            outs_of.setdefault(u, []).append((v, slot, m))
+
+        def local(k: str, st: Strategy) -> float:
+            c = self.mult[k] * self.node_cost(k, st)
+            for u, slot, m in ins_of.get(k, []):
+                c += m * self.edge_cost(u, place.get(u, R), st.ins[slot])
+            for v, slot, m in outs_of.get(k, []):
+                c += m * self.edge_cost(k, st.out, self.cands[v][pick[v]].ins[slot])
+            return c
+
+        out: dict[str, list[tuple[str, str, float]]] = {}
+        for k, cs in self.cands.items():
+            if len(cs) < 2:
+                continue
+            base = local(k, cs[pick[k]])
+            alts = []
+            for j, st in enumerate(cs):
+                if j == pick[k]:
+                    continue
+                d = local(k, st) - base
+                alts.append((st.name, st.out, d if math.isfinite(d) else INF))
+            alts.sort(key=lambda a: a[2])
+            out[k] = alts[:3]
+        return out
+
+
+def _label(nd: Node) -> str:
+    return f"{nd.param or nd.name} ({nd.module or 'root'})" if nd.param else f"{nd.name} ({nd.module or 'root'})"
