@@ -4,6 +4,7 @@
     est   = autopar.evaluate(graph, cluster="dgx-a100-80g", devices=64, strategy="dp=8,tp=8", global_batch=512)
     plan  = autopar.plan(model, example_inputs, cluster="dgx-a100-80g", devices=64, global_batch=512)
     pm    = autopar.parallelize(model, example_inputs, loss_fn=..., optimizer=..., strategy="auto")
+    autopar.shard(model.blocks[0].mlp.fc, weight="S(0)")   # pin a sharding; the search does the rest
 """
 __version__ = "0.1.0"
 
@@ -13,6 +14,7 @@ from .errors import (AutoparError, ClusterError, CompileError, DistributedError,
                      NoFeasibleStrategyError, PlanError, StrategyError, TraceError, UnsupportedError, ZooError)
 from .graph import Graph  # noqa: E402
 from .plan import Plan  # noqa: E402
+from .search.pins import shard  # noqa: E402
 from .search.space import ParallelConfig, parse_strategy  # noqa: E402
 from .trace import trace  # noqa: E402
 
@@ -24,7 +26,7 @@ def parallelize(*args, **kwargs):
 
 
 __all__ = [
-    "trace", "evaluate", "plan", "parallelize", "load_cluster", "Plan", "Graph", "Estimate",
+    "trace", "evaluate", "plan", "parallelize", "shard", "load_cluster", "Plan", "Graph", "Estimate",
     "ParallelConfig", "parse_strategy", "AutoparError", "TraceError", "ZooError", "StrategyError", "PlanError",
     "ClusterError", "NoFeasibleStrategyError", "CompileError", "UnsupportedError", "DistributedError",
 ]

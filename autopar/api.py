@@ -11,11 +11,13 @@ import torch.nn as nn
 import cost_models
 
 from . import __version__
-from .cost import Estimate, Evaluator
+from .cost import Estimate, Evaluator, Sharder
 from .errors import ClusterError, PlanError, StrategyError
 from .graph import Graph
 from .plan import PLAN_VERSION, Plan
-from .search.grid import search_grid
+from .search import pins as _pins
+from .search.grid import _Chooser, search_grid
+from .search.ilp import InfeasiblePins
 from .search.propagate import AxisSharding
 from .search.space import ParallelConfig, parse_strategy
 from .strategies.placement import R
@@ -99,33 +101,104 @@ def _evaluator(graph: Graph, cluster: Any, optimizer: str, precision: str | None
     return cache[key]
 
 
+#: MindSpore's names for the search modes, and ours
+SEARCH_MODES = {
+    "dynamic_programming": "ilp",      # the exact intra-operator ILP (default)
+    "ilp": "ilp",
+    "sharding_propagation": "greedy",  # propagate from the user's pins
+    "recursive_programming": "greedy",  # the fast heuristic for very large graphs
+    "greedy": "greedy",
+    "grid": "grid",                     # the manual (Megatron-style) grid only
+}
+
+
 def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
          strategy: str | ParallelConfig = "auto", optimizer: str = "adamw", precision: str | None = None,
          loss_fn: Callable | None = None, target: Any = None, executable_only: bool = False,
+         search_mode: str | None = None, shardings: dict[str, Any] | None = None,
          progress: Callable[[int, int], None] | None = None) -> Plan:
-    """Choose a strategy (``"auto"``: the best that fits of the dp x tp grid,
-    with microbatches, recompute and ZeRO) or take a manual one, and return
-    the :class:`Plan` with its predictions. ``executable_only`` restricts the
-    search to what :func:`parallelize` can run in this release."""
+    """Choose a strategy and return the :class:`Plan` with its predictions.
+
+    ``strategy="auto"`` searches the mesh (dp x tp), microbatches, recompute
+    and ZeRO; per configuration the tensor-parallel axis is decided per op by
+    ``search_mode``: ``"dynamic_programming"`` (the exact ILP, default),
+    ``"sharding_propagation"`` (propagation from pinned shardings; needs
+    pins), ``"recursive_programming"`` (a fast greedy heuristic) or
+    ``"grid"`` (Megatron-style sharding only). A manual strategy
+    (``"dp=2,tp=4"``) is only evaluated, with Megatron-style placements;
+    given a ``search_mode`` too, the per-op placements on that fixed mesh
+    are searched (MindSpore's semi-automatic mode).
+
+    ``shardings`` pins placements: ``{parameter or module path: placement}``
+    (see :mod:`autopar.search.pins`), merged with :func:`autopar.shard`
+    annotations on ``model``. ``executable_only`` restricts the search to
+    what :func:`parallelize` can run in this release.
+
+    Raises :class:`StrategyError` for an invalid strategy, search mode or
+    pin (two contradicting pins are both named), and
+    :class:`NoFeasibleStrategyError` when nothing fits."""
     t0 = time.perf_counter()
+    if search_mode is None and strategy == "auto":
+        search_mode = "dynamic_programming"
+    if search_mode is not None and search_mode not in SEARCH_MODES:
+        raise StrategyError(f"search_mode {search_mode!r} is invalid; valid: {', '.join(SEARCH_MODES)}")
+    user_pins = {**_pins.annotations(model), **(shardings or {})}
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     ev = _evaluator(graph, cluster, optimizer, precision)
-    with _cluster_errors():
+    pins = _pins.resolve(graph, user_pins, ev.batch.out)
+    if search_mode == "sharding_propagation" and not pins:
+        raise StrategyError("search_mode='sharding_propagation' propagates from pinned shardings, and none were "
+                            "given: pin some with autopar.shard(module, weight='S(0)') or shardings={...}, or use "
+                            "search_mode='dynamic_programming'")
+    info = None
+    with _cluster_errors(), _pin_errors(graph, user_pins):
         ev.cluster.check_devices(devices)
         if strategy == "auto":
-            res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress)
-            est, cfg = res.best, res.best_config
+            mode = SEARCH_MODES[search_mode]
+            res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress,
+                              mode=mode, pins=pins)
+            est, cfg, sharder = res.best, res.best_config, res.best_sharder
             # the search time is not part of the JSON: the same inputs must give the same bytes
-            search = {"mode": "grid", "candidates": res.candidates, "feasible": res.feasible}
+            search = {"mode": search_mode, "candidates": res.candidates, "feasible": res.feasible,
+                      "tp_axis": sharder.mode + ("+memory" if sharder.memory_limit is not None else "")}
+            info = res
         else:
             cfg = _config(strategy, devices)
-            est = ev.evaluate(cfg, global_batch, devices)
-            search = {"mode": "manual"}
-    sh, _ = ev.sharding(cfg, global_batch)
+            if search_mode is None:
+                sharder = Sharder("manual", pins)
+                est = ev.evaluate(cfg, global_batch, devices, sharder)
+                search = {"mode": "manual"}
+            else:    # the mesh is the user's; the per-op placements are searched
+                est, sharder = _Chooser(ev, SEARCH_MODES[search_mode], pins).best(cfg, global_batch, devices,
+                                                                                  float("inf"))
+                search = {"mode": search_mode, "tp_axis": sharder.mode + (
+                    "+memory" if sharder.memory_limit is not None else "")}
+        sh, _ = ev.sharding(cfg, global_batch, sharder)
+    if pins:
+        search["pins"] = {k: p for k, p in zip(_pins.keys(graph, user_pins).values(),
+                                                (dict(pins)[n] for n in _pins.keys(graph, user_pins)))}
+    ilp = getattr(sh, "ilp", None)
+    if ilp is not None:
+        search["ilp"] = {"decisions": ilp.decisions, "nodes": ilp.nodes, "variables": ilp.variables,
+                         "constraints": ilp.constraints}
     p = build_plan(graph, ev, cfg, est, sh, global_batch, devices, search)
     p.planning_time_s = time.perf_counter() - t0
     p.graph = graph
+    p.search_result = info
+    p.tp_sharding = sh
     return p
+
+
+@contextlib.contextmanager
+def _pin_errors(graph: Graph, user_pins: dict[str, Any]):
+    """Name the user's keys in errors about pinned nodes."""
+    try:
+        yield
+    except InfeasiblePins as e:
+        if not e.nodes:
+            raise
+        names = _pins.keys(graph, user_pins)
+        raise StrategyError(f"pin {' and '.join(repr(names.get(n, n)) for n in e.nodes)}: {e}") from None
 
 
 def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,

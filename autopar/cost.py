@@ -32,7 +32,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .search.ilp import MemoryTerms, solve_axis
+from .search.ilp import InfeasiblePins, MemoryTerms, solve_axis
 from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
@@ -213,6 +213,10 @@ class Evaluator:
             self._shapes_cache[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self._shapes_cache[skey]
         if key not in self._tp_cache:
+            shard_pins = [n for n, p in sharder.pins if is_shard(p)]
+            if cfg.tp == 1 and shard_pins:
+                raise InfeasiblePins(f"a Shard pin ({shard_pins[0]}) needs a tensor-parallel axis (tp > 1)",
+                                     (shard_pins[0],))
             if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
                 # one device on the axis: every choice is the same
                 self._tp_cache[key] = self.sharding(cfg, global_batch)[0]
@@ -235,8 +239,14 @@ class Evaluator:
                                                  memory=memory)
             else:
                 weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
-                self._tp_cache[key] = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
-                                                itemsize=4, memory_weight=weight, pins=pins)
+                res = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                                itemsize=4, memory_weight=weight, pins=pins)
+                for name, p in pins.items():
+                    if res.out.get(name, R) != p:
+                        raise InfeasiblePins(f"pinned placement {p} of {name} cannot be kept on a tensor-parallel "
+                                             f"axis of size {cfg.tp}: no strategy of the ops around it allows it "
+                                             f"(the propagation gave {res.out.get(name, R)})", (name,))
+                self._tp_cache[key] = res
         return self._tp_cache[key], shapes
 
     def _param_time(self, cfg: ParallelConfig, topo: MeshTopology):

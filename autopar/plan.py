@@ -217,6 +217,17 @@ class Plan:
                                    f"{s.get('feasible', 0)} fit{took}"))
         else:
             rows.append(("search", s["mode"]))
+        if s.get("tp_axis"):
+            rows.append(("tp placements", {"ilp": "per op, ILP", "ilp+memory": "per op, ILP under the memory bound",
+                                           "greedy": "per op, greedy propagation",
+                                           "manual": "Megatron-style (every splittable weight split)"}
+                         .get(s["tp_axis"], s["tp_axis"])))
+        if s.get("ilp"):
+            i = s["ilp"]
+            rows.append(("ILP", f"{i['decisions']} decisions for {i['nodes']} nodes, {i['variables']} variables, "
+                                f"{i['constraints']} constraints"))
+        if s.get("pins"):
+            rows.append(("pinned", ", ".join(f"{k}={v}" for k, v in s["pins"].items())))
         for k, v in rows:
             t.add_row(k, v)
         with open(os.devnull, "w") as sink:

@@ -47,7 +47,7 @@ def test_plan_json_is_only_json_and_uses_all_devices():
     d = json.loads(res.stdout)       # nothing but the plan on stdout
     p = d["parallel"]
     assert p["dp"] * p["tp"] * p["pp"] == 4
-    assert d["devices"] == 4 and d["search"]["mode"] == "grid"
+    assert d["devices"] == 4 and d["search"]["mode"] == "dynamic_programming"
 
 
 def test_plan_executable_only_excludes_zero_and_recompute():

@@ -143,7 +143,7 @@ def test_gpt3_auto_plan_on_1024_a100():
     assert p.parallel["dp"] * p.parallel["tp"] == 1024
     assert 1536 % (p.parallel["dp"] * p.parallel["microbatches"]) == 0
     assert p.predicted["peak_memory_bytes"] <= p.predicted["device_memory_bytes"]
-    assert p.data["search"]["mode"] == "grid" and p.data["search"]["feasible"] >= 1
+    assert p.data["search"]["mode"] == "dynamic_programming" and p.data["search"]["feasible"] >= 1
     assert p.data["model"]["num_params"] == pytest.approx(175e9, rel=0.01)
 
 

@@ -148,7 +148,7 @@ def test_summary(gpt_plan):
 def test_summary_auto_search():
     p = autopar.plan(GPT, cluster="cpu", devices=2, global_batch=4)
     s = p.summary()
-    assert "grid" in s and "candidates evaluated" in s
+    assert "dynamic_programming" in s and "candidates evaluated" in s and "tp placements" in s
     assert p.strategy in s
 
 

@@ -49,7 +49,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
                 optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
                 strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
-                seed_broadcast: bool = True) -> "ParallelModule":
+                seed_broadcast: bool = True, search_mode: str | None = None,
+                shardings: dict[str, Any] | None = None) -> "ParallelModule":
     """Parallelize ``model`` over the current process group and return a
     :class:`ParallelModule`.
 
@@ -63,6 +64,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
       a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
     * ``cluster``: preset name or cluster file for the predictions (default:
       the machine this runs on).
+    * ``search_mode`` and ``shardings`` (pins; :func:`autopar.shard`
+      annotations on ``model`` count too): as for :func:`autopar.plan`. With a
+      manual strategy and a ``search_mode``, the per-op placements on that
+      mesh are searched.
 
     The process group is created from the torchrun environment when none
     exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
@@ -88,6 +93,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     # shard: the global batch is that times dp, known once dp is.
     graph = trace(model, inputs, loss_fn=loss_fn, target=example_target)
     batch = graph.batch_size
+    from ..search import pins as _pins
+    pins = {**_pins.annotations(model), **(shardings or {})}
     if plan_obj is not None:
         plan_obj.check_model(graph.fingerprint, type(model).__name__)
         cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
@@ -102,11 +109,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
             if not full_batch and global_batch is None:
                 raise StrategyError("strategy='auto' with full_batch=False needs global_batch=")
             plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch,
-                                executable_only=True)
+                                executable_only=True, search_mode=search_mode, shardings=pins)
         else:
             plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch
                                 if full_batch else batch * _dp_of(str(strategy), world),
-                                strategy=str(strategy))
+                                strategy=str(strategy), search_mode=search_mode, shardings=pins)
         cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
                                 ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")})
         gbatch = plan_obj.data["global_batch"]

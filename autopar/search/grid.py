@@ -28,6 +28,7 @@ from typing import Callable
 
 from ..cost import MANUAL, MEMORY_HEADROOM, Estimate, Evaluator, Sharder, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
+from .ilp import InfeasiblePins
 from .space import ParallelConfig, divisors
 
 MODES = ("grid", "ilp", "greedy")
@@ -144,9 +145,14 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
     evaluated, feasible = 0, []
     closest: Estimate | None = None
     bound = float("inf")
+    pin_error: InfeasiblePins | None = None
     for k, line in enumerate(lines):
         for cfg in line:
-            est, sh = chooser.best(cfg, global_batch, devices, bound)
+            try:
+                est, sh = chooser.best(cfg, global_batch, devices, bound)
+            except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
+                pin_error = pin_error or e
+                break
             evaluated += 1
             if est.fits:
                 feasible.append((est, cfg, sh))
@@ -156,6 +162,8 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
                 closest = est
         if progress:
             progress(k + 1, len(lines))
+    if not feasible and closest is None and pin_error is not None:
+        raise pin_error
     if not feasible:
         assert closest is not None
         raise NoFeasibleStrategyError(

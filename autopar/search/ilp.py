@@ -49,7 +49,12 @@ MEMORY_EPS = 1e-15   # s per byte of weight: among equal times, prefer the small
 
 
 class InfeasiblePins(StrategyError):
-    """The pinned placements admit no assignment (raised with the pins named)."""
+    """The pinned placements admit no assignment. ``nodes`` names the pinned
+    nodes at fault (one that no strategy allows, or two that contradict)."""
+
+    def __init__(self, message: str, nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.nodes = nodes
 
 
 @dataclass
@@ -119,10 +124,39 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     prob.comm, prob.compute = comm, compute
     prob.param_time = param_time or (lambda nd, p: 0.0)
     build = time.perf_counter() - t0
-    res = prob.solve(memory, time_limit_s)
+    try:
+        res = prob.solve(memory, time_limit_s)
+    except InfeasiblePins:
+        pair = find_conflict(graph, n, shapes, pins) if len(pins) > 1 else None
+        if pair is None:
+            raise
+        a, b = pair
+        raise InfeasiblePins(f"the pinned placements of {_label(prob.by_name[a])} ({pins[a]}) and "
+                             f"{_label(prob.by_name[b])} ({pins[b]}) contradict on a tensor-parallel axis of "
+                             f"size {n}: no sharding of the ops between them satisfies both", (a, b)) from None
     res.ilp.build_s = build + prob.build_s
     res.ilp.solve_s = time.perf_counter() - t0 - build - prob.build_s
     return res
+
+
+def find_conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> tuple[str, str] | None:
+    """Two pins that cannot hold together (the first such pair in pin order),
+    or None. Each check is a feasibility ILP with all costs zero."""
+    def feasible(sub: dict[str, str]) -> bool:
+        try:
+            prob = _Problem(graph, n, shapes, sub)
+            prob.comm, prob.compute, prob.param_time = (lambda k, b: 0.0), (lambda nd, f: 0.0), (lambda nd, p: 0.0)
+            prob.solve(None, 30.0)
+            return True
+        except InfeasiblePins:
+            return False
+
+    names = list(pins)
+    for i, b in enumerate(names):
+        for a in names[:i]:
+            if not feasible({a: pins[a], b: pins[b]}):
+                return a, b
+    return None
 
 
 class _Problem:
@@ -180,7 +214,7 @@ class _Problem:
                 if not cs:
                     raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
                                          f"produce on an axis of size {n}; it can produce: "
-                                         f"{', '.join(sorted({s.out for s in candidates(ctx)}))}")
+                                         f"{', '.join(sorted({s.out for s in candidates(ctx)}))}", (nd.name,))
             if not cs:
                 cs = [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
             self.cands[nd.name] = cs
@@ -195,7 +229,7 @@ class _Problem:
                     if pin not in opts:
                         raise InfeasiblePins(f"pinned placement {pin} for parameter {_label(nd)} is read by no "
                                              f"strategy of its consumers on an axis of size {n}; possible: "
-                                             f"{', '.join(opts)}")
+                                             f"{', '.join(opts)}", (nd.name,))
                     opts = [pin]
                 self.pplace[nd.name] = opts
         self._prune()
@@ -229,7 +263,7 @@ class _Problem:
                     if not ok:
                         if self.pins.get(k):
                             raise InfeasiblePins(f"pinned placement {self.pins[k]} for {_label(nd)} needs a "
-                                                 "partial-sum input that its producer cannot give")
+                                                 "partial-sum input that its producer cannot give", (k,))
                         ok = [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
                     self.cands[k] = ok
                     changed = True

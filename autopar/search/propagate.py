@@ -87,7 +87,8 @@ CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
 
 
 def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placement: Callable[[Node], str],
-           cost: CostFn, output_placement: str | None, pins: dict[str, str] | None = None) -> AxisSharding:
+           cost: CostFn, output_placement: str | None, pins: dict[str, str] | None = None,
+           batch_axis: bool = False) -> AxisSharding:
     res = AxisSharding(n=n)
     pins = pins or {}
     inst = _instances(graph)
@@ -112,7 +113,7 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
             return
         ins_cur = [res.out.get(i) for i in nd.inputs]  # None: unplaced parameter
         ctx = Ctx(nd, [shapes.get(i) for i in nd.inputs], [by_name[i].kind for i in nd.inputs],
-                  shapes.get(nd.name), n, 4)
+                  shapes.get(nd.name), n, 4, batch_axis)
         best, best_cost = None, INF
         pin = pins.get(nd.name)
         for st in candidates(ctx):
@@ -198,7 +199,7 @@ def track_batch(graph: Graph) -> AxisSharding:
             return INF
         return c
 
-    res = _solve(graph, 1, shapes, inp, cost, None)
+    res = _solve(graph, 1, shapes, inp, cost, None, batch_axis=True)
     graph._batch_sharding = res  # type: ignore[attr-defined]
     return res
 

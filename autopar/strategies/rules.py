@@ -48,6 +48,7 @@ class Ctx:
     out: Shape | None
     n: int
     itemsize: int = 4
+    batch_axis: bool = False    # the data-parallel axis (per-replica statistics are accepted there)
 
     def div(self, shape: Shape | None, d: int) -> bool:
         return shape is not None and 0 <= d < len(shape) and shape[d] % self.n == 0 and shape[d] >= self.n
@@ -189,11 +190,13 @@ def _norm(ctx: Ctx) -> list[Strategy]:
 
 
 def _batchnorm(ctx: Ctx) -> list[Strategy]:
-    """batch_norm(x, running_mean, running_var, weight, bias): channels exactly,
-    batch with per-replica statistics (what DDP does without SyncBatchNorm)."""
+    """batch_norm(x, running_mean, running_var, weight, bias): channels exactly;
+    batch only on the data-parallel axis, with per-replica statistics (what
+    DDP does without SyncBatchNorm). On a tensor-parallel axis a batch split
+    would change the result, so it is not offered there."""
     x = ctx.ins[0]
     out = _replicated(ctx)
-    if ctx.div(x, 0):
+    if ctx.div(x, 0) and ctx.batch_axis:
         out.append(Strategy("batch", (S(0),) + (R,) * (len(ctx.ins) - 1), S(0), True))
     if ctx.div(x, 1):
         out.append(Strategy("channels", (S(1),) + (S(0),) * (len(ctx.ins) - 1), S(1), True))
