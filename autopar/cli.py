@@ -162,6 +162,48 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Automatic parallelization planner for PyTorch."""
 
 
+def _dur(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def _print_explain(p) -> None:
+    from .explain import explain as why
+    e = why(p)
+    s = e["search"]
+    line = f"search: {s['mode']}"
+    if "ilp_solves" in s:
+        line += (f", {s.get('candidates', 0)} configurations, {s['ilp_solves']} ILP solves in {s['ilp_time_s']:.3g} s"
+                 f"; best placements per configuration came from {s['best_plan_per_config_from']}")
+    out.print(escape(line))
+    if e.get("configs"):
+        t = Table(title="best configurations", title_justify="left")
+        for c in ("strategy", "step time", "vs best", "peak memory"):
+            t.add_column(c)
+        best = e["configs"][0]["step_time_s"]
+        for c in e["configs"]:
+            t.add_row(c["strategy"], _dur(c["step_time_s"]), f"{c['step_time_s'] / best:.3f}x",
+                      f"{c['peak_memory_gib']:.3g} GiB")
+        out.print(t)
+    if e.get("ilp"):
+        i = e["ilp"]
+        out.print(f"ILP of the chosen configuration: {i['decisions']} decisions for {i['nodes']} nodes "
+                  f"(repeated layers share theirs), {i['variables']} variables, {i['constraints']} constraints; "
+                  f"built in {i['build_s'] * 1e3:.3g} ms, solved in {i['solve_s'] * 1e3:.3g} ms ({i['status']})"
+                  + (", under the memory bound" if i["memory_bound"] else ""))
+    for label, g in e["groups"].items():
+        t = Table(title=label, title_justify="left")
+        for c in ("op", "module", "chosen", "runners-up (extra time per step)"):
+            t.add_column(c)
+        for r in g["ops"]:
+            alts = ", ".join(f"{a['strategy']}->{a['out']} +{_dur(a['extra_s_per_step'])}"
+                             if a["extra_s_per_step"] != float("inf") else f"{a['strategy']} (infeasible)"
+                             for a in r.get("runners_up", []))
+            t.add_row(f"{r['node']} [{r['kind']}]", r["module"], f"{r['strategy']} -> {r['out']}", escape(alts))
+        out.print(t)
+    if e.get("note"):
+        out.print(escape(e["note"]))
+
+
 @app.command()
 def plan(
     model: str = typer.Argument(..., help=MODEL_HELP),
@@ -176,11 +218,28 @@ def plan(
                                          help="Search only what autopar.parallelize can run today "
                                               "(no recompute, no ZeRO)."),
     out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the plan JSON to this file."),
+    search_mode: Optional[str] = typer.Option(
+        None, "--search-mode", "-m",
+        help="How per-op placements are searched: dynamic_programming (the ILP; default with --strategy auto), "
+             "sharding_propagation (from --pin), recursive_programming (fast greedy), grid (Megatron-style only). "
+             "With a manual --strategy, searches the placements on that mesh."),
+    pin: Optional[list[str]] = typer.Option(
+        None, "--pin", help="Pin a placement on the tensor-parallel axis, e.g. 'blocks.0.mlp.fc.weight=S(0)' "
+                            "or 'blocks.0.attn=R' (a module's output). Repeatable."),
+    explain: bool = typer.Option(False, "--explain",
+                                 help="Show why: per layer group the chosen placements and the runners-up with "
+                                      "their predicted cost, the best configurations, the ILP's size and time."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan as make_plan
     _check_options(optimizer, precision)
+    shardings = {}
+    for item in pin or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            _fail(f"--pin {item!r}: expected NAME=PLACEMENT, e.g. blocks.0.mlp.fc.weight=S(0)")
+        shardings[key.strip()] = value.strip()
     graph = _load_graph(model, quiet=as_json)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":
@@ -195,19 +254,27 @@ def plan(
 
                 p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                               strategy="auto", optimizer=optimizer, precision=precision,
-                              executable_only=executable_only, progress=tick)
+                              executable_only=executable_only, progress=tick, search_mode=search_mode,
+                              shardings=shardings)
         else:
             p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
-                          strategy=strategy, optimizer=optimizer, precision=precision)
+                          strategy=strategy, optimizer=optimizer, precision=precision, search_mode=search_mode,
+                          shardings=shardings)
     if out_path is not None:
         try:
             p.save(out_path)
         except OSError as e:
             _fail(f"cannot write the plan to {str(out_path)!r}: {e.strerror or e}")
     if as_json:
-        sys.stdout.write(p.to_json())
+        if explain:
+            from .explain import explain as why
+            sys.stdout.write(json.dumps({"plan": p.to_dict(), "explain": why(p)}, indent=1, default=float))
+        else:
+            sys.stdout.write(p.to_json())
         return
     typer.echo(p.summary().rstrip("\n"))
+    if explain:
+        _print_explain(p)
     if out_path is not None:
         out.print(f"plan written to [bold]{escape(str(out_path))}[/]  (inspect it with `autopar show "
                   f"{escape(str(out_path))}`)")
@@ -269,9 +336,15 @@ def show(
     with _errors():
         p = Plan.load(path)
     if as_json:
-        sys.stdout.write(p.to_json())
+        if explain:
+            from .explain import explain as why
+            sys.stdout.write(json.dumps({"plan": p.to_dict(), "explain": why(p)}, indent=1, default=float))
+        else:
+            sys.stdout.write(p.to_json())
         return
     typer.echo(p.summary().rstrip("\n"))
+    if explain:
+        _print_explain(p)
     axes = p.data["mesh"]["axes"]
     params: dict[str, list[str]] = p.data["params"]
 
