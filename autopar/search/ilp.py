@@ -118,21 +118,22 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     # the pins only: the search re-solves it under many cost models
     cache = graph.__dict__.setdefault("_ilp_structures", {})
     skey = (n, id(shapes), tuple(sorted(pins.items())))
-    prob = cache.get(skey)
-    if prob is None or prob.shapes is not shapes:
-        prob = cache[skey] = _Problem(graph, n, shapes, pins)
-    prob.comm, prob.compute = comm, compute
-    prob.param_time = param_time or (lambda nd, p: 0.0)
-    build = time.perf_counter() - t0
     try:
+        prob = cache.get(skey)
+        if prob is None or prob.shapes is not shapes:
+            prob = cache[skey] = _Problem(graph, n, shapes, pins)
+        prob.comm, prob.compute = comm, compute
+        prob.param_time = param_time or (lambda nd, p: 0.0)
+        build = time.perf_counter() - t0
         res = prob.solve(memory, time_limit_s)
     except InfeasiblePins:
         pair = find_conflict(graph, n, shapes, pins) if len(pins) > 1 else None
         if pair is None:
             raise
         a, b = pair
-        raise InfeasiblePins(f"the pinned placements of {_label(prob.by_name[a])} ({pins[a]}) and "
-                             f"{_label(prob.by_name[b])} ({pins[b]}) contradict on a tensor-parallel axis of "
+        by_name = {nd.name: nd for nd in graph.nodes}
+        raise InfeasiblePins(f"the pinned placements of {_label(by_name[a])} ({pins[a]}) and "
+                             f"{_label(by_name[b])} ({pins[b]}) contradict on a tensor-parallel axis of "
                              f"size {n}: no sharding of the ops between them satisfies both", (a, b)) from None
     res.ilp.build_s = build + prob.build_s
     res.ilp.solve_s = time.perf_counter() - t0 - build - prob.build_s
@@ -152,6 +153,8 @@ def find_conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> t
             return False
 
     names = list(pins)
+    if not all(feasible({a: pins[a]}) for a in names):
+        return None     # one pin is wrong on its own: its own error says so
     for i, b in enumerate(names):
         for a in names[:i]:
             if not feasible({a: pins[a], b: pins[b]}):

@@ -1,0 +1,207 @@
+"""The intra-operator ILP, the search modes and the pins."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar.api import _evaluator, as_graph
+from autopar.cost import MANUAL, Sharder
+from autopar.search.grid import _Chooser, grid_configs, search_grid
+from autopar.search.ilp import InfeasiblePins, find_conflict
+from autopar.search.space import ParallelConfig
+
+GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
+LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
+MLP = "mlp:layers=3,inp=32,hidden=64,classes=8"
+CNN = "cnn:layers=2,channels=8,image=8,classes=4"
+GPT3 = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+
+_graphs: dict = {}
+
+
+def graph(spec: str):
+    if spec not in _graphs:
+        _graphs[spec] = as_graph(spec)
+    return _graphs[spec]
+
+
+ILP = Sharder("ilp")
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA, MLP, CNN])
+@pytest.mark.parametrize("cluster", ["cpu", "dgx-h100"])
+def test_ilp_never_slower_than_megatron_on_any_config(spec, cluster):
+    """The manual (Megatron-style) placements are one point of the ILP, so its
+    optimum, evaluated by the same cost model, is never slower."""
+    g = graph(spec)
+    ev = _evaluator(g, cluster, "adamw", None)
+    for line in grid_configs(ev, 4, 8):
+        for cfg in line:
+            a = ev.evaluate(cfg, 8, 4, ILP).step_time_s
+            b = ev.evaluate(cfg, 8, 4, MANUAL).step_time_s
+            assert a <= b * (1 + 1e-6), (cfg.to_string(), a, b)
+
+
+def test_ilp_strictly_better_where_per_op_freedom_helps():
+    # a tiny GPT on 4 CPU processes: tp=4 Megatron pays a collective per block for
+    # matmuls too small to be worth splitting; the ILP replicates most of them
+    ev = _evaluator(graph(GPT), "cpu", "adamw", None)
+    cfg = ParallelConfig(tp=4)
+    a, b = ev.evaluate(cfg, 8, 4, ILP), ev.evaluate(cfg, 8, 4, MANUAL)
+    assert a.step_time_s < 0.95 * b.step_time_s
+    assert a.tp_comm_time_s < b.tp_comm_time_s
+
+
+def test_gpt3_ilp_on_the_chosen_mesh_is_megatron():
+    # for GPT-3 on A100 nodes the Megatron pattern is optimal: the ILP finds it
+    ev = _evaluator(graph(GPT3), "dgx-a100-80g", "adamw", None)
+    cfg = ParallelConfig(dp=128, tp=8, microbatches=12, zero=1)
+    sh, _ = ev.sharding(cfg, 1536, ILP)
+    names = {nd.module.removeprefix("model."): sh.strategy[nd.name].name
+             for nd in ev.graph.nodes if nd.kind == "linear" and nd.group == "model.blocks.5"}
+    assert names == {"blocks.5.attn.q": "colwise", "blocks.5.attn.k": "colwise", "blocks.5.attn.v": "colwise",
+                     "blocks.5.attn.o": "rowwise", "blocks.5.mlp.fc": "colwise", "blocks.5.mlp.proj": "rowwise"}
+
+
+def test_repeated_layers_share_variables():
+    sizes = {}
+    for layers in (4, 24):
+        g = as_graph(f"gpt:layers={layers},hidden=256,heads=8,seq=64,vocab=512")
+        ev = _evaluator(g, "dgx-a100-80g", "adamw", None)
+        sh, _ = ev.sharding(ParallelConfig(dp=2, tp=4), 8, ILP)
+        sizes[layers] = (sh.ilp.decisions, sh.ilp.variables, sh.ilp.constraints)
+        assert sh.ilp.nodes > sh.ilp.decisions
+        # every instance got the decisions of the first one
+        first = [sh.strategy.get(nd.name) for nd in g.nodes if nd.group == g.groups[0].instances[0]]
+        last = [sh.strategy.get(nd.name) for nd in g.nodes if nd.group == g.groups[0].instances[-1]]
+        assert first == last
+    assert sizes[4] == sizes[24]
+
+
+def test_memory_bound_trades_time_for_memory():
+    g = graph(GPT)
+    ev0 = _evaluator(g, "cpu", "adamw", None)
+    cfg = ParallelConfig(tp=4)
+    fast, megatron = ev0.evaluate(cfg, 8, 4, ILP), ev0.evaluate(cfg, 8, 4, MANUAL)
+    assert fast.peak_memory_bytes > megatron.peak_memory_bytes
+    # a device whose memory holds the Megatron plan but not the time-optimal one
+    spec = ev0.cluster
+    cap = (fast.peak_memory_bytes + megatron.peak_memory_bytes) / 2 / 0.9
+    small = dataclasses.replace(spec, name="cpu-small", device=dataclasses.replace(spec.device, memory_bytes=int(cap)))
+    ev = _evaluator(g, small, "adamw", None)
+    est, sharder = _Chooser(ev, "ilp", ()).best(cfg, 8, 4, float("inf"))
+    assert est.fits
+    assert est.step_time_s <= ev.evaluate(cfg, 8, 4, MANUAL).step_time_s * (1 + 1e-6)
+    assert sharder.mode in ("ilp", "manual")
+    if sharder.mode == "ilp":
+        assert sharder.memory_limit is not None
+
+
+def test_search_modes_and_never_worse_than_grid():
+    g = graph(LLAMA)
+    times = {}
+    for mode in ("grid", "ilp", "greedy"):
+        ev = _evaluator(g, "cpu", "adamw", None)
+        res = search_grid(ev, 4, 8, mode=mode)
+        times[mode] = res.best.step_time_s
+    assert times["ilp"] <= times["grid"] * (1 + 1e-9)
+    assert times["greedy"] <= times["grid"] * (1 + 1e-9)
+    with pytest.raises(autopar.StrategyError, match="search mode"):
+        search_grid(_evaluator(g, "cpu", "adamw", None), 4, 8, mode="simulated_annealing")
+
+
+def test_plan_search_mode_names():
+    for mode in ("dynamic_programming", "recursive_programming", "grid"):
+        p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, search_mode=mode)
+        assert p.data["search"]["mode"] == mode
+    with pytest.raises(autopar.StrategyError, match="valid: dynamic_programming"):
+        autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, search_mode="exhaustive")
+    with pytest.raises(autopar.StrategyError, match="none were given"):
+        autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, search_mode="sharding_propagation")
+    # a manual mesh with a search mode: the placements on that mesh are searched
+    p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
+                     search_mode="dynamic_programming")
+    assert p.parallel["tp"] == 4 and p.data["search"]["tp_axis"].startswith("ilp")
+    m = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4")
+    assert p.predicted["step_time_s"] < m.predicted["step_time_s"]
+
+
+# ------------------------------------------------------------------ pins
+@pytest.mark.parametrize("mode", ["dynamic_programming", "sharding_propagation"])
+def test_pins_are_kept(mode):
+    pins = {"blocks.0.mlp.fc.weight": "Shard(1)", "blocks.1.attn.q.weight": "R", "blocks.0.attn": "S(1)"}
+    p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, search_mode=mode, shardings=pins)
+    assert p.parallel["tp"] > 1       # a Shard pin needs a tensor-parallel axis
+    assert p.data["params"]["model.blocks.0.mlp.fc.weight"][1] == "S(1)"
+    assert p.data["params"]["model.blocks.1.attn.q.weight"][1] == "R"
+    assert p.data["search"]["pins"] == {"blocks.0.mlp.fc.weight": "S(1)", "blocks.1.attn.q.weight": "R",
+                                        "blocks.0.attn": "S(1)"}
+    out = [n for n, e in p.data["ops"].items() if n == "add_8"]    # blocks.0.attn's output (o-projection bias add)
+    assert out and p.data["ops"]["add_8"]["out"][1] == "S(1)"
+
+
+def test_shard_annotation_on_module():
+    import autopar.zoo as zoo
+    z = zoo.build(GPT, batch=8)
+    autopar.shard(z.model.blocks[1].mlp.proj, weight="S(0)")
+    p = autopar.plan(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, cluster="cpu",
+                     devices=4, global_batch=8)
+    assert p.data["params"]["model.blocks.1.mlp.proj.weight"][1] == "S(0)"
+    with pytest.raises(autopar.StrategyError, match="has no parameter 'wieght'"):
+        autopar.shard(z.model.blocks[1].mlp.proj, wieght="S(0)")
+
+
+def test_bad_pins_are_named():
+    def plan(pins, **kw):
+        return autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, shardings=pins, **kw)
+
+    with pytest.raises(autopar.StrategyError, match="pin 'blocks.9.mlp.fc.weight': no parameter"):
+        plan({"blocks.9.mlp.fc.weight": "S(0)"})
+    with pytest.raises(autopar.StrategyError, match="dim 2 is out of range"):
+        plan({"blocks.0.mlp.fc.weight": "S(2)"})
+    with pytest.raises(autopar.StrategyError, match="partial sum cannot be pinned"):
+        plan({"blocks.0.mlp.fc.weight": "P"})
+    with pytest.raises(autopar.StrategyError, match="cannot read placement"):
+        plan({"blocks.0.mlp.fc.weight": "Sh(0)"})
+    with pytest.raises(autopar.StrategyError, match="data-parallel axis places this tensor as R"):
+        plan({"blocks.0.mlp.fc.weight": ("S(0)", "S(0)")})
+    # a placement no strategy of the op can produce, on every tp size
+    with pytest.raises(autopar.StrategyError, match="pin 'blocks.0.ln_1'"):
+        plan({"blocks.0.ln_1": "S(2)"}, strategy="dp=2,tp=2", search_mode="dynamic_programming")
+
+
+def test_contradicting_pins_on_a_tied_weight_name_both():
+    with pytest.raises(autopar.StrategyError, match=r"pins 'wte.weight' \(S\(0\)\) and 'lm_head.weight' "
+                                                    r"\(S\(1\)\) contradict"):
+        autopar.plan(GPT + ",tie=1", cluster="cpu", devices=4, global_batch=8,
+                     shardings={"wte.weight": "S(0)", "lm_head.weight": "S(1)"})
+
+
+def test_find_conflict_names_the_pair():
+    g = graph(GPT)
+    ev = _evaluator(g, "cpu", "adamw", None)
+    _, shapes = ev.sharding(ParallelConfig(dp=2, tp=2), 8)
+    # the sum of the two embeddings is a partial sum only if both lookups are
+    # (vocabulary-parallel); pinning one replicated contradicts that
+    pins = {"linear_3": "R", "embedding": "R", "add": "P"}
+    assert find_conflict(g, 2, shapes, pins) == ("embedding", "add")
+    with pytest.raises(InfeasiblePins, match="contradict") as e:
+        ev.sharding(ParallelConfig(dp=2, tp=2), 8, Sharder("ilp", tuple(pins.items())))
+    assert e.value.nodes == ("embedding", "add")
+
+
+def test_explain_lists_groups_and_runners_up():
+    from autopar.explain import explain
+    p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
+                     search_mode="dynamic_programming")
+    e = explain(p)
+    assert e["ilp"]["variables"] > 0 and e["ilp"]["status"] == "Optimal"
+    groups = e["groups"]
+    assert "outside repeated layers" in groups and any(k.startswith("model.blocks.*") for k in groups)
+    rows = [r for g in groups.values() for r in g["ops"]]
+    assert any(r["kind"] == "linear" and r["runners_up"] for r in rows)
+    assert all(a["extra_s_per_step"] >= -1e-12 for r in rows for a in r.get("runners_up", []))
+    with pytest.raises(autopar.PlanError, match="made in this process"):
+        explain(autopar.Plan.from_dict(p.to_dict()))
