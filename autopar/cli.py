@@ -336,15 +336,9 @@ def show(
     with _errors():
         p = Plan.load(path)
     if as_json:
-        if explain:
-            from .explain import explain as why
-            sys.stdout.write(json.dumps({"plan": p.to_dict(), "explain": why(p)}, indent=1, default=float))
-        else:
-            sys.stdout.write(p.to_json())
+        sys.stdout.write(p.to_json())
         return
     typer.echo(p.summary().rstrip("\n"))
-    if explain:
-        _print_explain(p)
     axes = p.data["mesh"]["axes"]
     params: dict[str, list[str]] = p.data["params"]
 

@@ -172,6 +172,7 @@ class Evaluator:
         self._tp_cache: dict[tuple, AxisSharding] = {}
         self._shapes_cache: dict[tuple, dict] = {}
         self._sums_cache: dict[tuple, tuple] = {}
+        self._params_cache: dict[tuple, tuple[float, int]] = {}
         self.params = {nd.name: nd for nd in graph.nodes if nd.kind in ("param", "buffer")}
 
     # -- pieces ---------------------------------------------------------------
@@ -329,15 +330,7 @@ class Evaluator:
         tp_comm_total = m * tp_comm
 
         # model states
-        local_params = 0.0
-        n_tensors = 0
-        for name, nd in self.params.items():
-            info = g.params.get(nd.param)
-            if info is None or info.is_buffer or not info.requires_grad:
-                continue
-            n_tensors += 1
-            p = sh.out.get(name, R)
-            local_params += info.numel / (tp if is_shard(p) else 1)
+        local_params, n_tensors = self._local_params(sh, tp)
         states = model_state_bytes(int(local_params), self.optimizer, self.precision)
         states = zero_sharded_state_bytes(states, dp, cfg.zero)
         grad_bytes = local_params * isz
@@ -368,6 +361,22 @@ class Evaluator:
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(),
         )
+
+    def _local_params(self, sh: AxisSharding, tp: int) -> tuple[float, int]:
+        """Trainable parameter elements per device on the tp axis, and tensors."""
+        key = (id(sh), tp)
+        hit = self._params_cache.get(key)
+        if hit is not None:
+            return hit
+        local, n = 0.0, 0
+        for name, nd in self.params.items():
+            info = self.graph.params.get(nd.param)
+            if info is None or info.is_buffer or not info.requires_grad:
+                continue
+            n += 1
+            local += info.numel / (tp if is_shard(sh.out.get(name, R)) else 1)
+        self._params_cache[key] = (local, n)
+        return local, n
 
     def _microbatch_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                          local_batch: float) -> tuple:

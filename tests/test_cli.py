@@ -129,3 +129,22 @@ def test_python_dash_m_autopar():
     res = subprocess.run([sys.executable, "-m", "autopar", "--version"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == f"autopar {autopar.__version__}"
+
+
+def test_plan_explain_pins_and_search_mode():
+    res = ok("plan", TINY, *WHERE, "--strategy", "dp=2,tp=2", "--search-mode", "dynamic_programming",
+             "--pin", "blocks.0.mlp.fc.weight=S(1)", "--explain")
+    text = " ".join(res.stdout.split())
+    assert "ILP of the chosen configuration" in text and "runners-up" in text
+    assert "model.blocks.*" in text and "pinned" in text and "blocks.0.mlp.fc.weight=S(1)" in text
+    d = json.loads(ok("plan", TINY, *WHERE, "--explain", "--json").stdout)
+    assert d["plan"]["search"]["mode"] == "dynamic_programming" and d["explain"]["configs"]
+    assert "ilp_solves" in d["explain"]["search"]
+    g = json.loads(ok("plan", TINY, *WHERE, "--search-mode", "grid", "--json").stdout)
+    assert g["search"]["tp_axis"] == "manual"
+
+
+def test_plan_bad_pins_and_modes_exit_2():
+    assert "expected NAME=PLACEMENT" in fails("plan", TINY, *WHERE, "--pin", "blocks.0.mlp.fc.weight")
+    assert "no parameter or module" in fails("plan", TINY, *WHERE, "--pin", "nope.weight=S(0)")
+    assert "search_mode 'fast' is invalid" in fails("plan", TINY, *WHERE, "--search-mode", "fast")

@@ -3,10 +3,11 @@ choice of the tensor-parallel axis made by a selectable :class:`Sharder`.
 
 For every way the devices factor into ``dp x tp`` (tp sizes the model
 allows; tp inside a node first, as :class:`cost_models.MeshTopology` lays
-the mesh out), microbatch counts are tried from the fewest up and the first
-that fits is kept for each (recompute, zero) choice (more microbatches only
-lower activation memory and add per-microbatch overheads in this cost
-model). Per configuration, the tensor-parallel axis is decided by:
+the mesh out), the fewest microbatches that fit are kept for each
+(recompute, zero) choice: more microbatches only lower activation memory
+and add per-microbatch overheads in this cost model, so the count is found
+by bisection on the Megatron placements, and the per-op search runs at that
+count and one below. Per configuration, the tensor-parallel axis is decided by:
 
 * ``mode="grid"``: the Megatron-style manual sharding only (the exhaustive
   manual grid);
@@ -32,6 +33,7 @@ from .ilp import InfeasiblePins
 from .space import ParallelConfig, divisors
 
 MODES = ("grid", "ilp", "greedy")
+NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded ILP may still fit it
 
 
 @dataclass
@@ -99,16 +101,21 @@ class _Chooser:
         manual = Sharder("manual", self.pins)
         if self.mode == "grid":
             return self.ev.evaluate(cfg, gb, devices, manual), manual
-        first = Sharder(self.mode, self.pins)
-        tries = [(self.ev.evaluate(cfg, gb, devices, first), first)]
-        self._count(cfg, gb, first)
         ref = self.ev.evaluate(cfg, gb, devices, manual)
-        tries.append((ref, manual))
+        first = Sharder(self.mode, self.pins)
+        cap = ref.device_memory_bytes * MEMORY_HEADROOM
+        if not ref.fits and ref.peak_memory_bytes > NEAR_FIT * cap and not self.pins:
+            # Megatron placements shard every weight they can: when they are far from
+            # fitting, the per-op search (which only moves towards time) will not fit either
+            self.won["manual"] = self.won.get("manual", 0) + 1
+            return ref, manual
+        tries = [(self.ev.evaluate(cfg, gb, devices, first), first), (ref, manual)]
+        self._count(cfg, gb, first)
         est = tries[0][0]
-        if self.mode == "ilp" and not est.fits and ref.fits and est.step_time_s < min(bound, ref.step_time_s):
+        if self.mode == "ilp" and not est.fits and est.step_time_s < min(bound, ref.step_time_s if ref.fits else bound) and \
+                (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
             # the time-optimal choice does not fit; the memory-bounded one lies
             # between it and the manual sharding
-            cap = est.device_memory_bytes * MEMORY_HEADROOM
             limit = cap - est.memory["transient"]
             for _ in range(2):
                 sh = Sharder("ilp", self.pins, limit)
@@ -146,20 +153,41 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
     closest: Estimate | None = None
     bound = float("inf")
     pin_error: InfeasiblePins | None = None
+    manual = Sharder("manual", tuple(pins))
     for k, line in enumerate(lines):
-        for cfg in line:
-            try:
-                est, sh = chooser.best(cfg, global_batch, devices, bound)
-            except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
-                pin_error = pin_error or e
-                break
-            evaluated += 1
-            if est.fits:
-                feasible.append((est, cfg, sh))
-                bound = min(bound, est.step_time_s)
-                break
-            if closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
-                closest = est
+        try:
+            # Memory falls as microbatches grow (activations are per microbatch), so the
+            # first count at which the Megatron placements fit is found by bisection; the
+            # per-op search then runs there and one count below, where it may fit by
+            # sharding activations the Megatron pattern leaves whole.
+            memo: dict[int, Estimate] = {}
+
+            def ref(i: int) -> Estimate:
+                if i not in memo:
+                    memo[i] = ev.evaluate(line[i], global_batch, devices, manual)
+                return memo[i]
+
+            lo, hi = 0, len(line)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if ref(mid).fits:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            first = lo if lo < len(line) else len(line) - 1
+            tries = [i for i in (first - 1, first) if i >= 0]
+            evaluated += len(set(memo) | set(tries))
+            for i in tries:
+                cfg = line[i]
+                est, sh = chooser.best(cfg, global_batch, devices, bound) if mode != "grid" else (ref(i), manual)
+                if est.fits:
+                    feasible.append((est, cfg, sh))
+                    bound = min(bound, est.step_time_s)
+                    break
+                if closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
+                    closest = est
+        except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
+            pin_error = pin_error or e
         if progress:
             progress(k + 1, len(lines))
     if not feasible and closest is None and pin_error is not None:

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import pulp
+import highspy
+import numpy as np
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
@@ -167,10 +168,16 @@ class _Problem:
         self.graph, self.n, self.shapes, self.pins = graph, n, shapes, pins
         self.by_name = {nd.name: nd for nd in graph.nodes}
         self.grad = needs_grad(graph)
-        self._keys()
+        # which nodes share a decision, and the edges between decisions, do not
+        # depend on the shapes: computed once per graph and pins
+        structs = graph.__dict__.setdefault("_ilp_keys", {})
+        skey = tuple(sorted(pins.items()))
+        if skey not in structs:
+            self._keys()
+            self._edges()
+            structs[skey] = (self.key, self.mult, self.copied_from, self.edges)
+        self.key, self.mult, self.copied_from, self.edges = structs[skey]
         self._choices()
-        self._edges()
-        self._ecache: dict[tuple[str, str, str], float] = {}
 
     # -- which nodes share a decision ----------------------------------------
     def _keys(self) -> None:
@@ -196,6 +203,10 @@ class _Problem:
             k = self.key.setdefault(nd.name, nd.name)
             self.mult[k] = self.mult.get(k, 0) + 1
 
+    def _decides(self, nd: Node) -> bool:
+        """Whether ``nd`` is an op with a strategy choice (not a parameter or input)."""
+        return self._placed(nd) and nd.kind not in ("param", "buffer", "input")
+
     def _placed(self, nd: Node) -> bool:
         return not (nd.kind in _SKIP or (nd.out is None and nd.kind not in ("split", "input")))
 
@@ -206,7 +217,7 @@ class _Problem:
         self.pplace: dict[str, list[str]] = {}          # parameter decisions: placements
         wants: dict[str, set[str]] = {}
         for nd in g.nodes:
-            if self.key[nd.name] != nd.name or not self._placed(nd) or nd.kind in ("param", "buffer", "input"):
+            if self.key[nd.name] != nd.name or not self._decides(nd):
                 continue
             ctx = Ctx(nd, [self.shapes.get(i) for i in nd.inputs], [self.by_name[i].kind for i in nd.inputs],
                       self.shapes.get(nd.name), n, 4)
@@ -295,7 +306,7 @@ class _Problem:
         self.edges: dict[tuple[str, str, int], int] = {}
         for nd in self.graph.nodes:
             kv = self.key[nd.name]
-            if kv not in self.cands:
+            if not self._decides(self.by_name[kv]):
                 continue
             for slot, i in enumerate(nd.inputs):
                 if not self._placed(self.by_name[i]):
@@ -310,46 +321,26 @@ class _Problem:
     # -- the program --------------------------------------------------------------
     def solve(self, memory: MemoryTerms | None, time_limit_s: float) -> AxisSharding:
         t0 = time.perf_counter()
-        prob = pulp.LpProblem("autopar_axis", pulp.LpMinimize)
-        obj: list = []
-        const = 0.0
-        x: dict[str, list] = {}          # op decision -> one binary per candidate (or [1])
-        xp: dict[str, dict[str, object]] = {}   # param decision -> placement -> binary (or 1)
-        counter = [0]
-
-        def var(prefix: str, cat: str = pulp.LpBinary):
-            counter[0] += 1
-            return pulp.LpVariable(f"{prefix}{counter[0]}", 0, 1, cat)
-
+        mdl = _Model()
+        ONE = None                        # a decision with a single choice: the constant 1
+        x: dict[str, list] = {}           # op decision -> one binary per candidate (or [ONE])
+        xp: dict[str, dict[str, int | None]] = {}   # param decision -> placement -> binary (or ONE)
         for k, cs in self.cands.items():
-            if len(cs) == 1:
-                x[k] = [1]
-            else:
-                x[k] = [var("x") for _ in cs]
-                prob += pulp.lpSum(x[k]) == 1
+            x[k] = [ONE] if len(cs) == 1 else [mdl.var(integer=True) for _ in cs]
+            if len(cs) > 1:
+                mdl.row({v: 1.0 for v in x[k]}, 1.0, 1.0)
         for k, opts in self.pplace.items():
-            if len(opts) == 1:
-                xp[k] = {opts[0]: 1}
-            else:
-                xp[k] = {p: var("p") for p in opts}
-                prob += pulp.lpSum(xp[k].values()) == 1
-
-        def add(coef: float, v) -> None:
-            nonlocal const
-            if coef == 0:
-                return
-            if isinstance(v, int):
-                const += coef * v
-            else:
-                obj.append(coef * v)
+            xp[k] = {opts[0]: ONE} if len(opts) == 1 else {p: mdl.var(integer=True) for p in opts}
+            if len(opts) > 1:
+                mdl.row({v: 1.0 for v in xp[k].values()}, 1.0, 1.0)
 
         for k, cs in self.cands.items():
             m = self.mult[k]
             for st, v in zip(cs, x[k]):
-                add(m * self.node_cost(k, st) * SCALE, v)
+                mdl.cost(v, m * self.node_cost(k, st) * SCALE)
         for k, opts in self.pplace.items():
             for p, v in xp[k].items():
-                add(self.mult[k] * self.param_cost(k, p) * SCALE, v)
+                mdl.cost(v, self.mult[k] * self.param_cost(k, p) * SCALE)
 
         def out_terms(u: str) -> dict[str, list]:
             if u in xp:
@@ -359,7 +350,11 @@ class _Problem:
                 for st, v in zip(self.cands[u], x[u]):
                     t.setdefault(st.out, []).append(v)
                 return t
-            return {R: [1]}
+            return {R: [ONE]}
+
+        def rhs(terms: list) -> tuple[dict[int, float], float]:
+            """sum(terms) as (variables, constant)."""
+            return {v: 1.0 for v in terms if v is not None}, float(sum(1 for v in terms if v is None))
 
         n_edge_vars = 0
         for (u, v, slot), m in self.edges.items():
@@ -371,68 +366,67 @@ class _Problem:
             if all(c == 0 for c in cost.values()):
                 continue
             if len(have) == 1 or len(want) == 1:
+                # one side is fixed: the cost is linear in the other side's choice
                 for (p, q), c in cost.items():
-                    terms = want[q] if len(have) == 1 else have[p]
-                    for t in terms:
-                        if c == INF:
-                            if not isinstance(t, int):
-                                prob += t == 0
-                            else:
-                                raise InfeasiblePins(f"no placement of {u} can be read as {q}")
+                    for t in (want[q] if len(have) == 1 else have[p]):
+                        if c != INF:
+                            mdl.cost(t, m * c * SCALE)
+                        elif t is not None:
+                            mdl.row({t: 1.0}, 0.0, 0.0)
                         else:
-                            add(m * c * SCALE, t)
+                            raise InfeasiblePins(f"no placement of {u} can be read as {q}")
                 continue
             ev = {}
             for (p, q), c in cost.items():
-                if c == INF:
-                    continue
-                e = var("e", pulp.LpContinuous)
-                n_edge_vars += 1
-                ev[p, q] = e
-                add(m * c * SCALE, e)
-            for p, terms in have.items():
-                prob += pulp.lpSum(e for (pp, _), e in ev.items() if pp == p) == pulp.lpSum(terms)
-            for q, terms in want.items():
-                prob += pulp.lpSum(e for (_, qq), e in ev.items() if qq == q) == pulp.lpSum(terms)
+                if c != INF:
+                    ev[p, q] = e = mdl.var()
+                    n_edge_vars += 1
+                    mdl.cost(e, m * c * SCALE)
+            # transportation form: the pair variables' row and column sums are the two choices
+            for side, groups in ((0, have), (1, want)):
+                for pl, terms in groups.items():
+                    coefs, const = rhs(terms)
+                    row = {e: 1.0 for pq, e in ev.items() if pq[side] == pl}
+                    for vv in coefs:
+                        row[vv] = row.get(vv, 0.0) - 1.0
+                    mdl.row(row, const, const)
 
         if memory is not None:
-            terms = []
+            row: dict[int, float] = {}
+            fixed = 0.0
+            mib = 2.0 ** 20
+
+            def put(v: int | None, b: float) -> None:
+                nonlocal fixed
+                if v is None:
+                    fixed += b / mib
+                else:
+                    row[v] = row.get(v, 0.0) + b / mib
+
             for k, opts in self.pplace.items():
                 for p, v in xp[k].items():
-                    b = memory.param(self.by_name[k], p) * self.mult[k]
-                    if b and not isinstance(v, int):
-                        terms.append(b / 2**20 * v)
-                    elif b:
-                        terms.append(b / 2**20)
+                    put(v, memory.param(self.by_name[k], p) * self.mult[k])
             for k, cs in self.cands.items():
                 nd = self.by_name[k]
                 f = memory.group_factor(self.mult[k]) if nd.group is not None else self.mult[k]
                 for st, v in zip(cs, x[k]):
-                    b = memory.saved(nd, st) * f
-                    if b:
-                        terms.append(b / 2**20 * v if not isinstance(v, int) else b / 2**20)
-            prob += pulp.lpSum(terms) <= memory.limit / 2**20
+                    put(v, memory.saved(nd, st) * f)
+            mdl.row(row, -INF, memory.limit / mib - fixed)
 
-        prob += pulp.lpSum(obj) + const
         self.build_s = time.perf_counter() - t0
-        solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=1e-7)
-        prob.solve(solver)
-        status = pulp.LpStatus[prob.status]
-        if status not in ("Optimal",):
+        status, values, objective = mdl.solve(time_limit_s)
+        if status != "Optimal":
             if self.pins and memory is None:
                 raise InfeasiblePins(f"the pinned placements admit no sharding ({status})")
             raise StrategyError(f"no sharding on this axis satisfies the memory bound of "
                                 f"{memory.limit / 2**30:.3g} GiB ({status})" if memory else
                                 f"the sharding program could not be solved ({status})")
 
-        def chosen(vs: list) -> int:
-            if len(vs) == 1:
-                return 0
-            return max(range(len(vs)), key=lambda j: vs[j].value() or 0.0)
+        def val(v: int | None) -> float:
+            return 1.0 if v is None else values[v]
 
-        pick = {k: chosen(x[k]) for k in self.cands}
-        ppick = {k: max(xp[k], key=lambda p: 0.0 if isinstance(xp[k][p], int) else (xp[k][p].value() or 0.0))
-                 if len(xp[k]) > 1 else next(iter(xp[k])) for k in self.pplace}
+        pick = {k: max(range(len(vs)), key=lambda j: val(vs[j])) for k, vs in x.items()}
+        ppick = {k: max(d, key=lambda p: val(d[p])) for k, d in xp.items()}
         res = AxisSharding(n=self.n)
         for nd in self.graph.nodes:
             k = self.key[nd.name]
@@ -447,12 +441,11 @@ class _Problem:
         res.out["__output__"] = R
         res.copied_from = dict(self.copied_from)
         res.reused_instances = len(self.copied_from)
-        objective = (pulp.value(prob.objective) or 0.0) / SCALE
-        n_vars = sum(len(v) for v in x.values() if len(v) > 1) + \
-            sum(len(v) for v in xp.values() if len(v) > 1) + n_edge_vars
+        objective = (objective + mdl.constant) / SCALE
+        n_vars = len(mdl.costs)
         decided = [nd for nd in self.graph.nodes if self.key[nd.name] in self.cands or self.key[nd.name] in self.pplace]
         res.ilp = IlpInfo(nodes=len(decided), decisions=len(self.cands) + len(self.pplace), variables=n_vars,
-                          constraints=len(prob.constraints), build_s=0.0, solve_s=0.0, status=status,
+                          constraints=len(mdl.rows), build_s=0.0, solve_s=0.0, status=status,
                           objective_s=objective, shared_instances=sum(1 for nd in self.graph.nodes
                                                                       if self.key[nd.name] != nd.name),
                           memory_limited=memory is not None,
@@ -501,6 +494,74 @@ class _Problem:
             alts.sort(key=lambda a: a[2])
             out[k] = alts[:3]
         return out
+
+
+class _Model:
+    """A minimisation MILP handed to HiGHS in one piece.
+
+    Built as plain lists and passed with ``passModel`` (row-wise matrix,
+    integrality in one array): PuLP's HiGHS interface adds columns and sets
+    their integrality one call at a time, which took most of the time of
+    these small programs (measured: 46 solves for GPT-3 175B took 4.0 s
+    through PuLP)."""
+
+    def __init__(self) -> None:
+        self.costs: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.constant = 0.0
+
+    def var(self, integer: bool = False) -> int:
+        self.costs.append(0.0)
+        self.upper.append(1.0)
+        self.integer.append(integer)
+        return len(self.costs) - 1
+
+    def cost(self, v: int | None, c: float) -> None:
+        if v is None:
+            self.constant += c
+        else:
+            self.costs[v] += c
+
+    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((coefs, lo, hi))
+
+    def solve(self, time_limit_s: float) -> tuple[str, list[float], float]:
+        """(status, variable values, objective without the constant)."""
+        n = len(self.costs)
+        if n == 0:
+            return "Optimal", [], 0.0
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, len(self.rows)
+        lp.col_cost_ = np.array(self.costs)
+        lp.col_lower_ = np.zeros(n)
+        lp.col_upper_ = np.array(self.upper)
+        inf = highspy.kHighsInf
+        lp.row_lower_ = np.array([max(lo, -inf) for _, lo, _ in self.rows])
+        lp.row_upper_ = np.array([min(hi, inf) for _, _, hi in self.rows])
+        start, index, value = [0], [], []
+        for coefs, _, _ in self.rows:
+            index.extend(coefs)
+            value.extend(coefs.values())
+            start.append(len(index))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(value, dtype=float)
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in self.integer]
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", float(time_limit_s))
+        h.setOptionValue("mip_rel_gap", 1e-7)
+        h.setOptionValue("threads", 1)
+        h.passModel(lp)
+        h.run()
+        st = h.getModelStatus()
+        if st != highspy.HighsModelStatus.kOptimal:
+            return h.modelStatusToString(st), [], 0.0
+        return "Optimal", list(h.getSolution().col_value), h.getInfo().objective_function_value
 
 
 def _label(nd: Node) -> str:

@@ -61,7 +61,10 @@ class AxisSharding:
 
 def needs_grad(graph: Graph) -> dict[str, bool]:
     """Which values carry a gradient in backward (float values derived from a
-    trainable parameter)."""
+    trainable parameter). Cached on the graph."""
+    cached = graph.__dict__.get("_needs_grad")
+    if cached is not None:
+        return cached
     out: dict[str, bool] = {}
     for n in graph.nodes:
         if n.kind == "param":
@@ -72,6 +75,7 @@ def needs_grad(graph: Graph) -> dict[str, bool]:
             is_float = n.out is not None and n.out.is_float
             out[n.name] = is_float and any(out.get(i, False) for i in n.inputs) or (
                 n.kind == "split" and any(out.get(i, False) for i in n.inputs))
+    graph.__dict__["_needs_grad"] = out
     return out
 
 
