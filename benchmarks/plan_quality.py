@@ -246,12 +246,12 @@ def _summary(records: list[dict]) -> dict[str, Any]:
 
 def _notes(records: list[dict]) -> list[str]:
     notes = [
-        "The automatic planner of this release is itself a grid search over the same space (dp x tp x "
-        "microbatches x recompute x ZeRO, with the same cost model), so auto/grid is 1.0 by construction; it "
-        "only checks that the planner's shortcuts lose nothing: it stops each microbatch line at the first "
-        "count that fits (assuming more microbatches never lower the predicted step time) and skips ZeRO "
-        "stages with dp = 1. The ratio becomes informative once the intra-operator ILP of a later release "
-        "replaces the per-op part of the search.",
+        "The automatic plan (search_mode dynamic_programming) searches the same space (dp x tp x microbatches "
+        "x recompute x ZeRO, same cost model) but decides every op's tensor-parallel placement with the ILP, "
+        "where the manual grid uses the Megatron placements; auto/grid <= 1.0 is the ILP's promise, and values "
+        "below 1 are where per-op freedom helps. The search's shortcuts (bisection on microbatches, no ZeRO "
+        "with dp = 1) are checked by the same ratio. benchmarks/ilp_search.py compares the two search modes "
+        "directly on more model families.",
         "All throughputs are predictions of autopar's own cost model on simulated clusters, not measurements; "
         "a plan that is better under the model is better in reality only as far as the model is right "
         "(see the fidelity benchmark).",

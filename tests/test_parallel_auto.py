@@ -1,6 +1,7 @@
 """Numerics of searched and pinned plans against a single-process run.
 
-The per-op placements on a 2 x 2 mesh (dp=2, tp=2) come from the ILP, from
+The per-op placements on a 2 x 2 mesh (dp=2, tp=2) and a 1-D mesh (tp=4)
+come from the ILP, from
 the greedy heuristic, or from user pins that force non-Megatron placements
 (a row-parallel first MLP layer, a replicated projection, a sharded
 activation); the compiler must insert whatever resharding the plan needs.
@@ -20,6 +21,7 @@ CASES = {
     "ilp": {"strategy": "dp=2,tp=2", "search_mode": "dynamic_programming"},
     "greedy": {"strategy": "dp=2,tp=2", "search_mode": "recursive_programming"},
     "ilp-h100": {"strategy": "dp=2,tp=2", "search_mode": "dynamic_programming", "cluster": "dgx-h100"},
+    "ilp-tp4": {"strategy": "tp=4", "search_mode": "dynamic_programming", "cluster": "dgx-h100"},
 }
 PINS = {
     GPT: {"blocks.0.mlp.fc.weight": "S(1)", "blocks.1.attn.q.weight": "R", "blocks.0.attn": "S(1)"},
@@ -53,7 +55,7 @@ def _runs(specs, labels):
     return [(s, lab, "adamw" if i % 2 else "sgd") for s in specs for i, lab in enumerate(labels)]
 
 
-def _single_per_replica_bn(spec: str, opt: str, dp: int = 2) -> list[float]:
+def _single_per_replica_bn(spec: str, opt: str, dp: int) -> list[float]:
     """The single-process reference with BatchNorm statistics per data-parallel
     replica, as DDP (and autopar's data-parallel axis) computes them: the
     loss is the mean of the losses of the ``dp`` equal slices of the batch."""
@@ -71,13 +73,15 @@ def _single_per_replica_bn(spec: str, opt: str, dp: int = 2) -> list[float]:
 
 @pytest.mark.parametrize("specs", [[GPT, MLP], [LLAMA, CNN]], ids=["gpt-mlp", "llama-cnn"])
 def test_searched_and_pinned_plans_match_single_process(specs, monkeypatch):
-    runs = _runs(specs, ["ilp", "greedy", "ilp-h100", "pins", "pins-ilp"])
+    runs = _runs(specs, ["ilp", "greedy", "ilp-h100", "ilp-tp4", "pins", "pins-ilp"])
     res = run_distributed(_worker, 4, runs, timeout=500)
     single = test_parallel._single
-    # the CNN's BatchNorm on a dp=2 mesh has per-replica statistics (DDP semantics)
-    monkeypatch.setattr(test_parallel, "_single",
-                        lambda spec, opt: _single_per_replica_bn(spec, opt) if spec == CNN else single(spec, opt))
-    _check(runs, res)
+    for dp in (1, 2):
+        # the CNN's BatchNorm on a dp=2 mesh has per-replica statistics (DDP semantics)
+        mine = [r for r in runs if (r[1] == "ilp-tp4") == (dp == 1)]
+        monkeypatch.setattr(test_parallel, "_single", lambda spec, opt: _single_per_replica_bn(spec, opt, dp)
+                            if spec == CNN else single(spec, opt))
+        _check(mine, res)
     for spec in specs:
         for label in ("pins", "pins-ilp"):
             r = next(v for (sp, lab, _), v in res[0].items() if sp == spec and lab == label)
