@@ -105,8 +105,9 @@ def auto_plan(graph: Graph, cluster: str, devices: int, batch: int, executable_o
     except NoFeasibleStrategyError:
         return None, None, time.perf_counter() - t0
     took = time.perf_counter() - t0
-    # the plan's predictions are rounded to 6 digits: re-evaluate its strategy for exact ratios
-    est = _eval(graph, cluster, devices, batch, p.strategy)
+    # the plan's predictions are rounded to 6 digits: the search's own estimate is exact
+    # (re-evaluating the strategy string would give the Megatron placements, not the ILP's)
+    est = p.search_result.best
     assert math.isclose(est.step_time_s, p.predicted["step_time_s"], rel_tol=1e-5), (est, p.predicted)
     return est, p.data["search"], took
 
