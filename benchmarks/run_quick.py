@@ -2,7 +2,7 @@
 
 1. ``autopar calibrate --quick`` writes ``results/cluster-<device>.json``;
 2. ``fidelity`` plans with that cluster file and measures;
-3. ``overhead``, ``planner_scaling`` and ``plan_quality``.
+3. ``overhead``, ``planner_scaling``, ``plan_quality`` and ``ilp_search``.
 
 They run in sequence on purpose: timings taken while another benchmark uses
 the cores would be worthless. ``--only NAME`` runs one of them; ``--full``
@@ -20,7 +20,7 @@ from rich.console import Console
 
 from benchmarks.common import RESULTS, device_tag
 
-STEPS = ["calibrate", "fidelity", "overhead", "planner_scaling", "plan_quality"]
+STEPS = ["calibrate", "fidelity", "overhead", "planner_scaling", "plan_quality", "ilp_search"]
 
 
 def calibrate(quick: bool) -> None:
