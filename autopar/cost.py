@@ -368,13 +368,14 @@ class Evaluator:
         hit = self._params_cache.get(key)
         if hit is not None:
             return hit
-        local, n = 0.0, 0
-        for name, nd in self.params.items():
-            info = self.graph.params.get(nd.param)
-            if info is None or info.is_buffer or not info.requires_grad:
-                continue
-            n += 1
-            local += info.numel / (tp if is_shard(sh.out.get(name, R)) else 1)
+        if not hasattr(self, "_trainable"):
+            self._trainable = [(name, info.numel) for name, nd in self.params.items()
+                               if (info := self.graph.params.get(nd.param)) is not None
+                               and not info.is_buffer and info.requires_grad]
+        out = sh.out
+        sharded = sum(numel for name, numel in self._trainable if out.get(name, R)[0] == "S")
+        total = sum(numel for _, numel in self._trainable)
+        local, n = total - sharded + sharded / tp, len(self._trainable)
         self._params_cache[key] = (local, n)
         return local, n
 

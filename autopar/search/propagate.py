@@ -209,9 +209,13 @@ def track_batch(graph: Graph) -> AxisSharding:
 
 
 def batch_dims(graph: Graph) -> dict[str, int | None]:
-    """For every tensor node, the dim that scales with the batch (None if none)."""
-    bs = track_batch(graph)
-    return {k: (shard_dim(v) if is_shard(v) else None) for k, v in bs.out.items()}
+    """For every tensor node, the dim that scales with the batch (None if none). Cached on the graph."""
+    cached = graph.__dict__.get("_batch_dims")
+    if cached is None:
+        bs = track_batch(graph)
+        cached = graph.__dict__["_batch_dims"] = {k: (shard_dim(v) if is_shard(v) else None)
+                                                  for k, v in bs.out.items()}
+    return cached
 
 
 def scaled_shapes(graph: Graph, batch: int, divide: int = 1) -> dict[str, Shape | None]:
