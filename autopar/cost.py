@@ -362,6 +362,20 @@ class Evaluator:
             parallel=cfg.as_dict(),
         )
 
+    def _nodes_to_cost(self, copied: dict[str, str]) -> list[Node]:
+        """The nodes outside repeated layers and those of the instances not
+        ``copied`` from another (grouped by instance: the sums do not depend on
+        the order)."""
+        if not hasattr(self, "_by_instance"):
+            self._by_instance: dict[str | None, list[Node]] = {}
+            for nd in self.graph.nodes:
+                self._by_instance.setdefault(nd.group, []).append(nd)
+        out: list[Node] = []
+        for inst, nodes in self._by_instance.items():
+            if inst is None or inst not in copied:
+                out.extend(nodes)
+        return out
+
     def _local_params(self, sh: AxisSharding, tp: int) -> tuple[float, int]:
         """Trainable parameter elements per device on the tp axis, and tensors."""
         key = (id(sh), tp)
@@ -394,13 +408,11 @@ class Evaluator:
         outside = _Sums()
         per_inst: dict[str, _Sums] = {}
         copied = sh.copied_from
-        for nd in g.nodes:
+        for nd in self._nodes_to_cost(copied):
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
             inst = nd.group
-            if inst is not None and inst in copied:
-                continue
             acc = outside if inst is None else per_inst.setdefault(inst, _Sums())
             frac = 1.0 / tp if st.split else 1.0
             acc.fwd += self._node_time(nd, self._scale(nd, local_batch), frac)

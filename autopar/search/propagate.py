@@ -257,7 +257,7 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     its consumers want it.
     """
     ng = needs_grad(graph)
-    sizes = {k: _numel(v) * itemsize for k, v in shapes.items()}
+    sizes = _Sizes(shapes, itemsize)   # bytes per value, computed for the values a decision reads
 
     def reshard(have: str, want: str, nbytes: float, grad: bool) -> float:
         return reshard_time(have, want, nbytes, grad, comm)
@@ -295,6 +295,21 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
         return R
 
     return _solve(graph, n, shapes, inp, cost, R, pins)
+
+
+class _Sizes(dict):
+    """``{name: bytes}`` filled on first use (a 96-layer graph decides two instances)."""
+
+    def __init__(self, shapes: dict[str, Shape | None], itemsize: int) -> None:
+        super().__init__()
+        self.shapes, self.itemsize = shapes, itemsize
+
+    def get(self, name: str, default: float = 0.0) -> float:  # type: ignore[override]
+        v = dict.get(self, name)
+        if v is None:
+            v = self[name] = float(_numel(self.shapes.get(name)) * self.itemsize) if name in self.shapes \
+                else default
+        return v
 
 
 def reshard_time(have: str, want: str, nbytes: float, grad: bool,
