@@ -22,6 +22,7 @@ CASES = {
     "greedy": {"strategy": "dp=2,tp=2", "search_mode": "recursive_programming"},
     "ilp-h100": {"strategy": "dp=2,tp=2", "search_mode": "dynamic_programming", "cluster": "dgx-h100"},
     "ilp-tp4": {"strategy": "tp=4", "search_mode": "dynamic_programming", "cluster": "dgx-h100"},
+    "auto": {"strategy": "auto"},     # mesh, microbatches and placements all chosen by autopar
 }
 PINS = {
     GPT: {"blocks.0.mlp.fc.weight": "S(1)", "blocks.1.attn.q.weight": "R", "blocks.0.attn": "S(1)"},
@@ -47,6 +48,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
             "losses": losses, "full_shapes": {k: tuple(v.shape) for k, v in sd.items()},
             "params": pm.plan.data["params"], "ops": {k: v["strategy"][1] for k, v in pm.plan.data["ops"].items()},
             "search": pm.plan.data["search"], "comms": pm.comms, "placement": dict(pm.param_placement),
+            "dp": pm.config.dp,
         }
     return results
 
@@ -73,12 +75,12 @@ def _single_per_replica_bn(spec: str, opt: str, dp: int) -> list[float]:
 
 @pytest.mark.parametrize("specs", [[GPT, MLP], [LLAMA, CNN]], ids=["gpt-mlp", "llama-cnn"])
 def test_searched_and_pinned_plans_match_single_process(specs, monkeypatch):
-    runs = _runs(specs, ["ilp", "greedy", "ilp-h100", "ilp-tp4", "pins", "pins-ilp"])
+    runs = _runs(specs, ["ilp", "greedy", "ilp-h100", "ilp-tp4", "pins", "pins-ilp", "auto"])
     res = run_distributed(_worker, 4, runs, timeout=500)
     single = test_parallel._single
-    for dp in (1, 2):
-        # the CNN's BatchNorm on a dp=2 mesh has per-replica statistics (DDP semantics)
-        mine = [r for r in runs if (r[1] == "ilp-tp4") == (dp == 1)]
+    for dp in (1, 2, 4):
+        # the CNN's BatchNorm has per-replica statistics over dp (DDP semantics)
+        mine = [r for r in runs if res[0][r]["dp"] == dp]
         monkeypatch.setattr(test_parallel, "_single", lambda spec, opt: _single_per_replica_bn(spec, opt, dp)
                             if spec == CNN else single(spec, opt))
         _check(mine, res)
