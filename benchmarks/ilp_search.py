@@ -148,7 +148,7 @@ def run(quick: bool) -> dict[str, Any]:
                                       "ILP step s", "ILP / grid"], "rows": qrows},
         "notes": [
             "Times are wall-clock on this machine, one cold run each after a warm-up plan of a tiny model (so "
-            "one-time imports are excluded); the ILP is PuLP + HiGHS.",
+            "one-time imports are excluded); the ILP is solved by HiGHS (highspy), given the whole model at once.",
             "Repeated layers share their ILP variables, so the ILP of 96 blocks has as many decisions as that of "
             "24 and costs the same per solve. End to end, 96 layers cost more than 1.5x 24 layers: tracing, the "
             "Megatron propagation used as the search's reference, the per-configuration sums and the plan record "
