@@ -175,8 +175,8 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
                     "+memory" if sharder.memory_limit is not None else "")}
         sh, _ = ev.sharding(cfg, global_batch, sharder)
     if pins:
-        search["pins"] = {k: p for k, p in zip(_pins.keys(graph, user_pins).values(),
-                                                (dict(pins)[n] for n in _pins.keys(graph, user_pins)))}
+        names = _pins.keys(graph, user_pins)
+        search["pins"] = {names[n]: p for n, p in pins}
     ilp = getattr(sh, "ilp", None)
     if ilp is not None:
         search["ilp"] = {"decisions": ilp.decisions, "nodes": ilp.nodes, "variables": ilp.variables,
