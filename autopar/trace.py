@@ -18,6 +18,7 @@ allocated either way.
 """
 from __future__ import annotations
 
+
 import hashlib
 import operator
 from collections import defaultdict
@@ -179,6 +180,16 @@ def _functionalize_modules(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated on first call (torch's
+    private ``_LazyGraphModule``), or an ordinary one where this torch has none."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:   # eager code generation: only slower
+        return fx.GraphModule(root, graph, class_name=class_name)
+    return _LazyGraphModule(root, graph, class_name=class_name)
+
+
 class _Tracer(fx.Tracer):
     """fx tracer that remembers which module it was inside when tracing failed."""
 
@@ -287,7 +298,11 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     except Exception as e:  # noqa: BLE001 - any tracing failure is reported with its module
         where = tracer.failed_in or f"<root> ({type(root).__name__})"
         raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
-    gm = fx.GraphModule(tracer.root, graph, class_name=type(root).__name__)
+    # Python code generation for a 5000-node graph takes about 0.3 s each time the
+    # graph changes; the planner never runs this module's code (shapes come from an
+    # interpreter, the compiler builds its own graph), so it is generated lazily, on
+    # first call, where this torch has lazy graph modules
+    gm = _graph_module(tracer.root, graph, type(root).__name__)
     _functionalize_modules(gm)
     aliases = _merge_tied(gm)
     _propagate_shapes(gm, args)
