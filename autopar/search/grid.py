@@ -46,7 +46,7 @@ class SearchResult:
     top: list[Estimate] = field(default_factory=list)
     best_sharder: Sharder = MANUAL
     mode: str = "grid"
-    won: dict[str, int] = field(default_factory=dict)     # configs whose best plan came from each sharder
+    won: dict[str, int] = field(default_factory=dict)     # configs searched per op: whose plan was best
     ilp_solves: int = 0
     ilp_time_s: float = 0.0
 
@@ -107,12 +107,12 @@ class _Chooser:
         if not ref.fits and ref.peak_memory_bytes > NEAR_FIT * cap and not self.pins:
             # Megatron placements shard every weight they can: when they are far from
             # fitting, the per-op search (which only moves towards time) will not fit either
-            self.won["manual"] = self.won.get("manual", 0) + 1
             return ref, manual
         tries = [(self.ev.evaluate(cfg, gb, devices, first), first), (ref, manual)]
         self._count(cfg, gb, first)
         est = tries[0][0]
-        if self.mode == "ilp" and not est.fits and est.step_time_s < min(bound, ref.step_time_s if ref.fits else bound) and \
+        best_so_far = min(bound, ref.step_time_s) if ref.fits else bound
+        if self.mode == "ilp" and not est.fits and est.step_time_s < best_so_far and \
                 (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
             # the time-optimal choice does not fit; the memory-bounded one lies
             # between it and the manual sharding
