@@ -160,7 +160,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
             est, cfg, sharder = res.best, res.best_config, res.best_sharder
             # the search time is not part of the JSON: the same inputs must give the same bytes
             search = {"mode": search_mode, "candidates": res.candidates, "feasible": res.feasible,
-                      "tp_axis": sharder.mode + ("+memory" if sharder.memory_limit is not None else "")}
+                      "tp_axis": sharder.label}
             info = res
         else:
             cfg = _config(strategy, devices)
@@ -171,8 +171,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
             else:    # the mesh is the user's; the per-op placements are searched
                 est, sharder = _Chooser(ev, SEARCH_MODES[search_mode], pins).best(cfg, global_batch, devices,
                                                                                   float("inf"))
-                search = {"mode": search_mode, "tp_axis": sharder.mode + (
-                    "+memory" if sharder.memory_limit is not None else "")}
+                search = {"mode": search_mode, "tp_axis": sharder.label}
         sh, _ = ev.sharding(cfg, global_batch, sharder)
     if pins:
         names = _pins.keys(graph, user_pins)

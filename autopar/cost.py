@@ -60,6 +60,11 @@ class Sharder:
     pins: tuple[tuple[str, str], ...] = ()
     memory_limit: float | None = None
 
+    @property
+    def label(self) -> str:
+        """``ilp``, ``ilp+memory``, ``greedy`` or ``manual`` (the plan's ``search.tp_axis``)."""
+        return self.mode + ("+memory" if self.memory_limit is not None else "")
+
 
 MANUAL = Sharder()
 
@@ -386,10 +391,10 @@ class Evaluator:
             self._trainable = [(name, info.numel) for name, nd in self.params.items()
                                if (info := self.graph.params.get(nd.param)) is not None
                                and not info.is_buffer and info.requires_grad]
+            self._trainable_total = sum(numel for _, numel in self._trainable)
         out = sh.out
-        sharded = sum(numel for name, numel in self._trainable if out.get(name, R)[0] == "S")
-        total = sum(numel for _, numel in self._trainable)
-        local, n = total - sharded + sharded / tp, len(self._trainable)
+        sharded = sum(numel for name, numel in self._trainable if is_shard(out.get(name, R)))
+        local, n = self._trainable_total - sharded + sharded / tp, len(self._trainable)
         self._params_cache[key] = (local, n)
         return local, n
 

@@ -72,10 +72,6 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_o
     return out
 
 
-def _label(sh: Sharder) -> str:
-    return sh.mode + ("+memory" if sh.memory_limit is not None else "")
-
-
 class _Chooser:
     """Evaluates one configuration under the sharders of a mode."""
 
@@ -130,7 +126,7 @@ class _Chooser:
                 limit -= e.peak_memory_bytes - cap
         tries.sort(key=lambda t: (not t[0].fits, t[0].step_time_s, t[1].mode != self.mode))
         e, sh = tries[0]
-        self.won[_label(sh)] = self.won.get(_label(sh), 0) + 1
+        self.won[sh.label] = self.won.get(sh.label, 0) + 1
         return e, sh
 
 

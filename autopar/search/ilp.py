@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import highspy
@@ -85,7 +85,6 @@ class IlpInfo:
     objective_s: float      # predicted time of one microbatch on this axis (as the ILP counts it)
     shared_instances: int
     memory_limited: bool
-    members: dict[str, int] = field(default_factory=dict)    # decision -> nodes it stands for
     runners_up_fn: Callable[[], dict] | None = None
 
     def runners_up(self) -> dict[str, list[tuple[str, str, float]]]:
@@ -448,8 +447,7 @@ class _Problem:
                           constraints=len(mdl.rows), build_s=0.0, solve_s=0.0, status=status,
                           objective_s=objective, shared_instances=sum(1 for nd in self.graph.nodes
                                                                       if self.key[nd.name] != nd.name),
-                          memory_limited=memory is not None,
-                          members={k: self.mult[k] for k in list(self.cands) + list(self.pplace)})
+                          memory_limited=memory is not None)
         # the runners-up are for --explain: computed when asked for
         comm, compute, param_time = self.comm, self.compute, self.param_time
 
