@@ -164,9 +164,9 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
             info = res
         else:
             cfg = _config(strategy, devices)
-            if search_mode is None:
+            if search_mode is None:   # evaluated as written: Megatron placements, equal pipeline stages
                 sharder = Sharder("manual", pins)
-                est = ev.evaluate(cfg, global_batch, devices, sharder)
+                est = ev.evaluate(cfg, global_batch, devices, sharder, layers="even")
                 search = {"mode": "manual"}
             else:    # the mesh is the user's; the per-op placements are searched
                 est, sharder = _Chooser(ev, SEARCH_MODES[search_mode], pins).best(cfg, global_batch, devices,
@@ -241,16 +241,28 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
         "global_batch": global_batch,
         "precision": ev.precision,
         "optimizer": ev.optimizer,
-        "mesh": {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
+        "mesh": {"shape": [cfg.pp, cfg.dp, cfg.tp], "axes": ["pp", "dp", "tp"]} if cfg.pp > 1 else
+                {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
         "parallel": cfg.as_dict(),
         "params": params,
         "ops": ops,
         "predicted": predicted,
         "search": search,
     }
+    if est.pipeline is not None:
+        data["pipeline"] = dict(est.pipeline)
     # rounded as the JSON will be; schema validation is for plans read from files
     # (a test validates what this builds: on GPT-3 175B validation alone took 0.9 s)
     return Plan(Plan(data).to_dict())
+
+
+def config_from_plan(plan_: Plan) -> ParallelConfig:
+    """The :class:`ParallelConfig` a plan records (plans written before
+    pipelines have no ``chunks``)."""
+    p = plan_.parallel
+    return ParallelConfig(dp=p["dp"], tp=p["tp"], pp=p["pp"], microbatches=p["microbatches"],
+                          schedule=p["schedule"], recompute=p["recompute"], zero=p["zero"],
+                          chunks=p.get("chunks", 1))
 
 
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:

@@ -25,7 +25,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import cost_models
 from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, zero_sharded_state_bytes
@@ -34,6 +34,9 @@ from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
 from .search.ilp import InfeasiblePins, MemoryTerms, solve_axis
 from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
+from .pipeline import partition as pipe
+from .pipeline.partition import units
+from .pipeline.schedule import build_schedule, simulate
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
 from .strategies.placement import P, R
@@ -94,6 +97,7 @@ class Estimate:
     precision: str
     optimizer: str
     parallel: dict[str, Any] = field(default_factory=dict)
+    pipeline: dict[str, Any] | None = None   # pp > 1: stages, schedule timeline summary
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -153,6 +157,11 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
         what = "attention heads" if any(n.kind == "sdpa" for n in graph.nodes) else "layer widths"
         raise StrategyError(f"tensor parallel size {cfg.tp} does not divide the model's {what}; "
                             f"valid sizes: {', '.join(map(str, valid))}")
+    if cfg.pp > 1:
+        n_layers = units(graph).layers
+        if cfg.stages > n_layers:
+            raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
+                                f"{cfg.stages} repeated layers; {graph.name} has {n_layers}")
     if global_batch < 1 or global_batch % (cfg.dp * cfg.microbatches):
         raise StrategyError(f"global batch {global_batch} is not divisible by dp={cfg.dp} x "
                             f"microbatches={cfg.microbatches} = {cfg.dp * cfg.microbatches}")
@@ -312,12 +321,19 @@ class Evaluator:
 
     # -- the estimate ---------------------------------------------------------
     def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None,
-                 sharder: Sharder = MANUAL) -> Estimate:
-        """Predict ``cfg`` with the tensor-parallel axis decided by ``sharder``."""
+                 sharder: Sharder = MANUAL, layers: str | Sequence[int] = "balanced") -> Estimate:
+        """Predict ``cfg`` with the tensor-parallel axis decided by ``sharder``.
+
+        With ``pp > 1``, ``layers`` says how the repeated layers are split
+        into stages: ``"balanced"`` (the stage search of
+        :func:`autopar.pipeline.partition.balance`), ``"even"`` (Megatron's
+        equal split) or the layer count of every virtual stage."""
         g = self.graph
         devices = devices or cfg.devices
         check_config(g, cfg, devices, global_batch)
         self.cluster.check_devices(devices)
+        if cfg.pp > 1:
+            return self._evaluate_pipeline(cfg, global_batch, devices, sharder, layers)
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
         topo = MeshTopology(self.cluster, (dp, tp))
         sh, shapes = self.sharding(cfg, global_batch, sharder)
@@ -367,6 +383,215 @@ class Evaluator:
             parallel=cfg.as_dict(),
         )
 
+    def _evaluate_pipeline(self, cfg: ParallelConfig, global_batch: int, devices: int, sharder: Sharder,
+                           layers: str | Sequence[int]) -> Estimate:
+        """Predict a pipelined ``cfg``: the repeated layers are cut into
+        ``pp x chunks`` virtual stages, each on a ``dp x tp`` sub-mesh; the
+        step is the simulated schedule of the per-stage forward and backward
+        times with the point-to-point transfers between stages, then the
+        slowest stage's gradient reduction and optimizer step. Memory is
+        per pipeline rank: its stages' model states, the activations of the
+        microbatches its schedule keeps in flight, and the largest transient."""
+        tp, dp, pp, m, V = cfg.tp, cfg.dp, cfg.pp, cfg.microbatches, cfg.stages
+        topo = MeshTopology(self.cluster, (pp, dp, tp))
+        sh, shapes = self.sharding(cfg, global_batch, sharder)
+        # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
+        per = self._unit_costs(cfg, sh, shapes, MeshTopology(self.cluster, (dp, tp)), global_batch)
+        flight = pipe.in_flight(cfg.schedule, pp, m, cfg.chunks)
+        cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
+        n_layers = len(per.time) - 2
+        if isinstance(layers, str):
+            split = None
+            if layers == "balanced":
+                per_elem = zero_sharded_state_bytes(model_state_bytes(1 << 30, self.optimizer, self.precision),
+                                                    dp, cfg.zero)["total"] / (1 << 30)
+                states = [x * per_elem for x in per.params]
+                split = pipe.balance(per.time, states, per.act, per.fixed, V, flight, cap / cfg.chunks)
+            split = split or pipe.even_layers(n_layers, V)
+        else:
+            split = list(layers)
+            pipe.check_layers(split, n_layers)
+        bounds = pipe.unit_bounds(split)
+
+        def stage_sum(xs: list[float], v: int) -> float:
+            return sum(xs[bounds[v]:bounds[v + 1]])
+
+        fwd = [stage_sum(per.fwd, v) for v in range(V)]
+        bwd = [stage_sum(per.time, v) - fwd[v] for v in range(V)]
+        p2p = [topo.collective_time("send_recv", per.cut[bounds[v + 1]], 0) for v in range(V - 1)]
+        tl = self._simulate(cfg, fwd, bwd, p2p)
+        # per pipeline rank: its chunks' model states, activations and optimizer
+        ranks = range(pp)
+        chunks_of = [[v for v in range(V) if v % pp == r] for r in ranks]
+        local = [sum(stage_sum(per.params, v) for v in chunks_of[r]) for r in ranks]
+        tensors = [sum(stage_sum(per.tensors, v) for v in chunks_of[r]) for r in ranks]
+        dev = self.cluster.device
+        isz = self.itemsize
+        rank_mem, rank_tail, parts = [], [], []
+        for r in ranks:
+            states = zero_sharded_state_bytes(model_state_bytes(int(local[r]), self.optimizer, self.precision),
+                                              dp, cfg.zero)
+            act = sum(flight[v] * stage_sum(per.act, v) for v in chunks_of[r])
+            fixed = max(max(per.fixed[bounds[v]:bounds[v + 1]]) for v in chunks_of[r])
+            rank_mem.append(states["total"] + act + fixed)
+            parts.append((states, act, fixed))
+            dp_comm = 0.0
+            if dp > 1:
+                dp_comm = topo.collective_time("all_reduce", local[r] * isz, 1) + \
+                    topo.collective_time("all_reduce", 4, 1)
+                if cfg.zero >= 3:
+                    dp_comm += m * 2 * topo.collective_time("all_gather", local[r] * isz, 1)
+            opt = states["optimizer"] * 2 / (dev.memory_bandwidth * dev.memory_efficiency) + \
+                tensors[r] * dev.optimizer_overhead_s.get(self.optimizer, 0.0)
+            rank_tail.append((dp_comm, opt))
+        worst = max(ranks, key=lambda r: rank_mem[r])
+        slow = max(ranks, key=lambda r: sum(rank_tail[r]))
+        states, act, fixed = parts[worst]
+        dp_comm, opt = rank_tail[slow]
+        step = tl.makespan + dp_comm + opt
+        tp_comm = m * max(sum(stage_sum(per.comm, v) for v in chunks_of[r]) for r in ranks)
+        compute = max(tl.busy) - tp_comm
+        model_flops = 3.0 * self._flops_at(global_batch)
+        peak = rank_mem[worst]
+        pipeline = {
+            "schedule": cfg.schedule, "chunks": cfg.chunks, "layers": split,
+            "stage_time_s": [round(f + b, 9) for f, b in zip(fwd, bwd)],
+            "p2p_time_s": [round(x, 9) for x in p2p],
+            "bubble_fraction": round(tl.bubble_fraction, 6), "makespan_s": round(tl.makespan, 9),
+            "in_flight": tl.peak_in_flight, "rank_memory_bytes": [round(x) for x in rank_mem],
+        }
+        return Estimate(
+            strategy=cfg.to_string(), step_time_s=step, compute_time_s=compute,
+            comm_time_s=tp_comm + dp_comm + sum(p2p) * 2 * m, tp_comm_time_s=tp_comm, dp_comm_time_s=dp_comm,
+            optimizer_time_s=opt,
+            tflops_per_device=model_flops / step / devices / 1e12 if step > 0 else 0.0,
+            peak_memory_bytes=peak,
+            memory={"weights": states["weights"], "gradients": states["gradients"],
+                    "optimizer": states["optimizer"], "activations": act, "transient": fixed},
+            fits=peak <= cap, device_memory_bytes=float(dev.memory_bytes),
+            devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
+            parallel=cfg.as_dict(), pipeline=pipeline,
+        )
+
+    def _simulate(self, cfg: ParallelConfig, fwd: list[float], bwd: list[float], p2p: list[float]):
+        """The simulated timeline of ``cfg``'s schedule (cached: the search
+        meets the same stage times again for other ZeRO and memory options)."""
+        key = (cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, tuple(fwd), tuple(bwd), tuple(p2p))
+        cache = self.__dict__.setdefault("_timeline_cache", {})
+        if key not in cache:
+            actions = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
+            cache[key] = simulate(actions, fwd, bwd, p2p)
+        return cache[key]
+
+    def _unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
+                    global_batch: int) -> "_UnitCosts":
+        """Per pipeline unit (embedding, each layer instance, head) and one
+        microbatch: forward and forward+backward time, tensor-parallel comm,
+        local parameters, the activations kept per microbatch in flight, the
+        memory needed once (transients; with full recompute the one layer
+        being recomputed), and the bytes crossing each cut."""
+        key = (cfg.tp, cfg.dp, global_batch // cfg.microbatches, cfg.recompute, id(sh))
+        cache = self.__dict__.setdefault("_unit_cache", {})
+        if key in cache:
+            return cache[key]
+        local_batch = global_batch / (cfg.dp * cfg.microbatches)
+        outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
+        insts = self._instances()
+        n = len(insts) + 2
+        sums = [outside.get(u, _Sums()) for u in range(n)]
+        layer_in = self._layer_input_bytes(sh, shapes, cfg.tp)
+        passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0) + (0.1 if cfg.recompute == "selective" else 0.0)
+        out = _UnitCosts(n)
+        for u in range(n):
+            parts = [sums[u]]
+            inst = insts[u - 1] if 0 < u < n - 1 else None
+            if inst is not None:
+                src = per_inst.get(_source(sh.copied_from, inst))
+                if src is not None:
+                    parts.append(src)
+            fwd = sum(p_.fwd for p_ in parts)
+            comm = sum(p_.comm for p_ in parts)
+            saved = sum(sum(p_.saved.values()) for p_ in parts)
+            transient = max(p_.transient for p_ in parts)
+            out.fwd[u] = fwd + comm / 2
+            out.time[u] = passes * fwd + comm
+            out.comm[u] = comm
+            if cfg.recompute == "full" and inst is not None:
+                out.act[u] = layer_in.get(inst, 0.0) + sum(sums[u].saved.values())
+                out.fixed[u] = 2 * transient + (saved - sum(sums[u].saved.values()))
+            else:
+                out.act[u] = saved
+                out.fixed[u] = 2 * transient
+        params, tensors = self._unit_params(sh, cfg.tp)
+        out.params, out.tensors = params, tensors
+        out.cut = self._cut_bytes(sh, shapes, cfg.tp, n)
+        cache[key] = out
+        return out
+
+    def _unit_params(self, sh: AxisSharding, tp: int) -> tuple[list[float], list[float]]:
+        """Local trainable parameter elements and tensors per unit; a weight
+        read from several units (tied) counts in each."""
+        if not hasattr(self, "_param_units"):
+            unit_of = units(self.graph).of_node
+            self._param_units = []
+            for name, nd in self.params.items():
+                info = self.graph.params.get(nd.param)
+                if info is None or info.is_buffer or not info.requires_grad:
+                    continue
+                us = sorted({unit_of[c] for c in self.graph.consumers(name) if c in unit_of})
+                self._param_units.append((name, info.numel, us))
+        n = len(self._instances()) + 2
+        elems, tensors = [0.0] * n, [0.0] * n
+        out = sh.out
+        for name, numel, us in self._param_units:
+            local = numel / tp if is_shard(out.get(name, R)) else numel
+            for u in us:
+                elems[u] += local
+                tensors[u] += 1
+        return elems, tensors
+
+    def _cut_bytes(self, sh: AxisSharding, shapes: dict, tp: int, n: int) -> list[float]:
+        """``cut[k]``: bytes per microbatch one rank sends from the units
+        before ``k`` to those from ``k`` on (values produced on one side and
+        read on the other; graph inputs, weights and shape arithmetic are
+        available on every stage)."""
+        if not hasattr(self, "_crossing"):
+            unit_of = units(self.graph).of_node
+            self._crossing = []
+            for nd in self.graph.nodes:
+                u = unit_of.get(nd.name)
+                if u is None or nd.kind in ("input", "shape") or nd.out is None:
+                    continue
+                last = max((unit_of.get(c, u) for c in self.graph.consumers(nd.name)), default=u)
+                if last > u:
+                    isz = self.itemsize if nd.out.is_float else nd.out.nbytes / max(nd.out.numel, 1)
+                    self._crossing.append((nd.name, u, last, isz))
+        diff = [0.0] * (n + 1)
+        for name, u, last, isz in self._crossing:
+            local = _numel(shapes.get(name)) * isz / (tp if is_shard(sh.out.get(name, R)) else 1)
+            diff[u + 1] += local
+            diff[last + 1] -= local
+        cut, acc = [0.0] * (n + 1), 0.0
+        for k in range(n + 1):
+            acc += diff[k]
+            cut[k] = acc
+        return cut
+
+    def _layer_input_bytes(self, sh: AxisSharding, shapes: dict, tp: int) -> dict[str, float]:
+        """Bytes of the input of every repeated-layer instance (what full
+        recompute keeps of it)."""
+        out: dict[str, float] = {}
+        for nd in self.graph.nodes:
+            inst = nd.group
+            if inst is None or inst in out:
+                continue
+            for i in nd.inputs:
+                src = self.graph[i]
+                if src.kind not in ("param", "buffer") and src.group != inst:
+                    out[inst] = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(sh.out.get(i, R)) else 1)
+                    break
+        return out
+
     def _nodes_to_cost(self, copied: dict[str, str]) -> list[Node]:
         """The nodes outside repeated layers and those of the instances not
         ``copied`` from another (grouped by instance: the sums do not depend on
@@ -398,27 +623,35 @@ class Evaluator:
         self._params_cache[key] = (local, n)
         return local, n
 
-    def _microbatch_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
-                         local_batch: float) -> tuple:
-        """Forward time, tensor-parallel comm, largest transient and saved
-        activations (outside the layers; per layer instance) of one
-        microbatch. An instance of a repeated layer whose decisions were
-        copied from the previous one costs what that one cost."""
-        g, tp, isz = self.graph, cfg.tp, self.itemsize
+    def _outside_unit(self) -> dict[str, int]:
+        """Pipeline unit of every node outside the repeated layers (all 0 for
+        a graph without them, which cannot be pipelined)."""
+        if not hasattr(self, "_outside_units"):
+            self._outside_units = units(self.graph).of_node if self.graph.groups else {}
+        return self._outside_units
+
+    def _node_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
+                   local_batch: float) -> tuple[dict[int, _Sums], dict[str, _Sums]]:
+        """Per microbatch: the sums of the nodes outside the repeated layers
+        per pipeline unit, and those of every instance not copied from
+        another (an instance whose decisions were copied costs what its
+        source costs)."""
+        tp, isz = cfg.tp, self.itemsize
 
         def comm_tp(kind: str, nbytes: float) -> float:
             return topo.collective_time(kind, nbytes * isz / 4, 1)
 
         dispatch = self.cluster.device.dispatch_overhead_s
-        outside = _Sums()
+        unit_of = self._outside_unit()
+        outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
-        copied = sh.copied_from
-        for nd in self._nodes_to_cost(copied):
+        for nd in self._nodes_to_cost(sh.copied_from):
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
             inst = nd.group
-            acc = outside if inst is None else per_inst.setdefault(inst, _Sums())
+            acc = outside.setdefault(unit_of.get(nd.name, 0), _Sums()) if inst is None \
+                else per_inst.setdefault(inst, _Sums())
             frac = 1.0 / tp if st.split else 1.0
             acc.fwd += self._node_time(nd, self._scale(nd, local_batch), frac)
             if nd.kind not in NO_DISPATCH:
@@ -439,26 +672,37 @@ class Evaluator:
             if nd.out is not None:
                 acc.transient = max(acc.transient, _numel(shapes.get(nd.name)) * isz /
                                     (tp if is_shard(sh.out.get(nd.name, R)) else 1))
+        if tp > 1 and self.graph.output and sh.out.get(self.graph.output) == P:
+            last = outside.setdefault(unit_of.get(self.graph.output, 0), _Sums())
+            last.comm += comm_tp("all_reduce", 4)
+        return outside, per_inst
 
-        def source(inst: str) -> str:
-            while inst in copied:
-                inst = copied[inst]
-            return inst
+    def _instances(self) -> list[str]:
+        """The repeated-layer instances in graph order."""
+        if not hasattr(self, "_instance_order"):
+            self._instance_order = list(dict.fromkeys(nd.group for nd in self.graph.nodes if nd.group is not None))
+        return self._instance_order
 
+    def _microbatch_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
+                         local_batch: float) -> tuple:
+        """Forward time, tensor-parallel comm, largest transient and saved
+        activations (outside the layers; per layer instance) of one
+        microbatch."""
+        outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
+        copied = sh.copied_from
+        fwd = sum(s_.fwd for s_ in outside.values())
+        tp_comm = sum(s_.comm for s_ in outside.values())
+        transient = max((s_.transient for s_ in outside.values()), default=0.0)
         inst_saved: dict[str, float] = {}
-        fwd, tp_comm, transient = outside.fwd, outside.comm, outside.transient
-        for inst in {nd.group for nd in g.nodes if nd.group is not None}:
-            s_ = per_inst.get(source(inst))
+        for inst in self._instances():
+            s_ = per_inst.get(_source(copied, inst))
             if s_ is None:
                 continue
             fwd += s_.fwd
             tp_comm += s_.comm
             transient = max(transient, s_.transient)
             inst_saved[inst] = sum(s_.saved.values())
-        if tp > 1 and g.output and sh.out.get(g.output) == P:
-            tp_comm += comm_tp("all_reduce", 4)
-        saved_outside = sum(outside.saved.values())
-
+        saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
         return fwd, tp_comm, transient, saved_outside, inst_saved
 
     def _saved_names(self, nd: Node, recompute: str) -> list[str]:
@@ -501,19 +745,28 @@ class Evaluator:
     def _layer_inputs(self, sh: AxisSharding, shapes: dict, tp: int) -> float:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
-        total = 0.0
-        seen: set[str] = set()
-        for nd in self.graph.nodes:
-            inst = nd.group
-            if inst is None or inst in seen:
-                continue
-            seen.add(inst)
-            for i in nd.inputs:
-                src = self.graph[i]
-                if src.kind not in ("param", "buffer") and src.group != inst:
-                    total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(sh.out.get(i, R)) else 1)
-                    break
-        return total
+        return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+def _source(copied: dict[str, str], inst: str) -> str:
+    """The instance whose decisions (and costs) ``inst`` copies."""
+    while inst in copied:
+        inst = copied[inst]
+    return inst
+
+
+class _UnitCosts:
+    """Per pipeline unit costs of one microbatch (see ``Evaluator._unit_costs``)."""
+
+    def __init__(self, n: int) -> None:
+        self.fwd = [0.0] * n       # forward time (with half the tp comm)
+        self.time = [0.0] * n      # forward + backward (+ recompute) time with all tp comm
+        self.comm = [0.0] * n      # tensor-parallel comm, forward + backward
+        self.act = [0.0] * n       # bytes kept per microbatch in flight
+        self.fixed = [0.0] * n     # bytes needed once (transients, the recomputed layer)
+        self.params = [0.0] * n    # local trainable elements
+        self.tensors = [0.0] * n   # trainable tensors
+        self.cut = [0.0] * (n + 1)  # bytes crossing the cut before unit k
 
 
 class _Sums:

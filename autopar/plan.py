@@ -2,8 +2,9 @@
 
 A plan holds the model fingerprint (a plan for another model is refused),
 the cluster, the mesh, the ``parallel`` summary (dp, tp, pp, microbatches,
-schedule, recompute, zero), the placement of every parameter and op on every
-mesh axis, and the predictions. ``to_json`` is deterministic: the same inputs
+schedule, chunks, recompute, zero), with a pipeline the ``pipeline`` record
+(schedule, layers per stage, the simulated bubble and per-stage times), the
+placement of every parameter and op on the (dp, tp) axes, and the predictions. ``to_json`` is deterministic: the same inputs
 give byte-identical text (sorted keys, rounded floats, no timestamps).
 """
 from __future__ import annotations
@@ -55,7 +56,16 @@ PLAN_SCHEMA: dict[str, Any] = {
                 "dp": {"type": "integer", "minimum": 1}, "tp": {"type": "integer", "minimum": 1},
                 "pp": {"type": "integer", "minimum": 1}, "microbatches": {"type": "integer", "minimum": 1},
                 "schedule": {"type": "string"}, "recompute": {"enum": ["none", "selective", "full"]},
-                "zero": {"enum": [0, 1, 2, 3]},
+                "zero": {"enum": [0, 1, 2, 3]}, "chunks": {"type": "integer", "minimum": 1},
+            },
+        },
+        "pipeline": {
+            "type": "object", "required": ["schedule", "chunks", "layers"],
+            "properties": {
+                "schedule": {"enum": ["gpipe", "1f1b", "interleaved"]},
+                "chunks": {"type": "integer", "minimum": 1},
+                "layers": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "bubble_fraction": {"type": "number"},
             },
         },
         "params": {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}},
@@ -127,7 +137,11 @@ class Plan:
     @property
     def strategy(self) -> str:
         p = self.parallel
-        return (f"dp={p['dp']},tp={p['tp']},pp={p['pp']},microbatches={p['microbatches']},"
+        pipe = ""
+        if p["pp"] > 1:
+            chunks = p.get("chunks", 1)
+            pipe = f",schedule={p['schedule']}" + (f",chunks={chunks}" if chunks > 1 else "")
+        return (f"dp={p['dp']},tp={p['tp']},pp={p['pp']},microbatches={p['microbatches']}{pipe},"
                 f"recompute={p['recompute']},zero={p['zero']}")
 
     # -- serialisation --------------------------------------------------------
@@ -208,6 +222,10 @@ class Plan:
             order = ["weights", "gradients", "optimizer", "activations", "transient"]
             keys = [k for k in order if k in mem] + sorted(k for k in mem if k not in order)
             rows.append(("memory", ", ".join(f"{k} {mem[k] / 2**30:.3g} GiB" for k in keys)))
+        pipe = d.get("pipeline")
+        if pipe:
+            rows.append(("pipeline", f"{pipe['schedule']}, layers per stage {pipe['layers']}, "
+                                     f"bubble {pipe.get('bubble_fraction', 0):.1%}"))
         sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
         rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors"))
         s = d["search"]

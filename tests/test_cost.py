@@ -140,8 +140,10 @@ def test_gpt3_auto_plan_on_1024_a100():
     p = autopar.plan(graph(GPT3), cluster="dgx-a100-80g", devices=1024, global_batch=1536)
     assert p.predicted["fits"]
     assert p.parallel["tp"] >= 2
-    assert p.parallel["dp"] * p.parallel["tp"] == 1024
+    assert p.parallel["pp"] > 1, "the issue's target: 175B on 1024 GPUs is pipelined"
+    assert p.parallel["dp"] * p.parallel["tp"] * p.parallel["pp"] == 1024
     assert 1536 % (p.parallel["dp"] * p.parallel["microbatches"]) == 0
+    assert sum(p.data["pipeline"]["layers"]) == 96
     assert p.predicted["peak_memory_bytes"] <= p.predicted["device_memory_bytes"]
     assert p.data["search"]["mode"] == "dynamic_programming" and p.data["search"]["feasible"] >= 1
     assert p.data["model"]["num_params"] == pytest.approx(175e9, rel=0.01)

@@ -61,7 +61,7 @@ def test_unknown_key_lists_valid_keys():
         parse_strategy("dp=2,sp=2")
     msg = str(ei.value)
     assert "'sp'" in msg
-    for key in ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"):
+    for key in ("dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero"):
         assert key in msg
     assert "micro_batch_num" in msg  # the aliases are listed too
 
@@ -107,16 +107,38 @@ def test_product_mismatch_names_both_numbers():
     assert "= 4 devices" in msg and "has 8" in msg
 
 
-def test_pp_not_supported():
-    with pytest.raises(StrategyError, match=r"pp=2: pipeline parallelism is not supported"):
-        parse_strategy("dp=2,pp=2", 4)
-    with pytest.raises(StrategyError, match=r"pp=4"):
-        parse_strategy("pipeline=4,schedule=1f1b", 4)
+def test_pipeline_keys_and_defaults():
+    cfg = parse_strategy("pp=2,tp=2", 8)
+    assert (cfg.dp, cfg.tp, cfg.pp, cfg.microbatches, cfg.schedule, cfg.chunks) == (2, 2, 2, 2, "1f1b", 1)
+    cfg = parse_strategy("pipeline_stage=4,micro_batch_num=8,schedule=gpipe", 4)
+    assert (cfg.pp, cfg.microbatches, cfg.schedule) == (4, 8, "gpipe")
+    cfg = parse_strategy("pp=2,microbatches=4,schedule=interleaved", 2)
+    assert (cfg.chunks, cfg.stages) == (2, 4)
+    assert parse_strategy("pp=2,microbatches=6,schedule=interleaved,num_model_chunks=3", 2).chunks == 3
+    for text in ("pp=2,microbatches=4,schedule=interleaved,chunks=2,recompute=none,zero=0",
+                 "dp=2,tp=1,pp=2,microbatches=2,schedule=gpipe,recompute=full,zero=1"):
+        cfg = parse_strategy(text)
+        assert parse_strategy(cfg.to_string()) == cfg
+
+
+def test_pipeline_rules_of_the_seeds():
+    # MindFormers: micro_batch_num >= pipeline_stage
+    with pytest.raises(StrategyError, match=r"micro_batch_num"):
+        parse_strategy("pp=4,microbatches=2", 4)
+    # Colossal-AI / Megatron: interleaving needs microbatches a multiple of the stages
+    with pytest.raises(StrategyError, match=r"multiple"):
+        parse_strategy("pp=4,microbatches=6,schedule=interleaved", 4)
+    with pytest.raises(StrategyError, match=r"chunks"):
+        parse_strategy("pp=2,microbatches=4,schedule=1f1b,chunks=2", 2)
+    with pytest.raises(StrategyError, match=r"gpipe, 1f1b, interleaved"):
+        parse_strategy("pp=2,schedule=zb", 2)
 
 
 def test_schedule_needs_pp():
-    with pytest.raises(StrategyError, match=r"schedule '1f1b' needs pp > 1"):
+    with pytest.raises(StrategyError, match=r"schedule=1f1b needs a pipeline"):
         parse_strategy("dp=2,schedule=1f1b")
+    with pytest.raises(StrategyError, match=r"chunks > 1 needs a pipeline"):
+        parse_strategy("dp=2,chunks=2")
     assert parse_strategy("dp=2,schedule=none").schedule == "none"
 
 
@@ -142,6 +164,7 @@ def test_zero_invalid():
 
 def test_executable():
     assert parse_strategy("dp=2,tp=2").executable
+    assert parse_strategy("pp=2,tp=2", 4).executable
     assert not parse_strategy("dp=2,zero=1").executable
     assert not parse_strategy("dp=2,recompute=full").executable
 

@@ -19,12 +19,16 @@ import torch.nn as nn
 from .. import api
 from ..errors import AutoparError, PlanError, StrategyError, UnsupportedError
 from ..plan import Plan
+from ..compile.rewrite import LocalProgram, compile_local
+from ..pipeline.partition import assign, even_layers, units
+from ..pipeline.schedule import Timeline
 from ..search.propagate import scaled_shapes
 from ..search.space import ParallelConfig
 from ..strategies import is_shard, shard_dim
 from ..trace import trace, with_loss
 from . import collectives as C
 from .dist import Mesh, init_process_group, local_device
+from .pipeline import PipelineExecutor, check_tied, split_stages
 
 
 def default_cluster() -> str:
@@ -72,7 +76,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     The process group is created from the torchrun environment when none
     exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
     that do not fit this world or model, :class:`UnsupportedError` for valid
-    strategies this release cannot run yet (pp > 1, recompute, ZeRO).
+    strategies this release cannot run yet (recompute, ZeRO; pipelines over a
+    torch.export graph or with weights tied across pipeline ranks).
     """
     rank, world = init_process_group(backend)
     inputs = _as_tuple(example_inputs)
@@ -97,10 +102,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     pins = {**_pins.annotations(model), **(shardings or {})}
     if plan_obj is not None:
         plan_obj.check_model(graph.fingerprint, type(model).__name__)
-        cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
-                                ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")})
+        cfg = api.config_from_plan(plan_obj)
         if cfg.devices != world:
-            raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}), "
+            raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}), "
                             f"but this job has {world} processes")
         gbatch = plan_obj.data["global_batch"]
     else:
@@ -114,12 +118,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
             plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch
                                 if full_batch else batch * _dp_of(str(strategy), world),
                                 strategy=str(strategy), search_mode=search_mode, shardings=pins)
-        cfg = ParallelConfig(**{k: plan_obj.parallel[k] for k in
-                                ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")})
+        cfg = api.config_from_plan(plan_obj)
         gbatch = plan_obj.data["global_batch"]
     if not cfg.executable:
         raise UnsupportedError(f"strategy {cfg.to_string()} is valid and its cost can be evaluated, but this "
-                               "release cannot execute pp > 1, recompute or ZeRO yet; use recompute=none,zero=0")
+                               "release cannot execute recompute or ZeRO yet; use recompute=none,zero=0")
     return ParallelModule(model, graph, plan_obj, cfg, loss_fn=loss_fn, optimizer=optimizer,
                           full_batch=full_batch, global_batch=gbatch, rank=rank, world=world,
                           seed_broadcast=seed_broadcast)
@@ -133,10 +136,15 @@ def _dp_of(strategy: str, world: int) -> int:
 class ParallelModule(nn.Module):
     """This rank's part of a parallelized model.
 
-    ``parameters()`` are this rank's shards (plain tensors); ``plan`` is the
-    Plan with its predictions; ``train_step(inputs, target)`` runs forward,
-    backward and the optimizer step and returns the global mean loss (the same
-    float on every rank); ``full_state_dict()`` gathers unsharded weights.
+    ``parameters()`` are this rank's shards (plain tensors; with a pipeline,
+    only those of the stages this rank holds); ``plan`` is the Plan with its
+    predictions; ``train_step(inputs, target)`` runs forward, backward and the
+    optimizer step and returns the global mean loss (the same float on every
+    rank); ``full_state_dict()`` gathers unsharded weights.
+
+    With ``pp > 1`` the ranks form a ``(pp, dp, tp)`` mesh (pp outermost, tp
+    fastest, as Megatron lays it out); pipeline rank ``r`` holds virtual stages
+    ``r, r + pp, ...`` and runs them with a :class:`PipelineExecutor`.
     """
 
     def __init__(self, model: nn.Module, graph, plan: Plan, cfg: ParallelConfig, *, loss_fn: Callable,
@@ -148,9 +156,14 @@ class ParallelModule(nn.Module):
         self.full_batch = full_batch
         self.global_batch = global_batch
         self.rank, self.world = rank, world
-        self.mesh = Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
-        self.dp_group, self.tp_group = self.mesh.group(0), self.mesh.group(1)
-        self.dp_rank, self.tp_rank = self.mesh.coord(0), self.mesh.coord(1)
+        if cfg.pp > 1:
+            self.mesh = Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"))
+        else:
+            self.mesh = Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
+        self.dp_group, self.tp_group = self.mesh.group("dp"), self.mesh.group("tp")
+        self.dp_rank, self.tp_rank = self.mesh.coord("dp"), self.mesh.coord("tp")
+        self.pp_group = self.mesh.group("pp") if cfg.pp > 1 else None
+        self.pp_rank = self.mesh.coord("pp") if cfg.pp > 1 else 0
         self.device = local_device()
         self._prefix = graph.loss_prefix
         self._tied: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
@@ -158,37 +171,81 @@ class ParallelModule(nn.Module):
             self._tied.setdefault(canon, []).append(alias)
         self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
         self.step_times: list[float] = []
-        micro_global = global_batch // cfg.microbatches
+        self.pipeline: PipelineExecutor | None = None
+        self.stages_held: list[int] = []
         if seed_broadcast and world > 1:
             # every rank must start from the same weights (as DDP does)
             C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
-        if cfg.tp == 1 and graph.frontend != "fx":
+        if cfg.pp > 1:
+            self._build_pipeline(graph, plan, global_batch)
+        elif cfg.tp == 1 and graph.frontend != "fx":
             self.program = with_loss(model, loss_fn, len(graph.inputs) - 1).to(self.device)
             self.param_placement = {n: "R" for n, _ in self.program.named_parameters()}
             self.comms = 0
         else:
-            from ..compile.rewrite import compile_local
-            tp_sh = api.sharding_from_plan(graph, plan)
-            if tp_sh is None:  # the plan was made with another loss: derive the same strategy here
-                ev = api._evaluator(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
-                                    plan.data["precision"])
-                tp_sh, _ = ev.sharding(cfg, global_batch)
-            shapes = scaled_shapes(graph, micro_global, cfg.dp)
-            full = {}
-            gm = graph.gm
-            for n in gm.graph.nodes:
-                if n.op == "get_attr":
-                    obj = gm
-                    for part in n.target.split("."):
-                        obj = getattr(obj, part)
-                    full[n.target] = obj
-            prog = compile_local(graph, tp_sh, shapes, tp_rank=self.tp_rank, tp_group=self.tp_group, params=full)
+            prog = self._compile(graph, plan, global_batch)
             self.program = prog.module.to(self.device)
             self.param_placement = prog.param_placement
             self.comms = prog.comms
-        params = [p for p in self.program.parameters() if p.requires_grad]
+        params = [p for p in self.parameters() if p.requires_grad]
         self.optimizer = optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.01)
         self.grad_sync = C.GradSync(params, self.dp_group) if cfg.dp > 1 else None
+
+    def _compile(self, graph, plan: Plan, global_batch: int) -> LocalProgram:
+        """This tensor-parallel rank's program of the whole model."""
+        cfg = self.config
+        tp_sh = api.sharding_from_plan(graph, plan)
+        if tp_sh is None:  # the plan was made with another loss: derive the same strategy here
+            ev = api._evaluator(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
+                                plan.data["precision"])
+            tp_sh, _ = ev.sharding(cfg, global_batch)
+        shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
+        full = {}
+        gm = graph.gm
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                obj = gm
+                for part in n.target.split("."):
+                    obj = getattr(obj, part)
+                full[n.target] = obj
+        return compile_local(graph, tp_sh, shapes, tp_rank=self.tp_rank, tp_group=self.tp_group, params=full)
+
+    def _build_pipeline(self, graph, plan: Plan, global_batch: int) -> None:
+        """Compile the whole program, keep the stages of this pipeline rank and
+        their executor; only those stages' parameters stay on this rank."""
+        cfg = self.config
+        if graph.frontend != "fx":
+            raise UnsupportedError(f"pipeline parallelism (pp={cfg.pp}) needs a model traced by torch.fx; this one "
+                                   "was traced with torch.export, which this release runs data-parallel only: "
+                                   "use pp=1,tp=1")
+        layers = (plan.data.get("pipeline") or {}).get("layers") or even_layers(units(graph).layers, cfg.stages)
+        if len(layers) != cfg.stages:
+            raise PlanError(f"the plan's pipeline gives layer counts {list(layers)} for {len(layers)} stages, but "
+                            f"pp={cfg.pp} x chunks={cfg.chunks} needs {cfg.stages}")
+        stage_of = assign(graph, layers)
+        check_tied(graph, stage_of, cfg.pp)
+        prog = self._compile(graph, plan, global_batch)
+        self.stages_held = list(range(self.pp_rank, cfg.stages, cfg.pp))
+        stages = split_stages(prog.module.to(self.device), graph, stage_of, self.stages_held)
+        self.program = None
+        self.stage_modules = nn.ModuleList(s.module for s in stages)
+        local = self._local_tensors()
+        self.param_placement = {k: v for k, v in prog.param_placement.items() if k in local}
+        self.comms = sum(s.comms for s in stages)
+        self.pipeline = PipelineExecutor(
+            stages, schedule=cfg.schedule, pp=cfg.pp, pp_rank=self.pp_rank, microbatches=cfg.microbatches,
+            chunks=cfg.chunks, ranks=self.mesh.group_ranks("pp"), group=self.pp_group, device=self.device,
+            input_names=[n.name for n in prog.module.graph.nodes if n.op == "placeholder"])
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, then buffers, by their names in the program (each once)."""
+        mods = [self.program] if self.program is not None else list(self.stage_modules)
+        out: dict[str, torch.Tensor] = {}
+        for mod in mods:
+            out.update(mod.named_parameters())
+        for mod in mods:
+            out.update(mod.named_buffers())
+        return out
 
     # -- training -------------------------------------------------------------
     def _local_batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +256,11 @@ class ParallelModule(nn.Module):
         return t.chunk(self.config.dp, dim=0)[self.dp_rank]
 
     def forward(self, *inputs_and_target: torch.Tensor) -> torch.Tensor:
-        """The local loss of one (local) microbatch."""
+        """The local loss of one (local) microbatch (without a pipeline: a
+        pipeline's stages only run together, in :meth:`train_step`)."""
+        if self.pipeline is not None:
+            raise UnsupportedError(f"pipeline rank {self.pp_rank} holds only stages {self.stages_held} of the "
+                                   "model, which run together in train_step(inputs, target)")
         return self.program(*inputs_and_target)
 
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
@@ -215,13 +276,21 @@ class ParallelModule(nn.Module):
                                 f"({expected} per data-parallel rank); got {inputs[0].shape[0]} per rank")
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
-            loss = self.program(*xs, tg)
-            (loss / m).backward()
-            total += loss.detach() / m
+        micro = list(zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)))
+        if self.pipeline is None:
+            for xs, tg in micro:
+                loss = self.program(*xs, tg)
+                (loss / m).backward()
+                total += loss.detach() / m
+        else:
+            loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
+            if loss is not None:   # this rank holds the last stage
+                total += loss
         if self.grad_sync is not None:
             self.grad_sync.sync()
         self.optimizer.step()
+        if self.pipeline is not None:
+            dist.broadcast(total, self.mesh.group_ranks("pp")[-1], group=self.pp_group)
         if self.config.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.config.dp
@@ -231,14 +300,15 @@ class ParallelModule(nn.Module):
     # -- inspection -----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights, keyed like the original model's ``state_dict()``
-        (collective: every rank of the tensor-parallel group must call it)."""
+        (collective: every rank of the tensor-parallel group must call it;
+        with a pipeline, every rank)."""
         out: dict[str, torch.Tensor] = {}
         pre = self._prefix
 
         def strip(name: str) -> str:
             return name[len(pre):] if pre and name.startswith(pre) else name
 
-        for name, t in list(self.program.named_parameters()) + list(self.program.named_buffers()):
+        for name, t in self._local_tensors().items():
             p = self.param_placement.get(name, "R")
             full = t.detach()
             if is_shard(p) and self.config.tp > 1:
@@ -247,12 +317,29 @@ class ParallelModule(nn.Module):
                 key = strip(full_name)
                 if key in self._state_keys:
                     out[key] = full.cpu()
+        if self.pipeline is not None:
+            parts: list[Any] = [None] * self.config.pp
+            dist.all_gather_object(parts, out, group=self.pp_group)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
+
+    def measured_timeline(self) -> Timeline:
+        """The last step's pipeline actions as they ran on every pipeline rank,
+        times relative to each rank's step start (collective over the pipeline
+        group), to compare with the schedule's simulated timeline."""
+        if self.pipeline is None:
+            raise StrategyError(f"measured_timeline() needs a pipeline (pp > 1); this module runs "
+                                f"{self.config.to_string()}")
+        parts: list[Any] = [None] * self.config.pp
+        dist.all_gather_object(parts, self.pipeline.events, group=self.pp_group)
+        return Timeline.from_events([e for part in parts for e in part], self.config.pp, self.config.chunks)
 
     def describe(self) -> str:
         """Where each parameter lives on this rank."""
-        lines = [f"rank {self.rank}: dp {self.dp_rank}/{self.config.dp}, tp {self.tp_rank}/{self.config.tp}, "
+        where = f"pp {self.pp_rank}/{self.config.pp} (stages {self.stages_held}), " if self.pipeline else ""
+        lines = [f"rank {self.rank}: {where}dp {self.dp_rank}/{self.config.dp}, tp {self.tp_rank}/{self.config.tp}, "
                  f"{self.comms} collectives in the program"]
-        for name, t in self.program.named_parameters():
-            lines.append(f"  {name}: {tuple(t.shape)} {self.param_placement.get(name, 'R')}")
+        for name, t in self._local_tensors().items():
+            if isinstance(t, nn.Parameter):
+                lines.append(f"  {name}: {tuple(t.shape)} {self.param_placement.get(name, 'R')}")
         return "\n".join(lines)

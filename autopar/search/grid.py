@@ -20,6 +20,19 @@ count and one below. Per configuration, the tensor-parallel axis is decided by:
   the manual sharding as the same guard.
 
 User pins (``(node, placement)`` pairs) constrain every sharder.
+
+Pipelines (``pp > 1``) add lines per (tp, pp, recompute, zero, schedule).
+More microbatches shrink the bubble there, so the time is not monotone in
+the count: every count whose microbatch holds a power-of-two number of
+samples per replica is evaluated (Megatron placements, stages balanced by
+:func:`autopar.pipeline.partition.balance`, the schedule simulated). The
+per-op search then runs on the pipelined configurations within
+``PIPE_MARGIN`` of the best time found, the ``PIPE_SEARCHED`` fastest first.
+The schedules searched are 1F1B and interleaved 1F1B with two chunks; GPipe
+has 1F1B's timeline with more activations in flight, so it never wins and is
+only searched when asked (``schedules=``). ZeRO 2 and 3 are not combined with
+pipelines (their per-microbatch gradient and weight traffic is what
+DeepSpeed refuses there too).
 """
 from __future__ import annotations
 
@@ -30,10 +43,14 @@ from typing import Callable
 from ..cost import MANUAL, MEMORY_HEADROOM, Estimate, Evaluator, Sharder, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from .ilp import InfeasiblePins
+from ..pipeline.partition import units
 from .space import ParallelConfig, divisors
 
 MODES = ("grid", "ilp", "greedy")
 NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded ILP may still fit it
+PIPE_SCHEDULES = ("1f1b", "interleaved")
+PIPE_MARGIN = 1.10     # pipelined configurations this close to the best time get the per-op search
+PIPE_SEARCHED = 8      # and at most this many of them
 
 
 @dataclass
@@ -70,6 +87,45 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_o
                     continue
                 out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z) for m in mbs])
     return out
+
+
+def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
+                     schedules: tuple[str, ...] = PIPE_SCHEDULES) -> list[ParallelConfig]:
+    """Pipelined configurations: ``pp`` up to the number of repeated layers,
+    every schedule of ``schedules`` (interleaved with 2 chunks), and the
+    microbatch counts ``m >= pp`` (a multiple of ``pp`` when interleaved)
+    whose microbatch holds a power-of-two number of samples per replica."""
+    if not ev.graph.groups:
+        return []
+    n_layers = units(ev.graph).layers
+    recomputes = ("none",) if executable_only else ("none", "selective", "full")
+    zeros = (0,) if executable_only else (0, 1)
+    out = []
+    for tp in [t for t in tp_valid_sizes(ev.graph) if devices % t == 0]:
+        for pp in divisors(devices // tp):
+            if pp == 1 or pp > n_layers:
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            counts = [m for m in divisors(per_replica) if m >= pp and _power_of_two(per_replica // m)]
+            for sched in schedules:
+                chunks = 2 if sched == "interleaved" else 1
+                if pp * chunks > n_layers:
+                    continue
+                for rc in recomputes:
+                    for z in zeros:
+                        if z and dp == 1:
+                            continue
+                        out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched,
+                                                  recompute=rc, zero=z, chunks=chunks)
+                                   for m in counts if sched != "interleaved" or m % pp == 0)
+    return out
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 class _Chooser:
@@ -132,7 +188,8 @@ class _Chooser:
 
 def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
                 progress: Callable[[int, int], None] | None = None, mode: str = "grid",
-                pins: tuple[tuple[str, str], ...] = ()) -> SearchResult:
+                pins: tuple[tuple[str, str], ...] = (), pipeline: bool = True,
+                schedules: tuple[str, ...] = PIPE_SCHEDULES) -> SearchResult:
     """Best fitting strategy (lowest predicted step time; ties go to the
     smaller tp, then fewer microbatches), the tensor-parallel axis decided as
     ``mode`` says (see the module docstring). Raises
@@ -142,7 +199,10 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
     t0 = time.perf_counter()
     chooser = _Chooser(ev, mode, tuple(pins))
     lines = grid_configs(ev, devices, global_batch, executable_only=executable_only)
-    if not lines:
+    piped = pipeline_configs(ev, devices, global_batch, executable_only=executable_only,
+                             schedules=schedules) if pipeline else []
+    steps = len(lines) + (1 if piped else 0)
+    if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
                             f"valid tp sizes for this model: {tp_valid_sizes(ev.graph)}")
     evaluated, feasible = 0, []
@@ -185,7 +245,12 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
         except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
             pin_error = pin_error or e
         if progress:
-            progress(k + 1, len(lines))
+            progress(k + 1, steps)
+    if piped:
+        evaluated, closest, pin_error = _search_pipelines(ev, piped, global_batch, devices, chooser, mode, manual,
+                                                          feasible, evaluated, closest, pin_error)
+        if progress:
+            progress(steps, steps)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
     if not feasible:
@@ -195,9 +260,41 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
             f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device"
             + ("" if not executable_only else
                " (only strategies this release can execute were searched: recompute and ZeRO excluded)"))
-    feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].tp, ec[1].microbatches, ec[1].zero, ec[1].recompute))
+    feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].pp, ec[1].tp, ec[1].microbatches, ec[1].zero,
+                                  ec[1].recompute))
     best, cfg, sh = feasible[0]
     return SearchResult(best=best, best_config=cfg, candidates=evaluated, feasible=len(feasible),
                         time_s=time.perf_counter() - t0, top=[e for e, _, _ in feasible[:5]],
                         best_sharder=sh, mode=mode, won=chooser.won, ilp_solves=chooser.solves,
                         ilp_time_s=chooser.solve_s)
+
+
+def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch: int, devices: int,
+                      chooser: _Chooser, mode: str, manual: Sharder, feasible: list, evaluated: int,
+                      closest: Estimate | None, pin_error: InfeasiblePins | None):
+    """Evaluate the pipelined ``configs`` with the Megatron placements, then
+    run the per-op search on the fastest that come within ``PIPE_MARGIN`` of
+    the best time so far. Appends to ``feasible``; returns the updated
+    count, closest misfit and first pin error."""
+    fitting: list[tuple[Estimate, ParallelConfig]] = []
+    for cfg in configs:
+        try:
+            est = ev.evaluate(cfg, global_batch, devices, manual)
+        except InfeasiblePins as e:
+            pin_error = pin_error or e
+            continue
+        evaluated += 1
+        if est.fits:
+            fitting.append((est, cfg))
+        elif closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
+            closest = est
+    fitting.sort(key=lambda ec: ec[0].step_time_s)
+    best = min([e.step_time_s for e, _, _ in feasible] + [e.step_time_s for e, _ in fitting[:1]],
+               default=float("inf"))
+    for k, (est, cfg) in enumerate(fitting):
+        if mode == "grid" or k >= PIPE_SEARCHED or est.step_time_s > PIPE_MARGIN * best:
+            feasible.append((est, cfg, manual))
+            continue
+        e, sh = chooser.best(cfg, global_batch, devices, best)
+        feasible.append((e, cfg, sh) if e.fits else (est, cfg, manual))
+    return evaluated, closest, pin_error

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules, their simulated timelines, and stage partitioning."""

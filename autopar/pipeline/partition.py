@@ -1,0 +1,221 @@
+"""Cut a traced graph into pipeline stages between its repeated layers.
+
+A pipeline cuts only between *units*: the nodes before the first repeated
+layer (unit 0: embeddings), each repeated-layer instance in graph order
+(units 1..L), and the nodes after the last one (unit L+1: final norm, head,
+loss). A node outside the layers that sits between two instances belongs to
+the instance before it. Parameters are not units: a parameter lives on every
+stage that reads it.
+
+A partition of ``V`` virtual stages is given by the number of layers each
+stage holds (``layers[v] >= 0``, summing to L; only the first and the last
+stage may hold none, since they have the embedding and the head). Stage 0
+always holds unit 0 and stage V-1 unit L+1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import StrategyError
+from ..graph import Graph
+
+_NOT_UNITS = ("param", "buffer")
+
+
+@dataclass(frozen=True)
+class Units:
+    """The graph in pipeline units: ``labels[u]`` names unit ``u``
+    (``"<embed>"``, the layer instances, ``"<head>"``), ``of_node`` maps every
+    non-parameter node to its unit."""
+
+    labels: tuple[str, ...]
+    of_node: dict[str, int]
+
+    @property
+    def layers(self) -> int:
+        return len(self.labels) - 2
+
+
+def units(graph: Graph) -> Units:
+    """The pipeline units of ``graph`` (cached on it). Raises
+    :class:`StrategyError` for a graph without repeated layers."""
+    cached = getattr(graph, "_pipeline_units", None)
+    if cached is not None:
+        return cached
+    order: dict[str, int] = {}
+    last_layer_pos = -1
+    for pos, nd in enumerate(graph.nodes):
+        if nd.group is not None and nd.kind not in _NOT_UNITS:
+            order.setdefault(nd.group, len(order) + 1)
+            last_layer_pos = pos
+    if not order:
+        raise StrategyError(f"pipeline parallelism cuts between repeated layers, and {graph.name} has none "
+                            "(no sibling modules of identical structure, such as transformer blocks); use pp=1")
+    tail = len(order) + 1
+    of_node: dict[str, int] = {}
+    cur = 0
+    for pos, nd in enumerate(graph.nodes):
+        if nd.kind in _NOT_UNITS:
+            continue
+        if nd.group is not None:
+            cur = order[nd.group]
+        elif pos > last_layer_pos:
+            cur = tail
+        of_node[nd.name] = cur
+    out = Units(labels=("<embed>", *order, "<head>"), of_node=of_node)
+    graph._pipeline_units = out
+    return out
+
+
+def check_layers(layers: Sequence[int], n_layers: int) -> None:
+    """Raise :class:`StrategyError` unless ``layers`` is a valid partition of
+    ``n_layers`` repeated layers into ``len(layers)`` stages."""
+    v = len(layers)
+    if v < 1 or any(k < 0 for k in layers) or sum(layers) != n_layers:
+        raise StrategyError(f"stage layer counts {list(layers)} must be >= 0 and sum to the model's "
+                            f"{n_layers} repeated layers")
+    empty = [i for i in range(1, v - 1) if layers[i] == 0]
+    if empty:
+        raise StrategyError(f"pipeline stage {empty[0]} holds no layer; only the first and the last stage "
+                            f"may (they hold the embedding and the head)")
+
+
+def even_layers(n_layers: int, stages: int) -> list[int]:
+    """Layers per stage as even as possible (the earlier stages get the
+    remainder last, as the last stage also carries the head)."""
+    if stages > n_layers:
+        raise StrategyError(f"{stages} pipeline stages need at least {stages} repeated layers; "
+                            f"the model has {n_layers}")
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def unit_bounds(layers: Sequence[int]) -> list[int]:
+    """``b`` with stage ``v`` holding units ``b[v] <= u < b[v+1]``."""
+    bounds = [0]
+    for k in layers:
+        bounds.append(bounds[-1] + k)
+    bounds = [b + 1 for b in bounds]   # unit 0 (embedding) goes with stage 0
+    bounds[0] = 0
+    bounds[-1] += 1                    # the head unit goes with the last stage
+    return bounds
+
+
+def stage_of_units(layers: Sequence[int]) -> list[int]:
+    """The stage of every unit."""
+    b = unit_bounds(layers)
+    out: list[int] = []
+    for v in range(len(layers)):
+        out.extend([v] * (b[v + 1] - b[v]))
+    return out
+
+
+def assign(graph: Graph, layers: Sequence[int]) -> dict[str, int]:
+    """Stage of every non-parameter node of ``graph`` under ``layers``."""
+    u = units(graph)
+    check_layers(layers, u.layers)
+    of_unit = stage_of_units(layers)
+    return {name: of_unit[k] for name, k in u.of_node.items()}
+
+
+def param_stages(graph: Graph, stage_of: dict[str, int]) -> dict[str, list[int]]:
+    """For each parameter / buffer node, the sorted stages that read it (a
+    tied weight read by the embedding and the head is on two)."""
+    out: dict[str, set[int]] = {}
+    for nd in graph.nodes:
+        s = stage_of.get(nd.name)
+        if s is None:
+            continue
+        for i in nd.inputs:
+            if i in graph and graph[i].kind in _NOT_UNITS:
+                out.setdefault(i, set()).add(s)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[float]:
+    """Per virtual stage, the microbatches whose activations its rank holds at
+    the rank's peak (the schedule's memory multiplier): GPipe keeps all ``m``;
+    1F1B keeps ``pp - r`` on rank ``r``; interleaved 1F1B keeps Megatron's
+    warm-up count plus one, counted in chunk-microbatches and spread over the
+    rank's chunks."""
+    m = microbatches
+    out: list[float] = []
+    for v in range(pp * chunks):
+        r = v % pp
+        if schedule == "gpipe":
+            out.append(float(m))
+        elif schedule == "interleaved":
+            peak = min(m * chunks, (pp - r - 1) * 2 + (chunks - 1) * pp + 1)
+            out.append(peak / chunks)
+        else:
+            out.append(float(min(pp - r, m)))
+    return out
+
+
+def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float], fixed: Sequence[float],
+            stages: int, in_flight: Sequence[float], cap: float) -> list[int] | None:
+    """Layers per stage that minimise the slowest stage, with every stage's
+    memory ``sum(states) + in_flight[v] * sum(act) + max(fixed)`` within
+    ``cap``; ``None`` when no partition fits.
+
+    The inputs are per unit (embedding, layers, head). For a bound ``T`` on
+    the stage time, packing units greedily from the left is optimal (every
+    constraint is monotone in a contiguous range, so the greedy stage ``k``
+    ends no earlier than that of any feasible partition); the smallest
+    feasible ``T`` is found by bisection. This is Alpa's inter-operator
+    stage DP specialised to one sub-mesh shape per stage.
+    """
+    n = len(time)
+    if stages > n:
+        return None
+    pre_t, pre_s, pre_a = _prefix(time), _prefix(states), _prefix(act)
+
+    def fits(start: int, end: int, peak: float, bound: float, v: int) -> bool:
+        mem = pre_s[end] - pre_s[start] + in_flight[v] * (pre_a[end] - pre_a[start]) + peak
+        return pre_t[end] - pre_t[start] <= bound and mem <= cap
+
+    def pack(bound: float) -> list[int] | None:
+        ends: list[int] = []
+        start = 0
+        for v in range(stages):
+            if v == stages - 1:
+                end, peak = n, max(fixed[start:n])
+            else:
+                # leave at least one unit for each later stage
+                limit = n - (stages - v - 1)
+                end, peak = start + 1, fixed[start]
+                while end < limit and fits(start, end + 1, max(peak, fixed[end]), bound, v):
+                    peak = max(peak, fixed[end])
+                    end += 1
+            if not fits(start, end, peak, bound, v):
+                return None
+            ends.append(end)
+            start = end
+        return ends
+
+    lo, hi = max(time), pre_t[n]
+    best = pack(hi)
+    if best is None:
+        return None
+    for _ in range(40):
+        if hi - lo <= 1e-6 * hi:
+            break
+        mid = (lo + hi) / 2
+        got = pack(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    bounds = [0, *best]
+    sizes = [bounds[v + 1] - bounds[v] for v in range(stages)]
+    sizes[0] -= 1          # the embedding unit
+    sizes[-1] -= 1         # the head unit
+    return sizes
+
+
+def _prefix(xs: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
