@@ -329,17 +329,22 @@ def _param_pattern(name: str) -> str:
 def show(
     path: Path = typer.Argument(..., help="A plan JSON file written by `autopar plan --out`."),
     limit: int = typer.Option(20, "--limit", min=0, help="Parameter patterns to list (0: all)."),
+    timeline: Optional[Path] = typer.Option(None, "--timeline", help="Draw the predicted pipeline schedule into this PNG."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Print a saved plan: summary, parameter placements, op strategies."""
     from .plan import Plan
     with _errors():
         p = Plan.load(path)
+        if timeline is not None:
+            _draw_timeline(p, timeline)
     if as_json:
         sys.stdout.write(p.to_json())
         return
     typer.echo(p.summary().rstrip("\n"))
-    axes = p.data["mesh"]["axes"]
+    if timeline is not None:
+        out.print(f"predicted pipeline timeline written to [bold]{escape(str(timeline))}[/]")
+    axes = [a for a in p.data["mesh"]["axes"] if a != "pp"]   # placements are per (dp, tp)
     params: dict[str, list[str]] = p.data["params"]
 
     # placement pairs: how many parameter tensors sit where
@@ -387,6 +392,20 @@ def show(
         for k, n in sorted(kernels.items()):
             t.add_row("kernel", k, str(n))
         out.print(t)
+
+
+def _draw_timeline(p, path: Path) -> None:
+    """Simulate the plan's schedule from its per-stage times and draw it."""
+    from .errors import PlanError
+    from .pipeline.schedule import build_schedule, simulate
+    from .pipeline.timeline import plot_timeline
+    pipe = p.data.get("pipeline")
+    if not pipe or "forward_s" not in pipe:
+        raise PlanError(f"this plan has no pipeline (strategy {p.strategy}): there is no schedule to draw")
+    par = p.parallel
+    tl = simulate(build_schedule(pipe["schedule"], par["pp"], par["microbatches"], pipe["chunks"]),
+                  pipe["forward_s"], pipe["backward_s"], pipe["p2p_time_s"])
+    plot_timeline(tl, path, title=p.strategy)
 
 
 @app.command()

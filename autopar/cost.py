@@ -36,13 +36,14 @@ from .search.ilp import InfeasiblePins, MemoryTerms, solve_axis
 from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
-from .pipeline.schedule import build_schedule, simulate
+from .pipeline.schedule import Timeline, build_schedule, simulate
 from .search.space import ParallelConfig, divisors
 from .strategies import is_shard
 from .strategies.placement import P, R
 from .trace import op_family
 
 MEMORY_HEADROOM = 0.9
+EXTRAPOLATE = 12              # pipelines with more than 12 x pp microbatches: steady state extrapolated
 MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated weight: manual tp shards every weight it can
 GREEDY_MEMORY_WEIGHT = 1e-15  # the greedy heuristic weighs time; memory only breaks ties
 
@@ -321,19 +322,24 @@ class Evaluator:
 
     # -- the estimate ---------------------------------------------------------
     def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None,
-                 sharder: Sharder = MANUAL, layers: str | Sequence[int] = "balanced") -> Estimate:
+                 sharder: Sharder = MANUAL, layers: str | Sequence[int] = "balanced",
+                 simulate_schedule: bool = True) -> Estimate:
         """Predict ``cfg`` with the tensor-parallel axis decided by ``sharder``.
 
         With ``pp > 1``, ``layers`` says how the repeated layers are split
         into stages: ``"balanced"`` (the stage search of
         :func:`autopar.pipeline.partition.balance`), ``"even"`` (Megatron's
-        equal split) or the layer count of every virtual stage."""
+        equal split) or the layer count of every virtual stage. With
+        ``simulate_schedule=False`` the pipeline's makespan is a lower bound
+        (the busiest rank, or one microbatch through every stage) instead of
+        the simulated schedule, and ``pipeline["simulated"]`` is False: the
+        search uses it to skip simulating pipelines that cannot win."""
         g = self.graph
         devices = devices or cfg.devices
         check_config(g, cfg, devices, global_batch)
         self.cluster.check_devices(devices)
         if cfg.pp > 1:
-            return self._evaluate_pipeline(cfg, global_batch, devices, sharder, layers)
+            return self._evaluate_pipeline(cfg, global_batch, devices, sharder, layers, simulate_schedule)
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
         topo = MeshTopology(self.cluster, (dp, tp))
         sh, shapes = self.sharding(cfg, global_batch, sharder)
@@ -384,7 +390,7 @@ class Evaluator:
         )
 
     def _evaluate_pipeline(self, cfg: ParallelConfig, global_batch: int, devices: int, sharder: Sharder,
-                           layers: str | Sequence[int]) -> Estimate:
+                           layers: str | Sequence[int], simulate_schedule: bool = True) -> Estimate:
         """Predict a pipelined ``cfg``: the repeated layers are cut into
         ``pp x chunks`` virtual stages, each on a ``dp x tp`` sub-mesh; the
         step is the simulated schedule of the per-stage forward and backward
@@ -419,7 +425,13 @@ class Evaluator:
         fwd = [stage_sum(per.fwd, v) for v in range(V)]
         bwd = [stage_sum(per.time, v) - fwd[v] for v in range(V)]
         p2p = [topo.collective_time("send_recv", per.cut[bounds[v + 1]], 0) for v in range(V - 1)]
-        tl = self._simulate(cfg, fwd, bwd, p2p)
+        if simulate_schedule:
+            tl = self._simulate(cfg, fwd, bwd, p2p)
+        else:
+            busy = [m * sum(fwd[v] + bwd[v] for v in range(r, V, pp)) for r in range(pp)]
+            chain = sum(fwd) + sum(bwd) + 2 * sum(p2p)
+            tl = Timeline(pp=pp, chunks=cfg.chunks, makespan=max(max(busy), chain), busy=busy,
+                          peak_in_flight=[0] * pp)
         # per pipeline rank: its chunks' model states, activations and optimizer
         ranks = range(pp)
         chunks_of = [[v for v in range(V) if v % pp == r] for r in ranks]
@@ -455,11 +467,13 @@ class Evaluator:
         peak = rank_mem[worst]
         pipeline = {
             "schedule": cfg.schedule, "chunks": cfg.chunks, "layers": split,
-            "stage_time_s": [round(f + b, 9) for f, b in zip(fwd, bwd)],
+            "forward_s": [round(f, 9) for f in fwd], "backward_s": [round(b, 9) for b in bwd],
             "p2p_time_s": [round(x, 9) for x in p2p],
             "bubble_fraction": round(tl.bubble_fraction, 6), "makespan_s": round(tl.makespan, 9),
             "in_flight": tl.peak_in_flight, "rank_memory_bytes": [round(x) for x in rank_mem],
         }
+        if not simulate_schedule:
+            pipeline["simulated"] = False
         return Estimate(
             strategy=cfg.to_string(), step_time_s=step, compute_time_s=compute,
             comm_time_s=tp_comm + dp_comm + sum(p2p) * 2 * m, tp_comm_time_s=tp_comm, dp_comm_time_s=dp_comm,
@@ -473,15 +487,36 @@ class Evaluator:
             parallel=cfg.as_dict(), pipeline=pipeline,
         )
 
-    def _simulate(self, cfg: ParallelConfig, fwd: list[float], bwd: list[float], p2p: list[float]):
+    def _simulate(self, cfg: ParallelConfig, fwd: list[float], bwd: list[float], p2p: list[float]) -> Timeline:
         """The simulated timeline of ``cfg``'s schedule (cached: the search
-        meets the same stage times again for other ZeRO and memory options)."""
+        meets the same stage times again for other ZeRO and memory options).
+
+        Past ``EXTRAPOLATE`` x pp microbatches a schedule is usually in its
+        steady state, where every ``pp`` more microbatches add the same time.
+        The makespan is then extrapolated from simulations at 8, 9 and 10 pp
+        when the two increments agree (to 1e-9), and simulated in full when
+        they do not; so a search over hundreds of pipelines with thousands of
+        microbatches stays fast and exact."""
         key = (cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, tuple(fwd), tuple(bwd), tuple(p2p))
         cache = self.__dict__.setdefault("_timeline_cache", {})
-        if key not in cache:
-            actions = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
-            cache[key] = simulate(actions, fwd, bwd, p2p)
-        return cache[key]
+        if key in cache:
+            return cache[key]
+        pp, m, chunks = cfg.pp, cfg.microbatches, cfg.chunks
+
+        def run(count: int) -> Timeline:
+            return simulate(build_schedule(cfg.schedule, pp, count, chunks), fwd, bwd, p2p)
+
+        tl = None
+        if m > EXTRAPOLATE * pp:
+            t1, t2, t3 = run(8 * pp), run(9 * pp), run(10 * pp)
+            step = t3.makespan - t2.makespan
+            if abs(step - (t2.makespan - t1.makespan)) <= 1e-9 * t3.makespan:
+                tl = Timeline(pp=pp, chunks=chunks, makespan=t3.makespan + (m - 10 * pp) / pp * step,
+                              busy=[b * m / (10 * pp) for b in t3.busy],
+                              peak_in_flight=[m * chunks] * pp if cfg.schedule == "gpipe" else t3.peak_in_flight)
+        tl = tl or run(m)
+        cache[key] = tl
+        return tl
 
     def _unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                     global_batch: int) -> "_UnitCosts":

@@ -134,10 +134,13 @@ def test_slow_stage_sets_the_pace():
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
 def test_p2p_adds_two_transfers_per_boundary(pp):
-    tl = _uniform("gpipe", pp, 1, p2p=0.25)
+    # one microbatch (below MindFormers' m >= pp, so listed by hand): a trip down and back up
+    one = [[Action(F, 0), Action(B, 0)] for _ in range(pp)]
+    tl = simulate(one, [1.0] * pp, [2.0] * pp, 0.25)
     assert tl.makespan == pytest.approx(3 * pp + 2 * (pp - 1) * 0.25)
-    per_boundary = simulate(build_schedule("gpipe", pp, 1), [1.0] * pp, [2.0] * pp, [0.25] * (pp - 1))
-    assert per_boundary.makespan == pytest.approx(tl.makespan)
+    assert simulate(one, [1.0] * pp, [2.0] * pp, [0.25] * (pp - 1)).makespan == pytest.approx(tl.makespan)
+    # with m = pp on uniform stages the microbatches follow back to back: the same delay is added
+    assert _uniform("gpipe", pp, pp, p2p=0.25).makespan == pytest.approx(3 * (2 * pp - 1) + 2 * (pp - 1) * 0.25)
 
 
 def test_backward_before_its_own_forward_deadlocks():

@@ -160,11 +160,14 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
     ``cap``; ``None`` when no partition fits.
 
     The inputs are per unit (embedding, layers, head). For a bound ``T`` on
-    the stage time, packing units greedily from the left is optimal (every
-    constraint is monotone in a contiguous range, so the greedy stage ``k``
-    ends no earlier than that of any feasible partition); the smallest
-    feasible ``T`` is found by bisection. This is Alpa's inter-operator
-    stage DP specialised to one sub-mesh shape per stage.
+    the stage time, packing units greedily from the last stage backwards is
+    optimal when ``in_flight`` does not grow with the stage (GPipe, 1F1B):
+    every constraint is monotone in a contiguous range and looser for later
+    stages, so the greedy stage ``k`` starts no later than that of any
+    feasible partition. The smallest feasible ``T`` is found by bisection.
+    This is Alpa's inter-operator stage DP specialised to one sub-mesh shape
+    per stage; for interleaved schedules (whose ``in_flight`` rises again at
+    each chunk) it is a heuristic.
     """
     n = len(time)
     if stages > n:
@@ -176,23 +179,22 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
         return pre_t[end] - pre_t[start] <= bound and mem <= cap
 
     def pack(bound: float) -> list[int] | None:
-        ends: list[int] = []
-        start = 0
-        for v in range(stages):
-            if v == stages - 1:
-                end, peak = n, max(fixed[start:n])
+        starts: list[int] = []
+        end = n
+        for v in range(stages - 1, -1, -1):
+            if v == 0:
+                start, peak = 0, max(fixed[:end])
             else:
-                # leave at least one unit for each later stage
-                limit = n - (stages - v - 1)
-                end, peak = start + 1, fixed[start]
-                while end < limit and fits(start, end + 1, max(peak, fixed[end]), bound, v):
-                    peak = max(peak, fixed[end])
-                    end += 1
+                # leave at least one unit for each earlier stage
+                start, peak = end - 1, fixed[end - 1]
+                while start > v and fits(start - 1, end, max(peak, fixed[start - 1]), bound, v):
+                    start -= 1
+                    peak = max(peak, fixed[start])
             if not fits(start, end, peak, bound, v):
                 return None
-            ends.append(end)
-            start = end
-        return ends
+            starts.append(start)
+            end = start
+        return starts[::-1][1:] + [n]
 
     lo, hi = max(time), pre_t[n]
     best = pack(hi)

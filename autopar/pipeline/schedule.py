@@ -13,9 +13,9 @@ Virtual stages: with ``chunks`` model chunks per rank the model is cut into
 ``r`` is virtual stage ``c * pp + r``. Without interleaving ``chunks == 1`` and
 the virtual stage is the rank.
 
-Pure Python (no torch): the planner simulates every candidate pipeline
-configuration, so :func:`simulate` is one pass over the actions and builds
-:class:`Event` objects only when someone reads them.
+No torch: the planner simulates every candidate pipeline configuration, so
+:func:`simulate` turns the actions into flat arrays with numpy, runs one event
+loop over them, and builds :class:`Event` objects only when someone reads them.
 """
 from __future__ import annotations
 
@@ -92,21 +92,21 @@ def build_schedule(schedule: str, pp: int, microbatches: int, chunks: int = 1) -
     :class:`Action` objects are shared between ranks.
     """
     check_schedule(schedule, pp, microbatches, chunks)
-    fwd = [[Action("F", i, c) for c in range(chunks)] for i in range(microbatches)]
-    bwd = [[Action("B", i, c) for c in range(chunks)] for i in range(microbatches)]
-    if schedule == "gpipe":
-        return [[f[0] for f in fwd] + [b[0] for b in bwd] for _ in range(pp)]
-    if schedule == "1f1b":
-        return [_one_f_one_b([f[0] for f in fwd], [b[0] for b in bwd], min(pp - r - 1, microbatches))
-                for r in range(pp)]
+    forward = [[Action("F", i, c) for c in range(chunks)] for i in range(microbatches)]
+    backward = [[Action("B", i, c) for c in range(chunks)] for i in range(microbatches)]
+    if schedule != "interleaved":
+        forwards, backwards = [f[0] for f in forward], [b[0] for b in backward]
+        if schedule == "gpipe":
+            return [forwards + backwards for _ in range(pp)]
+        return [_one_f_one_b(forwards, backwards, min(pp - r - 1, microbatches)) for r in range(pp)]
     # Megatron's interleaved 1F1B is 1F1B over a rank's (microbatch, chunk) units, taken in groups of
     # pp microbatches per chunk (forwards chunk 0 first, backwards last chunk first), with a warm-up
     # long enough for the first backward to come back to the rank on its last chunk.
     units = range(microbatches * chunks)
     group = pp * chunks
-    fwd_order = [fwd[k // group * pp + k % pp][k % group // pp] for k in units]
-    bwd_order = [bwd[k // group * pp + k % pp][chunks - 1 - k % group // pp] for k in units]
-    return [_one_f_one_b(fwd_order, bwd_order, min((pp - r - 1) * 2 + (chunks - 1) * pp, len(units)))
+    forwards = [forward[k // group * pp + k % pp][k % group // pp] for k in units]
+    backwards = [backward[k // group * pp + k % pp][chunks - 1 - k % group // pp] for k in units]
+    return [_one_f_one_b(forwards, backwards, min((pp - r - 1) * 2 + (chunks - 1) * pp, len(units)))
             for r in range(pp)]
 
 
@@ -237,7 +237,8 @@ def simulate(actions: Sequence[Sequence[Action]], fwd: Sequence[float], bwd: Seq
     return Timeline(pp=plan.pp, chunks=plan.chunks, makespan=max(clock),
                     busy=np.bincount(plan.rank, weights=plan.cost, minlength=plan.pp).tolist(),
                     peak_in_flight=plan.peak_in_flight(),
-                    make_events=partial(plan.events, begin))
+                    make_events=partial(_events, plan.flat, plan.offsets, np.array(begin), list(fwd),
+                                        list(bwd)))
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,6 @@ class _Compiled:
     slots: int                  # state slots, the "nothing to wait for" one last
     flat: list[Action]
     rank: np.ndarray
-    stage: np.ndarray
     backward: np.ndarray        # bool: B (else F)
     slot: np.ndarray
     dep: np.ndarray
@@ -274,8 +274,8 @@ class _Compiled:
         if pp < 1 or len(bwd) != stages or stages % pp:
             raise ValueError(f"need len(fwd) == len(bwd) == pp * chunks with pp = len(actions) = {pp}, "
                              f"got len(fwd)={stages}, len(bwd)={len(bwd)}")
-        fwd_s, bwd_s = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-        if (fwd_s < 0).any() or (bwd_s < 0).any():
+        fwd_v, bwd_v = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+        if (fwd_v < 0).any() or (bwd_v < 0).any():
             raise ValueError("forward and backward times must be >= 0")
         flat = list(chain.from_iterable(actions))
         n = len(flat)
@@ -296,9 +296,9 @@ class _Compiled:
         # gap[v]: transfer v -> v+1; gap[V-1] (also gap[-1]) = 0: no transfer past either end
         gap = np.append(_links(p2p, stages), 0.0)
         plan = cls(pp=pp, chunks=stages // pp, offsets=offsets, slots=nothing + 1, flat=flat, rank=rank,
-                   stage=stage, backward=backward, slot=slot, dep=dep,
+                   backward=backward, slot=slot, dep=dep,
                    wait=np.where(backward, gap[stage], gap[stage - 1]),
-                   cost=np.where(backward, bwd_s[stage], fwd_s[stage]))
+                   cost=np.where(backward, bwd_v[stage], fwd_v[stage]))
         plan.check_order(fslot)
         return plan
 
@@ -327,12 +327,6 @@ class _Compiled:
             before = held[lo - 1] if lo else 0
             peaks.append(int(max(held[lo:hi].max(initial=before) - before, 0)))
         return peaks
-
-    def events(self, begin: list[float]) -> list[Event]:
-        """The simulated actions as :class:`Event` objects, rank by rank in execution order."""
-        end = (np.asarray(begin) + self.cost).tolist()    # the same sums the event loop made
-        return [Event(r, v, a.kind, a.microbatch, a.chunk, t0, t1)
-                for r, v, a, t0, t1 in zip(self.rank.tolist(), self.stage.tolist(), self.flat, begin, end)]
 
 
 def _run(plan: _Compiled) -> tuple[list[float], list[int], list[float]]:
@@ -370,6 +364,22 @@ def _run(plan: _Compiled) -> tuple[list[float], list[int], list[float]]:
             k = offsets[r + 1]
         pos[r], clock[r] = k, now
     return begin, pos, clock
+
+
+def _events(flat: list[Action], offsets: list[int], begin: np.ndarray, fwd: list[float],
+            bwd: list[float]) -> list[Event]:
+    """The simulated actions as :class:`Event` objects, rank by rank in execution order.
+
+    Kept apart from :class:`_Compiled` so that a timeline holds on to only
+    8 bytes per action (its start) plus the action list, not the whole plan.
+    """
+    pp, starts, events = len(offsets) - 1, begin.tolist(), []
+    for r in range(pp):
+        for k in range(offsets[r], offsets[r + 1]):
+            a, t0 = flat[k], starts[k]
+            v = a.chunk * pp + r
+            events.append(Event(r, v, a.kind, a.microbatch, a.chunk, t0, t0 + (fwd if a.kind == "F" else bwd)[v]))
+    return events
 
 
 def _links(p2p: float | Sequence[float], stages: int) -> list[float]:

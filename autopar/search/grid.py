@@ -272,25 +272,36 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
 def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch: int, devices: int,
                       chooser: _Chooser, mode: str, manual: Sharder, feasible: list, evaluated: int,
                       closest: Estimate | None, pin_error: InfeasiblePins | None):
-    """Evaluate the pipelined ``configs`` with the Megatron placements, then
-    run the per-op search on the fastest that come within ``PIPE_MARGIN`` of
-    the best time so far. Appends to ``feasible``; returns the updated
+    """Evaluate the pipelined ``configs`` with the Megatron placements (the
+    schedule simulated only where its lower bound can still beat the best),
+    then run the per-op search on the fastest that come within
+    ``PIPE_MARGIN`` of the best time so far. Appends to ``feasible``; returns the updated
     count, closest misfit and first pin error."""
-    fitting: list[tuple[Estimate, ParallelConfig]] = []
+    # Bound first (memory is exact, the makespan a lower bound), then simulate the
+    # fitting ones in bound order until the bound passes the best simulated time.
+    bounded: list[tuple[Estimate, ParallelConfig]] = []
     for cfg in configs:
         try:
-            est = ev.evaluate(cfg, global_batch, devices, manual)
+            est = ev.evaluate(cfg, global_batch, devices, manual, simulate_schedule=False)
         except InfeasiblePins as e:
             pin_error = pin_error or e
             continue
         evaluated += 1
         if est.fits:
-            fitting.append((est, cfg))
+            bounded.append((est, cfg))
         elif closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
             closest = est
+    bounded.sort(key=lambda ec: ec[0].step_time_s)
+    best = min((e.step_time_s for e, _, _ in feasible), default=float("inf"))
+    fitting: list[tuple[Estimate, ParallelConfig]] = []
+    margin = 1.0 if mode == "grid" else PIPE_MARGIN   # the per-op search may still win by that much
+    for bound, cfg in bounded:
+        if bound.step_time_s > margin * best:
+            break
+        est = ev.evaluate(cfg, global_batch, devices, manual)
+        fitting.append((est, cfg))
+        best = min(best, est.step_time_s)
     fitting.sort(key=lambda ec: ec[0].step_time_s)
-    best = min([e.step_time_s for e, _, _ in feasible] + [e.step_time_s for e, _ in fitting[:1]],
-               default=float("inf"))
     for k, (est, cfg) in enumerate(fitting):
         if mode == "grid" or k >= PIPE_SEARCHED or est.step_time_s > PIPE_MARGIN * best:
             feasible.append((est, cfg, manual))

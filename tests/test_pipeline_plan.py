@@ -1,0 +1,173 @@
+"""Pipeline planning: stage units, the balanced partition, the schedules'
+memory multipliers, the pipelined Evaluator and the search."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+import autopar
+from autopar import api
+from autopar.errors import StrategyError
+from autopar.pipeline import partition as pipe
+from autopar.pipeline.schedule import build_schedule, simulate
+from autopar.search.grid import pipeline_configs, search_grid
+from autopar.search.space import parse_strategy
+
+GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16"
+HEAVY_HEAD = "gpt:layers=8,hidden=128,heads=4,vocab=65536,seq=64"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return api.as_graph(GPT)
+
+
+def test_units_follow_the_layers(gpt):
+    u = pipe.units(gpt)
+    assert u.labels[0] == "<embed>" and u.labels[-1] == "<head>" and u.layers == 4
+    first = {nd.name: u.of_node[nd.name] for nd in gpt.nodes if nd.name in u.of_node}
+    assert first[next(nd.name for nd in gpt.nodes if nd.kind == "embedding")] == 0
+    assert first[gpt.output] == 5
+    stages = pipe.assign(gpt, [1, 2, 1])
+    assert stages[gpt.output] == 2
+    assert sorted(set(stages.values())) == [0, 1, 2]
+
+
+def test_partition_errors(gpt):
+    with pytest.raises(StrategyError, match="sum to the model's 4"):
+        pipe.assign(gpt, [1, 1])
+    with pytest.raises(StrategyError, match="stage 1 holds no layer"):
+        pipe.assign(gpt, [2, 0, 2])
+    with pytest.raises(StrategyError, match="at least 5 repeated layers"):
+        pipe.even_layers(4, 5)
+    mlp = api.as_graph("mlp:layers=1,hidden=32")
+    if not mlp.groups:
+        with pytest.raises(StrategyError, match="has none"):
+            pipe.units(mlp)
+
+
+def _brute_force(time, states, act, fixed, stages, flight, cap):
+    """The best min-max partition by enumerating every cut."""
+    n, best = len(time), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = [0, *cuts, n]
+        ok, worst = True, 0.0
+        for v in range(stages):
+            lo, hi = b[v], b[v + 1]
+            mem = sum(states[lo:hi]) + flight[v] * sum(act[lo:hi]) + max(fixed[lo:hi])
+            ok &= mem <= cap
+            worst = max(worst, sum(time[lo:hi]))
+        if ok and (best is None or worst < best):
+            best = worst
+    return best
+
+
+def test_balance_is_optimal_against_brute_force():
+    rng = random.Random(7)
+    for _ in range(150):
+        n = rng.randint(4, 9)
+        stages = rng.randint(2, min(4, n))
+        time = [rng.uniform(0.5, 3) for _ in range(n)]
+        states = [rng.uniform(0, 2) for _ in range(n)]
+        act = [rng.uniform(0, 1) for _ in range(n)]
+        fixed = [rng.uniform(0, 1) for _ in range(n)]
+        flight = [float(stages - v) for v in range(stages)]
+        cap = rng.uniform(3, 15)
+        want = _brute_force(time, states, act, fixed, stages, flight, cap)
+        got = pipe.balance(time, states, act, fixed, stages, flight, cap)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None and sum(got) == n - 2
+        b = pipe.unit_bounds(got)
+        worst = max(sum(time[b[v]:b[v + 1]]) for v in range(stages))
+        assert worst <= want * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("schedule,pp,m,chunks", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 3, 1),
+                                                   ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2)])
+def test_in_flight_matches_the_simulated_peak(schedule, pp, m, chunks):
+    if schedule == "1f1b" and m < pp:
+        pytest.skip("MindFormers' rule forbids it")
+    tl = simulate(build_schedule(schedule, pp, m, chunks), [1.0] * pp * chunks, [2.0] * pp * chunks)
+    flight = pipe.in_flight(schedule, pp, m, chunks)
+    per_rank = [sum(flight[v] for v in range(pp * chunks) if v % pp == r) for r in range(pp)]
+    assert per_rank == pytest.approx([float(x) for x in tl.peak_in_flight])
+
+
+def test_pipeline_work_is_the_unpipelined_work(gpt):
+    """The stages split the same nodes: their busy time adds up to the
+    unpipelined compute and tp comm of the same microbatches."""
+    ev = api._evaluator(gpt, "dgx-a100-80g", "adamw", None)
+    flat = ev.evaluate(parse_strategy("tp=2,microbatches=4", 2), 8, 2)
+    piped = ev.evaluate(parse_strategy("tp=2,pp=2,microbatches=4", 4), 8, 4)
+    p = piped.pipeline
+    busy = 4 * (sum(p["forward_s"]) + sum(p["backward_s"]))
+    assert busy == pytest.approx(flat.compute_time_s + flat.tp_comm_time_s, rel=1e-6)
+    assert 0 < p["bubble_fraction"] < 1
+    # each rank holds about half the weights
+    assert piped.memory["weights"] < 0.75 * flat.memory["weights"]
+
+
+def test_balanced_stages_beat_even_ones_with_a_heavy_head():
+    g = api.as_graph(HEAVY_HEAD)
+    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
+    cfg = parse_strategy("pp=4,microbatches=16", 4)
+    even = ev.evaluate(cfg, 64, 4, layers="even")
+    bal = ev.evaluate(cfg, 64, 4)
+    assert even.pipeline["layers"] == [2, 2, 2, 2]
+    assert bal.pipeline["layers"][-1] < 2, bal.pipeline["layers"]
+    assert bal.step_time_s < even.step_time_s
+    fixed = ev.evaluate(cfg, 64, 4, layers=[3, 2, 2, 1])
+    assert fixed.pipeline["layers"] == [3, 2, 2, 1]
+
+
+def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
+    p = autopar.plan(gpt, cluster="cpu", devices=4, global_batch=8, strategy="pp=2,tp=2,microbatches=4")
+    assert p.data["mesh"] == {"shape": [2, 1, 2], "axes": ["pp", "dp", "tp"]}
+    assert p.data["pipeline"]["layers"] == [2, 2] and p.data["pipeline"]["schedule"] == "1f1b"
+    assert p.parallel["chunks"] == 1
+    assert "schedule=1f1b" in p.strategy
+    loaded = autopar.Plan.load(p.save(tmp_path / "p.json"))
+    assert api.config_from_plan(loaded) == parse_strategy("pp=2,tp=2,microbatches=4", 4)
+    with pytest.raises(StrategyError, match="5 pipeline stages need at least 5"):
+        autopar.plan(gpt, cluster="cpu", devices=5, global_batch=5, strategy="pp=5")
+
+
+def test_search_finds_pipelines_where_they_pay():
+    """Few samples per device and a slow inter-node link: a large model on
+    many small-memory devices is pipelined, and the pipelined configuration
+    space respects the seeds' rules."""
+    g = api.as_graph("gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048")
+    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
+    cfgs = pipeline_configs(ev, 64, 512)
+    assert cfgs and all(c.microbatches >= c.pp for c in cfgs)
+    assert all(c.microbatches % c.pp == 0 for c in cfgs if c.schedule == "interleaved")
+    res = search_grid(ev, 64, 512, mode="ilp")
+    grid = search_grid(ev, 64, 512, mode="grid")
+    assert res.best.step_time_s <= grid.best.step_time_s * (1 + 1e-9)
+    flat = search_grid(ev, 64, 512, mode="ilp", pipeline=False)
+    assert res.best.step_time_s <= flat.best.step_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
+    """The Evaluator extrapolates the steady state of long pipelines; on
+    uneven stages with transfers it must equal simulating every microbatch."""
+    from autopar.cost import Evaluator
+    from autopar.search.space import ParallelConfig
+    rng = random.Random(3)
+    for pp in (2, 4, 8):
+        v = pp * chunks
+        fwd = [rng.uniform(0.5, 2) for _ in range(v)]
+        bwd = [f * rng.uniform(1.5, 3) for f in fwd]
+        p2p = [rng.uniform(0, 0.3) for _ in range(v - 1)]
+        m = 16 * pp
+        cfg = ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks)
+        got = Evaluator._simulate(object.__new__(Evaluator), cfg, fwd, bwd, p2p)
+        full = simulate(build_schedule(schedule, pp, m, chunks), fwd, bwd, p2p)
+        assert got.makespan == pytest.approx(full.makespan, rel=1e-9)
+        assert got.busy == pytest.approx(full.busy, rel=1e-9)
+        assert got.peak_in_flight == full.peak_in_flight
