@@ -2,7 +2,7 @@
 
 1. ``autopar calibrate --quick`` writes ``results/cluster-<device>.json``;
 2. ``fidelity`` plans with that cluster file and measures;
-3. ``overhead``, ``planner_scaling``, ``plan_quality`` and ``ilp_search``.
+3. ``overhead``, ``planner_scaling``, ``plan_quality``, ``ilp_search`` and ``pipeline_plan``.
 
 They run in sequence on purpose: timings taken while another benchmark uses
 the cores would be worthless. ``--only NAME`` runs one of them; ``--full``
@@ -20,7 +20,7 @@ from rich.console import Console
 
 from benchmarks.common import RESULTS, device_tag
 
-STEPS = ["calibrate", "fidelity", "overhead", "planner_scaling", "plan_quality", "ilp_search"]
+STEPS = ["calibrate", "fidelity", "overhead", "planner_scaling", "plan_quality", "ilp_search", "pipeline_plan"]
 
 
 def calibrate(quick: bool) -> None:
