@@ -531,32 +531,35 @@ class Evaluator:
             return cache[key]
         local_batch = global_batch / (cfg.dp * cfg.microbatches)
         outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
-        insts = self._instances()
-        n = len(insts) + 2
-        sums = [outside.get(u, _Sums()) for u in range(n)]
+        u = units(self.graph)
+        n = u.layers + 2
+        layers = {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
+        # every unit: its nodes outside any layer, plus the instances in it (its layer,
+        # and instances of smaller repeated groups, e.g. inside the embedding)
+        parts: list[list[_Sums]] = [[outside.get(k, _Sums())] for k in range(n)]
+        for inst in self._instances():
+            src = per_inst.get(_source(sh.copied_from, inst))
+            if src is not None:
+                parts[layers.get(inst) or u.of_node[self._first_node(inst)]].append(src)
         layer_in = self._layer_input_bytes(sh, shapes, cfg.tp)
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0) + (0.1 if cfg.recompute == "selective" else 0.0)
         out = _UnitCosts(n)
-        for u in range(n):
-            parts = [sums[u]]
-            inst = insts[u - 1] if 0 < u < n - 1 else None
-            if inst is not None:
-                src = per_inst.get(_source(sh.copied_from, inst))
-                if src is not None:
-                    parts.append(src)
-            fwd = sum(p_.fwd for p_ in parts)
-            comm = sum(p_.comm for p_ in parts)
-            saved = sum(sum(p_.saved.values()) for p_ in parts)
-            transient = max(p_.transient for p_ in parts)
-            out.fwd[u] = fwd + comm / 2
-            out.time[u] = passes * fwd + comm
-            out.comm[u] = comm
+        for k in range(n):
+            fwd = sum(p_.fwd for p_ in parts[k])
+            comm = sum(p_.comm for p_ in parts[k])
+            saved = sum(sum(p_.saved.values()) for p_ in parts[k])
+            transient = max(p_.transient for p_ in parts[k])
+            out.fwd[k] = fwd + comm / 2
+            out.time[k] = passes * fwd + comm
+            out.comm[k] = comm
+            inst = u.labels[k] if 0 < k < n - 1 else None
             if cfg.recompute == "full" and inst is not None:
-                out.act[u] = layer_in.get(inst, 0.0) + sum(sums[u].saved.values())
-                out.fixed[u] = 2 * transient + (saved - sum(sums[u].saved.values()))
+                kept = sum(parts[k][0].saved.values())   # outside the recomputed layer: kept
+                out.act[k] = layer_in.get(inst, 0.0) + kept
+                out.fixed[k] = 2 * transient + (saved - kept)
             else:
-                out.act[u] = saved
-                out.fixed[u] = 2 * transient
+                out.act[k] = saved
+                out.fixed[k] = 2 * transient
         params, tensors = self._unit_params(sh, cfg.tp)
         out.params, out.tensors = params, tensors
         out.cut = self._cut_bytes(sh, shapes, cfg.tp, n)
@@ -575,7 +578,7 @@ class Evaluator:
                     continue
                 us = sorted({unit_of[c] for c in self.graph.consumers(name) if c in unit_of})
                 self._param_units.append((name, info.numel, us))
-        n = len(self._instances()) + 2
+        n = units(self.graph).layers + 2
         elems, tensors = [0.0] * n, [0.0] * n
         out = sh.out
         for name, numel, us in self._param_units:
@@ -662,7 +665,10 @@ class Evaluator:
         """Pipeline unit of every node outside the repeated layers (all 0 for
         a graph without them, which cannot be pipelined)."""
         if not hasattr(self, "_outside_units"):
-            self._outside_units = units(self.graph).of_node if self.graph.groups else {}
+            try:
+                self._outside_units = units(self.graph).of_node
+            except StrategyError:
+                self._outside_units = {}
         return self._outside_units
 
     def _node_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
@@ -711,6 +717,15 @@ class Evaluator:
             last = outside.setdefault(unit_of.get(self.graph.output, 0), _Sums())
             last.comm += comm_tp("all_reduce", 4)
         return outside, per_inst
+
+    def _first_node(self, inst: str) -> str:
+        """The first non-parameter node of a layer instance."""
+        if not hasattr(self, "_instance_first"):
+            self._instance_first: dict[str, str] = {}
+            for nd in self.graph.nodes:
+                if nd.group is not None and nd.kind not in ("param", "buffer"):
+                    self._instance_first.setdefault(nd.group, nd.name)
+        return self._instance_first[inst]
 
     def _instances(self) -> list[str]:
         """The repeated-layer instances in graph order."""

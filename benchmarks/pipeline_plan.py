@@ -45,7 +45,10 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
 def manual_grid(graph, devices: int, batch: int, quick: bool) -> list[str]:
     """Every manual pipelined or flat strategy of the grid (module docstring)."""
-    n_layers = units(graph).layers
+    try:
+        n_layers = units(graph).layers
+    except StrategyError:   # nothing to pipeline
+        n_layers = 1
     out = []
     for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
         for pp in divisors(devices // tp):

@@ -25,6 +25,7 @@ from autopar.graph import Graph
 from autopar.search.space import KEYS, RECOMPUTE, divisors
 
 from .common import timed_run
+from .pipeline_plan import manual_grid
 from .planner_scaling import MODELS, ModelSpec, all_cases, global_batch, short, trace_model
 
 NAME = "plan_quality"
@@ -35,11 +36,13 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str], int]:
     """Every manual strategy string autopar accepts for ``devices`` and
-    ``batch``: dp x tp = devices (pp is 1 in this release), tp dividing the
-    attention heads, microbatches dividing batch/dp, each recompute mode and
-    each ZeRO stage (stages > 0 with dp = 1 are accepted too; they equal
-    stage 0). Returns (strings, number of tp sizes rejected as invalid)."""
-    assert set(KEYS) == {"dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"}, \
+    ``batch``: dp x tp = devices, tp dividing the attention heads,
+    microbatches dividing batch/dp, each recompute mode and each ZeRO stage
+    (stages > 0 with dp = 1 are accepted too; they equal stage 0); and the
+    pipelined ones of :func:`benchmarks.pipeline_plan.manual_grid` (pp > 1:
+    every schedule, ZeRO 0 and 1). Returns (strings, number of tp sizes
+    rejected as invalid)."""
+    assert set(KEYS) == {"dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero"}, \
         f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     valid_tp = set(tp_valid_sizes(graph))
     out, rejected = [], 0
@@ -54,6 +57,7 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
             for rc in RECOMPUTE:
                 for z in ZEROS:
                     out.append(f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z}")
+    out += [s for s in manual_grid(graph, devices, batch, quick=False) if ",pp=1," not in s]
     return out, rejected
 
 
@@ -63,7 +67,7 @@ def _eval(graph: Graph, cluster: str, devices: int, batch: int, strategy: str):
 
 def _tie_key(est) -> tuple:
     p = est.parallel
-    return (est.step_time_s, p["tp"], p["microbatches"], p["zero"], p["recompute"])
+    return (est.step_time_s, p["pp"], p["tp"], p["microbatches"], p["zero"], p["recompute"])
 
 
 def exhaustive(graph: Graph, cluster: str, devices: int, batch: int) -> dict[str, Any]:

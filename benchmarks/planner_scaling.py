@@ -29,7 +29,7 @@ from autopar import zoo
 from autopar.api import _evaluator
 from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
-from autopar.search.grid import grid_configs
+from autopar.search.grid import grid_configs, pipeline_configs
 
 from .common import RESULTS, device_tag, timed_run
 
@@ -126,9 +126,10 @@ def plan_once(graph: Graph, cluster: str, devices: int, batch: int) -> dict[str,
 
 def grid_size(graph: Graph, cluster: str, devices: int, batch: int) -> int:
     """Every configuration of the planner's grid (what a search without its
-    first-fit cut over microbatches would evaluate)."""
+    first-fit cut over microbatches would evaluate), pipelines included."""
     ev = _evaluator(graph, cluster, "adamw", None)
-    return sum(len(line) for line in grid_configs(ev, devices, batch))
+    return sum(len(line) for line in grid_configs(ev, devices, batch)) + \
+        len(pipeline_configs(ev, devices, batch))
 
 
 def run(cases: Iterable[tuple[str, str, int]], *, models: dict[str, ModelSpec] | None = None,

@@ -38,34 +38,59 @@ class Units:
 
 
 def units(graph: Graph) -> Units:
-    """The pipeline units of ``graph`` (cached on it). Raises
-    :class:`StrategyError` for a graph without repeated layers."""
+    """The pipeline units of ``graph`` (cached on it). The layers are the
+    instances of the largest repeated-layer group whose instances run one
+    after the other (each reads what the one before produced: transformer
+    blocks, not the parallel q/k/v projections inside one). Raises
+    :class:`StrategyError` for a graph without such layers."""
     cached = getattr(graph, "_pipeline_units", None)
     if cached is not None:
         return cached
-    order: dict[str, int] = {}
-    last_layer_pos = -1
-    for pos, nd in enumerate(graph.nodes):
-        if nd.group is not None and nd.kind not in _NOT_UNITS:
-            order.setdefault(nd.group, len(order) + 1)
-            last_layer_pos = pos
-    if not order:
-        raise StrategyError(f"pipeline parallelism cuts between repeated layers, and {graph.name} has none "
-                            "(no sibling modules of identical structure, such as transformer blocks); use pp=1")
+    pos = {nd.name: k for k, nd in enumerate(graph.nodes)}
+    group = _sequential_group(graph, pos)
+    if group is None:
+        raise StrategyError(f"pipeline parallelism cuts between repeated layers that run in sequence, and "
+                            f"{graph.name} has none (no sibling modules of identical structure, such as "
+                            "transformer blocks, each reading the previous one's output); use pp=1")
+    order = {inst: k + 1 for k, inst in enumerate(group)}
+    last_layer_pos = max(pos[nd.name] for nd in graph.nodes if nd.group in order)
     tail = len(order) + 1
     of_node: dict[str, int] = {}
     cur = 0
-    for pos, nd in enumerate(graph.nodes):
+    for k, nd in enumerate(graph.nodes):
         if nd.kind in _NOT_UNITS:
             continue
-        if nd.group is not None:
+        if nd.group in order:
             cur = order[nd.group]
-        elif pos > last_layer_pos:
+        elif k > last_layer_pos:
             cur = tail
         of_node[nd.name] = cur
     out = Units(labels=("<embed>", *order, "<head>"), of_node=of_node)
     graph._pipeline_units = out
     return out
+
+
+def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
+    """The instances, in graph order, of the largest group whose every
+    instance starts by reading a value produced at or after the end of the
+    instance before it."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    head: dict[str, str] = {}
+    for k, nd in enumerate(graph.nodes):
+        if nd.group is None or nd.kind in _NOT_UNITS:
+            continue
+        if nd.group not in first:
+            first[nd.group], head[nd.group] = k, nd.name
+        last[nd.group] = k
+    for g in sorted(graph.groups, key=lambda g: -g.nodes_per_instance * len(g.instances)):
+        insts = sorted((i for i in g.instances if i in first), key=first.__getitem__)
+        if len(insts) < 2:
+            continue
+        if all(max((pos[i] for i in graph[head[b]].inputs if graph[i].kind not in _NOT_UNITS), default=-1)
+               >= last[a] for a, b in zip(insts, insts[1:])):
+            return insts
+    return None
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> None:

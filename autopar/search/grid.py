@@ -23,9 +23,10 @@ User pins (``(node, placement)`` pairs) constrain every sharder.
 
 Pipelines (``pp > 1``) add lines per (tp, pp, recompute, zero, schedule).
 More microbatches shrink the bubble there, so the time is not monotone in
-the count: every count whose microbatch holds a power-of-two number of
-samples per replica is evaluated (Megatron placements, stages balanced by
-:func:`autopar.pipeline.partition.balance`, the schedule simulated). The
+the count: every count is evaluated (Megatron placements, stages balanced by
+:func:`autopar.pipeline.partition.balance`), first with a lower bound on the
+makespan, then, in bound order, with the simulated schedule until the bound
+passes the best time found. The
 per-op search then runs on the pipelined configurations within
 ``PIPE_MARGIN`` of the best time found, the ``PIPE_SEARCHED`` fastest first.
 The schedules searched are 1F1B and interleaved 1F1B with two chunks; GPipe
@@ -93,11 +94,12 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executab
                      schedules: tuple[str, ...] = PIPE_SCHEDULES) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
-    microbatch counts ``m >= pp`` (a multiple of ``pp`` when interleaved)
-    whose microbatch holds a power-of-two number of samples per replica."""
-    if not ev.graph.groups:
+    microbatch counts ``m >= pp`` dividing the per-replica batch (a
+    multiple of ``pp`` when interleaved)."""
+    try:
+        n_layers = units(ev.graph).layers
+    except StrategyError:   # no repeated layers in sequence: nothing to pipeline
         return []
-    n_layers = units(ev.graph).layers
     recomputes = ("none",) if executable_only else ("none", "selective", "full")
     zeros = (0,) if executable_only else (0, 1)
     out = []
@@ -109,7 +111,7 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executab
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
-            counts = [m for m in divisors(per_replica) if m >= pp and _power_of_two(per_replica // m)]
+            counts = [m for m in divisors(per_replica) if m >= pp]
             for sched in schedules:
                 chunks = 2 if sched == "interleaved" else 1
                 if pp * chunks > n_layers:
@@ -122,10 +124,6 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executab
                                                   recompute=rc, zero=z, chunks=chunks)
                                    for m in counts if sched != "interleaved" or m % pp == 0)
     return out
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 class _Chooser:

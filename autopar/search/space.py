@@ -139,6 +139,10 @@ def parse_strategy(text: str, devices: int | None = None) -> ParallelConfig:
     zero = _int("zero", vals["zero"], lo=0) if "zero" in vals else 0
     if zero > 3:
         raise StrategyError(f"zero={zero} is invalid; valid stages: 0, 1, 2, 3")
+    if pp > 1 and zero > 1:
+        raise StrategyError(f"zero={zero} with pp={pp}: ZeRO stages 2 and 3 shard gradients and weights that every "
+                            "pipeline microbatch would reduce or gather again (DeepSpeed refuses the combination "
+                            "too); with a pipeline use zero=0 or zero=1")
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=mb, schedule=schedule, recompute=recompute, zero=zero,
                          chunks=chunks)
     if devices is not None and cfg.devices != devices:
