@@ -148,3 +148,15 @@ def test_plan_bad_pins_and_modes_exit_2():
     assert "expected NAME=PLACEMENT" in fails("plan", TINY, *WHERE, "--pin", "blocks.0.mlp.fc.weight")
     assert "no parameter or module" in fails("plan", TINY, *WHERE, "--pin", "nope.weight=S(0)")
     assert "search_mode 'fast' is invalid" in fails("plan", TINY, *WHERE, "--search-mode", "fast")
+
+
+def test_pipeline_plan_and_timeline(tmp_path, saved_plan):
+    path = tmp_path / "pp.json"
+    ok("plan", TINY, *WHERE, "--strategy", "pp=2,tp=2,microbatches=4,schedule=1f1b", "--out", path)
+    data = json.loads(path.read_text())
+    assert data["pipeline"]["layers"] == [1, 1] and data["mesh"]["axes"] == ["pp", "dp", "tp"]
+    png = tmp_path / "timeline.png"
+    res = ok("show", path, "--timeline", png)
+    assert png.stat().st_size > 0 and "pipeline" in res.stdout and "bubble" in res.stdout
+    assert "no pipeline" in fails("show", saved_plan, "--timeline", tmp_path / "none.png")
+    assert "micro_batch_num" in fails("plan", TINY, *WHERE, "--strategy", "pp=4,microbatches=2")
