@@ -184,6 +184,12 @@ def _print_explain(p) -> None:
             t.add_row(c["strategy"], _dur(c["step_time_s"]), f"{c['step_time_s'] / best:.3f}x",
                       f"{c['peak_memory_gib']:.3g} GiB")
         out.print(t)
+    if e.get("pipeline"):
+        pl = e["pipeline"]
+        out.print(escape(f"pipeline: {pl['schedule']}, layers per stage {pl['layers_per_stage']}, stage times "
+                         f"{', '.join(_dur(x) for x in pl['stage_time_s'])}, bubble {pl['bubble_fraction']:.1%}, "
+                         f"memory per rank {', '.join(f'{x:.3g}' for x in pl['memory_per_rank_gib'])} GiB; "
+                         f"{pl['note']}"))
     if e.get("ilp"):
         i = e["ilp"]
         out.print(f"ILP of the chosen configuration: {i['decisions']} decisions for {i['nodes']} nodes "
@@ -396,16 +402,8 @@ def show(
 
 def _draw_timeline(p, path: Path) -> None:
     """Simulate the plan's schedule from its per-stage times and draw it."""
-    from .errors import PlanError
-    from .pipeline.schedule import build_schedule, simulate
-    from .pipeline.timeline import plot_timeline
-    pipe = p.data.get("pipeline")
-    if not pipe or "forward_s" not in pipe:
-        raise PlanError(f"this plan has no pipeline (strategy {p.strategy}): there is no schedule to draw")
-    par = p.parallel
-    tl = simulate(build_schedule(pipe["schedule"], par["pp"], par["microbatches"], pipe["chunks"]),
-                  pipe["forward_s"], pipe["backward_s"], pipe["p2p_time_s"])
-    plot_timeline(tl, path, title=p.strategy)
+    from .pipeline.timeline import plot_timeline, predicted_timeline
+    plot_timeline(predicted_timeline(p), path, title=p.strategy)
 
 
 @app.command()

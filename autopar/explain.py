@@ -3,8 +3,8 @@
 :func:`explain` turns a freshly made :class:`~autopar.plan.Plan` (one from
 :func:`autopar.plan`, which keeps the search's working state) into a plain
 dict: the search (mode, candidates, ILP solves and their time), the
-runners-up among the mesh / microbatch / memory configurations with their
-predicted step times, the size and solve time of the chosen configuration's
+runners-up among the mesh / pipeline / microbatch / memory configurations
+with their predicted step times, the pipeline's stages and bubble, the size and solve time of the chosen configuration's
 ILP, and per layer group the chosen placement of every op that had a choice
 with its cheapest alternatives and what each would add per step.
 """
@@ -40,6 +40,16 @@ def explain(plan: Plan, *, all_ops: bool = False) -> dict[str, Any]:
                               "best_plan_per_config_from": dict(sorted(res.won.items()))})
         out["configs"] = [{"strategy": e.strategy, "step_time_s": e.step_time_s,
                            "peak_memory_gib": e.peak_memory_bytes / 2**30} for e in res.top]
+    pipe = plan.data.get("pipeline")
+    if pipe:
+        out["pipeline"] = {
+            "schedule": pipe["schedule"], "chunks": pipe["chunks"], "layers_per_stage": pipe["layers"],
+            "stage_time_s": [f + b for f, b in zip(pipe["forward_s"], pipe["backward_s"])],
+            "p2p_time_s": pipe["p2p_time_s"], "bubble_fraction": pipe["bubble_fraction"],
+            "memory_per_rank_gib": [x / 2**30 for x in pipe["rank_memory_bytes"]],
+            "note": "stages balanced under the cost model (the slowest stage as fast as the per-stage memory "
+                    "allows)" if plan.data["search"].get("mode") != "manual" else "equal layers per stage "
+                    "(a manual strategy is evaluated as written)"}
     info = getattr(sh, "ilp", None)
     if info is not None:
         out["ilp"] = {"decisions": info.decisions, "nodes": info.nodes, "variables": info.variables,

@@ -43,7 +43,8 @@ def _opt(name: str):
     return lambda ps: torch.optim.AdamW(ps, lr=1e-2)
 
 
-def _single(spec: str, opt: str) -> list[float]:
+def _single_run(spec: str, opt: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of the same training in one process."""
     z, x, y = _data(spec)
     o = _opt(opt)(list(z.model.parameters()))
     out = []
@@ -53,7 +54,11 @@ def _single(spec: str, opt: str) -> list[float]:
         loss.backward()
         o.step()
         out.append(loss.item())
-    return out
+    return out, {k: v.detach().clone() for k, v in z.model.state_dict().items()}
+
+
+def _single(spec: str, opt: str) -> list[float]:
+    return _single_run(spec, opt)[0]
 
 
 def _worker(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:

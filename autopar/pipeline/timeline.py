@@ -5,12 +5,25 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from .schedule import Timeline
+from ..errors import PlanError
+from .schedule import Timeline, build_schedule, simulate
 
 _DPI = 120
 _WIDTH_IN = 12.0            # figure width; the axes get about 85 % of it
 _ROW_HEIGHT_IN = 0.35       # figure height per pipeline rank and panel
 _PX_PER_DIGIT = 7.0         # a 7 pt digit is about 6 px wide at 120 dpi, plus a margin
+
+
+def predicted_timeline(plan) -> Timeline:
+    """The simulated schedule of a pipelined :class:`~autopar.plan.Plan`
+    (from its per-stage forward, backward and transfer times). Raises
+    :class:`PlanError` for a plan without a pipeline."""
+    pipe = plan.data.get("pipeline")
+    if not pipe or "forward_s" not in pipe:
+        raise PlanError(f"this plan has no pipeline (strategy {plan.strategy}): there is no schedule to draw")
+    par = plan.parallel
+    return simulate(build_schedule(pipe["schedule"], par["pp"], par["microbatches"], pipe["chunks"]),
+                    pipe["forward_s"], pipe["backward_s"], pipe["p2p_time_s"])
 
 
 def plot_timeline(timeline: Timeline, path: str | os.PathLike, *, title: str | None = None,

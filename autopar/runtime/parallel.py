@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import api
-from ..errors import AutoparError, PlanError, StrategyError, UnsupportedError
-from ..plan import Plan
 from ..compile.rewrite import LocalProgram, compile_local
+from ..errors import AutoparError, PlanError, StrategyError, UnsupportedError
 from ..pipeline.partition import assign, even_layers, units
 from ..pipeline.schedule import Timeline
+from ..plan import Plan
 from ..search.propagate import scaled_shapes
 from ..search.space import ParallelConfig
 from ..strategies import is_shard, shard_dim

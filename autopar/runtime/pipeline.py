@@ -202,6 +202,7 @@ def check_tied(graph: Graph, stage_of: dict[str, int], pp: int) -> None:
     """Raise :class:`UnsupportedError` for a trainable parameter read by
     stages on different pipeline ranks (a tied embedding and head): its
     gradient would need an all-reduce across the pipeline, not done yet."""
+    pre = graph.loss_prefix
     aliases: dict[str, list[str]] = {}
     for alias, canon in graph.aliases.items():
         aliases.setdefault(canon, []).append(alias)
@@ -209,11 +210,12 @@ def check_tied(graph: Graph, stage_of: dict[str, int], pp: int) -> None:
         nd = graph[node]
         ranks = sorted({s % pp for s in stages})
         if nd.kind == "param" and len(ranks) > 1:
-            names = " = ".join(repr(n) for n in [nd.param, *aliases.get(nd.param, [])])
+            names = " = ".join(repr(n[len(pre):] if pre and n.startswith(pre) else n)
+                               for n in [nd.param, *aliases.get(nd.param, [])])
             raise UnsupportedError(
-                f"parameter {names} is read by pipeline stages {stages}, on pipeline ranks {ranks}: tied weights "
-                f"across pipeline stages are not supported yet (their gradients would need an all-reduce "
-                f"between the stages); untie them, or use pp=1")
+                f"parameter {names} is read by pipeline stages {stages}, on pipeline ranks {ranks}: weights tied "
+                f"across pipeline ranks are not supported yet (their gradients would need an all-reduce between "
+                f"the stages); untie them, or use pp=1")
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
