@@ -268,6 +268,8 @@ class PipelineExecutor:
         step = _Step(micro=[dict(zip(self.input_names, xs)) for xs in micro])
         self.events = []
         for a in self.actions:
+            # drop finished sends: a sent activation is not held until the step ends
+            step.sends = [(w, t) for w, t in step.sends if not w.is_completed()]
             v = a.stage(self.pp_rank, self.pp)
             run = self._forward if a.kind == "F" else self._backward
             start, end = run(step, self.by_stage[v], a.microbatch)
