@@ -1,7 +1,9 @@
 """Cost-model fidelity: predicted against measured step time and peak memory.
 
 On 4 local gloo processes, every strategy of a small GPT and a small Llama-like
-model that autopar can execute today (data / tensor splits x microbatches) is
+model that autopar can execute today (data / tensor splits x microbatches), and
+pipelines of a 4-layer GPT (``pp=2,dp=2`` 1F1B, ``pp=2,tp=2`` 1F1B,
+``pp=2,dp=2`` interleaved with 2 chunks, ``pp=4`` GPipe; 4 microbatches), are
 planned with a cluster file (by default the one ``autopar calibrate`` wrote to
 ``benchmarks/results/cluster-<device>.json``, else the ``cpu`` preset), run
 for a few steps, and measured:
@@ -11,7 +13,17 @@ for a few steps, and measured:
 * peak memory per rank: ``torch.distributed._tools.mem_tracker.MemTracker``
   (PyTorch's own accounting of parameters, gradients, optimizer state,
   activations and temporaries by tensor storage) over one steady-state step,
-  max over ranks.
+  max over ranks. A pipeline's ranks hold different stages, so their memory
+  differs: the max over all ranks is compared with the plan's
+  ``predicted.peak_memory_bytes`` (its largest pipeline rank), and each
+  pipeline rank's measurement (max over its dp / tp peers) is kept beside the
+  plan's ``pipeline.rank_memory_bytes``.
+
+For pipelines the last timed step's measured schedule
+(``ParallelModule.measured_timeline()``) is kept beside the plan's simulated
+one (``build_schedule`` + ``simulate`` on the plan's per-stage forward,
+backward and transfer times): makespan and bubble, and for one case a PNG,
+``results/pipeline-timeline-<device>.png``, predicted above measured.
 
 It reports the Spearman rank correlation of predicted and measured step times
 and the median absolute percentage error (MAPE) of time and memory, against
@@ -36,6 +48,11 @@ MODELS = {
     "llama": "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=352,seq=64,vocab=1024",
 }
 SPLITS = ["dp=4", "tp=4", "dp=2,tp=2"]
+# Pipelines need repeated layers to cut between: a 4-layer GPT (pp=4 puts one layer on each rank).
+PIPE_MODELS = {"gpt-4l": "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=1024"}
+PIPE_SPLITS = ["pp=2,dp=2,schedule=1f1b", "pp=2,tp=2,schedule=1f1b", "pp=2,dp=2,schedule=interleaved,chunks=2",
+               "pp=4,schedule=gpipe"]
+TIMELINE_CASE = ("gpt-4l", "pp=4,schedule=gpipe,microbatches=4", 16)   # drawn to pipeline-timeline-<device>.png
 TARGETS = {"spearman": 0.85, "time_mape": 0.25, "memory_mape": 0.15}
 
 
@@ -48,6 +65,13 @@ def cases(quick: bool) -> list[tuple[str, str, int]]:
             for split in SPLITS:
                 for mb in (1, 2):
                     out.append((key, f"{split},microbatches={mb}", gb))
+    for key in PIPE_MODELS:
+        for gb in batches:
+            for split in PIPE_SPLITS:
+                dp = 2 if "dp=2" in split else 1
+                for mb in (4,) if quick else (4, 8):
+                    if gb % (dp * mb) == 0:
+                        out.append((key, f"{split},microbatches={mb}", gb))
     return out
 
 
@@ -75,8 +99,9 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
     import autopar.zoo as zoo
 
     out = []
+    specs = {**MODELS, **PIPE_MODELS}
     for key, strategy, gb in runs:
-        z = zoo.build(MODELS[key], device="cpu", batch=gb, seed=0)
+        z = zoo.build(specs[key], device="cpu", batch=gb, seed=0)
         g = torch.Generator().manual_seed(1)
         vocab = z.config["vocab"]
         x = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
@@ -93,6 +118,14 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
             t0 = time.perf_counter()
             pm.train_step((x,), y)
             times.append(time.perf_counter() - t0)
+        pipe = None
+        if pm.pipeline is not None:
+            # the last timed step's actions on every rank of this pipeline group (a collective over it)
+            tl = pm.measured_timeline()
+            pipe = {"pp_rank": pm.pp_rank, "plan": pm.plan.data["pipeline"], "parallel": pm.plan.parallel,
+                    "measured_makespan_s": tl.makespan, "measured_bubble": tl.bubble_fraction,
+                    "measured_events": [(e.rank, e.stage, e.kind, e.microbatch, e.chunk, e.start, e.end)
+                                        for e in tl.events]}
         mt = _peak_tracker()
         mt.track_external(pm, pm.optimizer)
         with mt:
@@ -107,8 +140,49 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
             "measured_peak_bytes": parts.get("Total", 0), "predicted_peak_bytes": pred["peak_memory_bytes"],
             "measured_parts": parts, "predicted_memory": pm.plan.data.get("predicted", {}).get("memory"),
             "predicted_compute_s": pred.get("compute_time_s"), "predicted_comm_s": pred.get("comm_time_s"),
+            "pipeline": pipe,
         })
         del pm
+    return out
+
+
+def _pipeline_summary(case: tuple[str, str, int], per_rank: list[dict]) -> dict:
+    """A pipeline run's schedule and memory per pipeline rank, predicted against measured.
+
+    The predicted timeline is the plan's schedule simulated from its per-stage
+    forward / backward and transfer times; the measured one is the last timed
+    step as ``measured_timeline()`` recorded it (on rank 0's pipeline group).
+    Measured memory per pipeline rank: the max over the ranks holding it."""
+    from autopar.pipeline.schedule import Event, Timeline, build_schedule, simulate
+
+    pipe = per_rank[0]["pipeline"]
+    plan, par = pipe["plan"], pipe["parallel"]
+    pp, chunks = par["pp"], plan["chunks"]
+    predicted = simulate(build_schedule(plan["schedule"], pp, par["microbatches"], chunks),
+                         plan["forward_s"], plan["backward_s"], plan["p2p_time_s"])
+    measured = Timeline.from_events([Event(*e) for e in pipe["measured_events"]], pp, chunks)
+    took: dict[tuple[str, int], list[float]] = {}
+    for e in measured.events:
+        took.setdefault((e.kind, e.stage), []).append(e.end - e.start)
+    stages = range(pp * chunks)
+    out = {"schedule": plan["schedule"], "chunks": chunks, "layers": plan["layers"],
+           "predicted_forward_s": plan["forward_s"], "predicted_backward_s": plan["backward_s"],
+           "predicted_p2p_s": plan["p2p_time_s"],
+           "predicted_makespan_s": predicted.makespan, "measured_makespan_s": measured.makespan,
+           "predicted_bubble": predicted.bubble_fraction, "measured_bubble": measured.bubble_fraction,
+           "measured_forward_s": [statistics.median(took[("F", v)]) for v in stages],
+           "measured_backward_s": [statistics.median(took[("B", v)]) for v in stages],
+           "measured_busy_s": measured.busy,
+           "predicted_rank_memory_bytes": plan["rank_memory_bytes"],
+           "measured_rank_peak_bytes": [max(r["measured_peak_bytes"] for r in per_rank
+                                            if r["pipeline"]["pp_rank"] == p) for p in range(pp)],
+           "measured_timeline": measured.to_dict()}
+    if case == TIMELINE_CASE:
+        from autopar.pipeline.timeline import plot_timeline
+        path = RESULTS / f"pipeline-timeline-{device_tag()}.png"
+        plot_timeline(predicted, path, measured=measured,
+                      title=f"{case[0]} gb={case[2]} {case[1]}: plan (simulated) above, measured step below")
+        out["plot"] = f"results/{path.name}"
     return out
 
 
@@ -120,6 +194,39 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def mape(pred: list[float], meas: list[float]) -> float:
     return float(np.median([abs(p - m) / m for p, m in zip(pred, meas)]))
+
+
+def _pipeline_notes(pipes: list[dict]) -> list[str]:
+    """Per pipeline run: the schedule's makespan and bubble and the memory per pipeline rank, predicted / measured."""
+    if not pipes:
+        return []
+    mib = 2 ** 20
+    lines = []
+    for r in pipes:
+        p = r["pipeline"]
+        lines.append(
+            f"{r['model']} gb={r['global_batch']} {r['strategy'].split(',recompute')[0]} (layers per stage "
+            f"{p['layers']}): schedule makespan {p['predicted_makespan_s'] * 1e3:.0f} / "
+            f"{p['measured_makespan_s'] * 1e3:.0f} ms, bubble {p['predicted_bubble']:.0%} / "
+            f"{p['measured_bubble']:.0%}; memory per pipeline rank "
+            + ", ".join(f"{a / mib:.1f} / {b / mib:.1f}" for a, b in zip(p["predicted_rank_memory_bytes"],
+                                                                      p["measured_rank_peak_bytes"]))
+            + " MiB (predicted / measured)")
+    gb = max(r["global_batch"] for r in pipes)
+    actions = [
+        f"{r['strategy'].split(',recompute')[0]}: forward "
+        + ", ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(r["pipeline"]["predicted_forward_s"],
+                                                                r["pipeline"]["measured_forward_s"]))
+        + " ms, backward "
+        + ", ".join(f"{a * 1e3:.1f}/{b * 1e3:.1f}" for a, b in zip(r["pipeline"]["predicted_backward_s"],
+                                                                r["pipeline"]["measured_backward_s"]))
+        + " ms" for r in pipes if r["global_batch"] == gb]
+    return ["Pipelines, predicted / measured (the measured schedule is the last timed step on rank 0's pipeline "
+            "group, from `measured_timeline()`; its makespan runs from the first action's start to the last "
+            "action's end, without the gradient all-reduce and the optimizer step): " + "; ".join(lines) + ".",
+            f"Pipeline actions per virtual stage at gb={gb}, predicted / measured (median over microbatches; a "
+            "measured action runs from after its blocking receives to its end, its sends included): "
+            + "; ".join(actions) + "."]
 
 
 def default_cluster() -> str:
@@ -146,6 +253,8 @@ def main(quick: bool = False, cluster: str | None = None) -> dict:
             r = dict(per_rank[0][j])
             r["measured_step_s"] = max(pr[j]["measured_step_s"] for pr in per_rank)
             r["measured_peak_bytes"] = max(pr[j]["measured_peak_bytes"] for pr in per_rank)
+            if r["pipeline"] is not None:
+                r["pipeline"] = _pipeline_summary(part[j], [pr[j] for pr in per_rank])
             rows.append(r)
             con.print(f"  {r['model']:6s} gb={r['global_batch']:<3d} {r['strategy']:38s} "
                       f"time {r['predicted_step_s'] * 1e3:7.1f} / {r['measured_step_s'] * 1e3:7.1f} ms  "
@@ -160,6 +269,16 @@ def main(quick: bool = False, cluster: str | None = None) -> dict:
            "time": summary["median time error"] <= TARGETS["time_mape"],
            "memory": summary["median memory error"] <= TARGETS["memory_mape"]}
     summary["targets met"] = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in met.items())
+    pipes = [r for r in rows if r["pipeline"]]
+    if pipes:
+        summary["pipeline runs"] = len(pipes)
+        summary["pipeline: median time error"] = mape([r["predicted_step_s"] for r in pipes],
+                                                      [r["measured_step_s"] for r in pipes])
+        summary["pipeline: median memory error (max over ranks)"] = mape(
+            [r["predicted_peak_bytes"] for r in pipes], [r["measured_peak_bytes"] for r in pipes])
+        summary["pipeline: median makespan error"] = mape(
+            [r["pipeline"]["predicted_makespan_s"] for r in pipes],
+            [r["pipeline"]["measured_makespan_s"] for r in pipes])
     table = {"columns": ["model", "global batch", "strategy", "predicted ms", "measured ms", "time err",
                          "predicted MiB", "measured MiB", "memory err"],
              "rows": [[r["model"], r["global_batch"], r["strategy"].replace(",schedule=1f1b", ""),
@@ -183,14 +302,19 @@ def main(quick: bool = False, cluster: str | None = None) -> dict:
         "cross-entropy, all-gathered copies) are modelled as 2 x the largest activation, and gradients are "
         "counted as fully live at the peak while MemTracker sees them being created during backward",
     ]
+    notes += _pipeline_notes(pipes)
+    plot = next((r["pipeline"]["plot"] for r in pipes if r["pipeline"].get("plot")), None)
     result = {
         "notes": notes,
         "title": "Cost-model fidelity (4 gloo processes)",
         "description": (f"Predicted (cluster `{Path(cluster).name}`) against measured step time (median of "
                         f"{steps} steps, slowest rank) and peak memory per rank (MemTracker, largest rank), "
-                        f"AdamW, fp32. Models: " + "; ".join(f"{k} `{v}`" for k, v in MODELS.items()) + "."),
-        "params": {"world": WORLD, "models": MODELS, "cluster": cluster, "steps": steps, "quick": quick},
-        "summary": summary, "targets": TARGETS, "table": table, "runs": rows,
+                        f"AdamW, fp32. Models: " + "; ".join(f"{k} `{v}`" for k, v in {**MODELS, **PIPE_MODELS}.items())
+                        + f" (pipelines on {', '.join(PIPE_MODELS)}; a pipeline's memory is its largest rank's, "
+                        f"against the plan's peak, which is its largest pipeline rank's)."),
+        "params": {"world": WORLD, "models": MODELS, "pipeline_models": PIPE_MODELS, "cluster": cluster,
+                   "steps": steps, "quick": quick, "timeline_case": TIMELINE_CASE},
+        "summary": summary, "targets": TARGETS, "table": table, "runs": rows, "plot": plot,
         "wall_s": time.perf_counter() - t0,
     }
     save("fidelity", result)

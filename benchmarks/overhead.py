@@ -17,6 +17,24 @@ PyTorch-native equivalent of the same strategy:
 * ``dp=2,tp=2``: the same TP plan on the ``tp`` sub-mesh of a 2-D
   ``DeviceMesh`` and DDP over the ``dp`` sub-mesh (DDP's own DDP+TP path,
   ``DistributedDataParallel(device_mesh=mesh["dp"])``).
+* ``pp=2,dp=2`` (1F1B, 4 microbatches) and ``pp=4`` (GPipe, 4 microbatches):
+  ``torch.distributed.pipelining`` on a hand-split model. Each pipeline rank
+  builds its stage module by hand from the zoo model's own submodules (first
+  stage: token (+ position) embedding and its blocks; middle stages: blocks;
+  last stage: blocks, final norm and ``lm_head``; Llama's stages each keep the
+  RoPE tables as buffers), with the same layers per stage as autopar's plan
+  (``plan.data["pipeline"]["layers"]``: an even split here), wraps it in a
+  manual ``PipelineStage`` on the ``pp`` sub-mesh's group and runs it with
+  ``Schedule1F1B`` / ``ScheduleGPipe`` over the same microbatches, the model's
+  loss as the schedule's ``loss_fn`` (mean per microbatch, gradients scaled by
+  1 / microbatches: ``scale_grads=True``, as autopar averages). With dp > 1
+  the stage module is wrapped in DDP over the ``dp`` sub-mesh, which the
+  pipelining stage drives itself (``no_sync`` for all but the last backward).
+  The 2-D mesh is ``(pp, dp)`` with pp outermost, autopar's layout, so the
+  same ranks pair up on both sides. ``torch.distributed.pipelining`` runs on
+  gloo/CPU in torch 2.13 (its P2P ops are gloo send/recv), so no hand-written
+  send/recv fallback is needed. (A world of 4 cannot hold ``pp=2`` alone:
+  autopar runs every rank of the world, so ``pp=2`` comes with ``dp=2``.)
 
 The first step's loss of both must agree to 1e-4 relative (else the benchmark
 fails: a broken comparison would be visible). Then both are warmed up and
@@ -47,7 +65,8 @@ MODELS = {
     "gpt": "gpt:layers=4,hidden=256,heads=8,seq=64,vocab=2048",
     "llama": "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,seq=64,vocab=2048",
 }
-STRATEGIES = ["dp=4", "tp=4", "dp=2,tp=2"]
+STRATEGIES = ["dp=4", "tp=4", "dp=2,tp=2",
+              "pp=2,dp=2,microbatches=4,schedule=1f1b", "pp=4,microbatches=4,schedule=gpipe"]
 BATCH = 8
 LR = 0.01
 TARGET = 1.10
@@ -155,12 +174,118 @@ class Native:
         return float(t) / self.dp
 
 
+def _stage_module(model, family: str, lo: int, hi: int, first: bool, last: bool):
+    """Pipeline stage ``[lo, hi)`` of the zoo model, by hand, from its own
+    submodules (the same parameter objects, so the same weights): the first
+    stage adds the embeddings, the last the final norm and ``lm_head``."""
+    import torch
+    import torch.nn as nn
+
+    class GPTStage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if first:
+                self.wte, self.wpe = model.wte, model.wpe
+            self.blocks = nn.ModuleList(model.blocks[lo:hi])
+            if last:
+                self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+        def forward(self, x):
+            if first:
+                x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.lm_head(self.ln_f(x)) if last else x
+
+    class LlamaStage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if first:
+                self.embed = model.embed
+            self.layers = nn.ModuleList(model.layers[lo:hi])
+            if last:
+                self.norm, self.lm_head = model.norm, model.lm_head
+            self.register_buffer("cos", model.cos, persistent=False)
+            self.register_buffer("sin", model.sin, persistent=False)
+
+        def forward(self, x):
+            T = x.size(1)
+            cos, sin = self.cos.narrow(0, 0, T), self.sin.narrow(0, 0, T)
+            if first:
+                x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.lm_head(self.norm(x)) if last else x
+
+    return GPTStage() if family == "gpt" else LlamaStage()
+
+
+class NativePipeline:
+    """``torch.distributed.pipelining``: this rank's hand-made stage module in
+    a manual ``PipelineStage``, run by ``Schedule1F1B`` or ``ScheduleGPipe``;
+    DDP over dp around the stage module when dp > 1."""
+
+    def __init__(self, z, family: str, par, layers: list[int], mesh) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if par.chunks != 1 or par.schedule not in ("1f1b", "gpipe") or par.tp != 1:
+            raise ValueError(f"no native pipeline baseline for {par.to_string()}")
+        self.dp, self.pp = par.dp, par.pp
+        pp_mesh = mesh["pp"] if par.dp > 1 else mesh
+        self.pp_rank, self.pp_group = pp_mesh.get_local_rank(), pp_mesh.get_group()
+        self.dp_rank = mesh["dp"].get_local_rank() if par.dp > 1 else 0
+        self.dp_group = mesh["dp"].get_group() if par.dp > 1 else None
+        self.last_rank = dist.get_global_rank(self.pp_group, par.pp - 1)
+        r = self.pp_rank
+        self.first, self.last = r == 0, r == par.pp - 1
+        lo = sum(layers[:r])
+        mod = _stage_module(z.model, family, lo, lo + layers[r], self.first, self.last)
+        if par.dp > 1:
+            mod = DDP(mod, process_group=self.dp_group)
+        self.stage = PipelineStage(mod, r, par.pp, torch.device("cpu"), group=self.pp_group)
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[par.schedule]
+        self.schedule = schedule(self.stage, par.microbatches, loss_fn=z.loss_fn, scale_grads=True)
+        self.optimizer = torch.optim.SGD(mod.parameters(), lr=LR)
+
+    def _local(self, t):
+        return t if self.dp == 1 else t.chunk(self.dp, dim=0)[self.dp_rank]
+
+    def step(self, x, y) -> float:
+        """One pipeline step on this dp rank's shard; returns the mean loss
+        over the microbatches on the last stage (nan elsewhere)."""
+        import torch
+        x, y = self._local(x), self._local(y)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list = []
+        if self.first:
+            self.schedule.step(x)
+        elif self.last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        self.optimizer.step()
+        return float(torch.stack(losses).detach().mean()) if losses else math.nan
+
+    def global_loss(self, local: float) -> float:
+        """The last stage's loss on every rank, averaged over dp."""
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([0.0 if math.isnan(local) else local], dtype=torch.float64)
+        dist.broadcast(t, self.last_rank, group=self.pp_group)
+        if self.dp > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
+
 # ---------------------------------------------------------------------------- worker
 
 def _profile(fn, group_size: int) -> dict:
     """One call of ``fn`` under torch.profiler: its wall time, and per gloo
     collective (as gloo runs it: on gloo a reduce-scatter is an all-reduce of
-    the full tensor) the count, the time its gloo thread spent in it, and the
+    the full tensor) and point-to-point send / recv the count, the time its gloo thread spent in it, and the
     bytes each rank sends in a ring over ``group_size`` ranks; and the self
     time of DTensor's Python dispatch (``PythonSubclass``)."""
     from torch.profiler import ProfilerActivity, profile
@@ -178,7 +303,7 @@ def _profile(fn, group_size: int) -> dict:
         numel = math.prod(e.input_shapes[0]) if e.input_shapes and e.input_shapes[0] else 0
         nbytes = 4 * numel   # fp32 everywhere here
         sent = {"all_reduce": 2 * (w - 1) / w * nbytes, "all_gather": (w - 1) * nbytes,
-                "broadcast": nbytes}.get(kind, nbytes)
+                "broadcast": nbytes, "recv": 0}.get(kind, nbytes)   # send: point to point
         o = ops.setdefault(kind, {"count": 0, "gloo_ms": 0.0, "sent_mb": 0.0})
         o["count"] += 1
         o["gloo_ms"] += e.cpu_time_total / 1e3
@@ -199,28 +324,29 @@ def _program_comms(pm) -> dict:
     ops; each has its own backward), and how many only move constants (their
     input depends on buffers alone, no parameter or input data: e.g. RoPE tables)."""
     from autopar.compile.rewrite import Comm
-    gm = pm.program
+    gms = [pm.program] if pm.program is not None else list(pm.stage_modules)   # a pipeline: this rank's stages
     kinds: dict[str, int] = {}
     const = 0
-    params = {n for n, _ in gm.named_parameters()}
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), Comm):
-            continue
-        kind = gm.get_submodule(node.target).kind
-        kinds[kind] = kinds.get(kind, 0) + 1
-        stack, seen, constant = list(node.all_input_nodes), set(), True
-        while stack:
-            a = stack.pop()
-            if a in seen:
+    for gm in gms:
+        params = {p for p, _ in gm.named_parameters()}
+        for node in gm.graph.nodes:
+            if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), Comm):
                 continue
-            seen.add(a)
-            if a.op == "call_method" and a.target == "size":
-                continue   # a shape read off the input is not data
-            if a.op == "placeholder" or (a.op == "get_attr" and a.target in params):
-                constant = False
-                break
-            stack.extend(a.all_input_nodes)
-        const += constant
+            kind = gm.get_submodule(node.target).kind
+            kinds[kind] = kinds.get(kind, 0) + 1
+            stack, seen, constant = list(node.all_input_nodes), set(), True
+            while stack:
+                a = stack.pop()
+                if a in seen:
+                    continue
+                seen.add(a)
+                if a.op == "call_method" and a.target == "size":
+                    continue   # a shape read off the input is not data
+                if a.op == "placeholder" or (a.op == "get_attr" and a.target in params):
+                    constant = False
+                    break
+                stack.extend(a.all_input_nodes)
+            const += constant
     return {"by_kind": kinds, "constant_only": const}
 
 
@@ -247,11 +373,16 @@ def _measure(rank: int, family: str, spec: str, strategy: str, cfg: dict) -> dic
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), strategy=strategy)
     setup_autopar = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if par.dp > 1 and par.tp > 1:
-        mesh = init_device_mesh("cpu", (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
+    if par.pp > 1:
+        dims = (par.pp, par.dp) if par.dp > 1 else (par.pp,)
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("pp", "dp")[:len(dims)])
+        native = NativePipeline(z_n, family, par, pm.plan.data["pipeline"]["layers"], mesh)
     else:
-        mesh = init_device_mesh("cpu", (WORLD,))
-    native = Native(z_n, family, par.dp, par.tp, mesh)
+        if par.dp > 1 and par.tp > 1:
+            mesh = init_device_mesh("cpu", (par.dp, par.tp), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (WORLD,))
+        native = Native(z_n, family, par.dp, par.tp, mesh)
     setup_native = time.perf_counter() - t0
 
     # step 1 from identical weights: the losses must agree
@@ -330,12 +461,25 @@ def _notes(runs, per_key: dict) -> list[str]:
         "arithmetic; step-1 losses match). 2-D: DDP(device_mesh=mesh['dp']) over the TP-parallelized model, "
         "which is PyTorch's own DDP+TP composition (it localizes the DTensor parameters for DDP); it works on "
         "gloo/CPU in this torch.",
+        "Native pipelines: `torch.distributed.pipelining` (it runs on gloo/CPU in this torch; no hand-written "
+        "send/recv fallback was needed) with a manual `PipelineStage` per rank on a hand-split stage module "
+        "built from the zoo model's own submodules (first stage: embeddings + its blocks; last: its blocks + "
+        "final norm + lm_head; Llama's stages each hold the RoPE tables as buffers), the same layers per stage "
+        "as autopar's plan, `Schedule1F1B` / `ScheduleGPipe` with the same 4 microbatches, the model's loss "
+        "as the schedule's `loss_fn` (`scale_grads=True`: the mean over microbatches, as autopar); for "
+        "pp=2,dp=2 the stage module is wrapped in DDP over the dp sub-mesh of a (pp, dp) `DeviceMesh` (pp "
+        "outermost, autopar's rank layout), which the pipelining stage drives (`no_sync` except in the last "
+        "backward, so DDP's all-reduce overlaps only that backward). A world of 4 cannot run pp=2 alone, so "
+        "pp=2 comes with dp=2.",
         "autopar's step includes what `train_step` does beyond the native loop: slicing the global batch, "
         "a scalar all-reduce of the loss over dp (the returned loss is the global mean) and, for dp > 1, the "
-        "gradient all-reduce after backward (GradSync: flattened 25 MiB buckets, not overlapped with backward).",
+        "gradient all-reduce after backward (GradSync: flattened 25 MiB buckets, not overlapped with backward). "
+        "With a pipeline it also broadcasts the loss from the last stage over the pp group every step, which "
+        "the native loop does not (its loss stays on the last stage).",
         "Collectives, MB and gloo time below are measured: one extra step of each side under torch.profiler on "
-        "rank 0, counting the gloo work items (gloo runs a reduce-scatter as an all-reduce of the full tensor); "
-        "MB is what one rank sends in a ring; gloo ms is the time the gloo threads spent in them (with DDP "
+        "rank 0, counting the gloo work items (gloo runs a reduce-scatter as an all-reduce of the full tensor; "
+        "with a pipeline, point-to-point sends and receives count too, and rank 0 is the first stage); "
+        "MB is what one rank sends in a ring (a receive sends nothing); gloo ms is the time the gloo threads spent in them (with DDP "
         "part of it overlaps backward).",
     ]
     for key in runs:
@@ -396,6 +540,28 @@ def _findings(runs, per_key: dict) -> list[str]:
                "`reduce_grad` for q/k/v), so it issues more but not larger collectives than Megatron-style "
                "native TP, which all-reduces after every row-parallel linear and, in backward, the input grad "
                "of every column-parallel module separately (q, k, v each)." if rs else ""))
+    pipe = [k for k in runs if k[1].startswith("pp=")]
+    if pipe:
+        def p2p(prof: dict, kind: str) -> int:
+            return prof["ops"].get(kind, {}).get("count", 0)
+        synced = [k for k in pipe if per_key[k]["grad_sync_ms"]]
+        out.append(
+            "Pipelines (ratios " + ", ".join(f"{k[0]} {k[1]} {per_key[k]['ratio']:.2f}" for k in pipe)
+            + "): both sides run the same schedule over the same stages; the differences are in the messages. "
+            "On rank 0 (the first stage) one step sent / received (autopar vs native): "
+            + ", ".join(f"{k[0]} {k[1].split(',microbatches')[0]} "
+                        f"{p2p(per_key[k]['profile']['autopar'], 'send')}/"
+                        f"{p2p(per_key[k]['profile']['autopar'], 'recv')} vs "
+                        f"{p2p(per_key[k]['profile']['native'], 'send')}/"
+                        f"{p2p(per_key[k]['profile']['native'], 'recv')}" for k in pipe)
+            + ". autopar's executor sends a small int64 header (shape, dtype, requires-grad) before every "
+            "forward activation, so a receiver needs no shape inference; `torch.distributed.pipelining` "
+            "exchanges shapes once, at its first step, and then only the data. autopar also broadcasts the loss "
+            "over the pp group every step."
+            + (" With dp=2, autopar's GradSync runs after the whole schedule ("
+               + ", ".join(f"{k[0]} {per_key[k]['grad_sync_ms']:.0f} ms" for k in synced)
+               + " per step), where DDP inside the pipelining stage all-reduces during the last microbatch's "
+               "backward." if synced else ""))
     const = [k for k in runs if per_key[k]["program"]["constant_only"]]
     if const:
         out.append(
@@ -461,7 +627,8 @@ def main(quick: bool = False) -> dict:
         "description": (
             f"Step time of autopar's compiled program (`parallelize(...).train_step`) against the hand-written "
             f"PyTorch-native equivalent (DDP for dp; `parallelize_module` with Colwise/RowwiseParallel for tp; "
-            f"both for dp=2,tp=2): same model and weights, global batch {BATCH}, SGD, {WORLD} gloo processes "
+            f"both for dp=2,tp=2; `torch.distributed.pipelining` on a hand-split model, manual `PipelineStage` + "
+            f"`Schedule1F1B` / `ScheduleGPipe`, DDP over dp, for pp): same model and weights, global batch {BATCH}, SGD, {WORLD} gloo processes "
             f"with 1 thread each. Median per rank over interleaved (ABBA) blocks of steps, max over ranks. "
             f"Target: ratio autopar / native <= {TARGET}. Collectives and MB per step are measured "
             f"(torch.profiler, rank 0)."),
@@ -489,7 +656,7 @@ def main(quick: bool = False) -> dict:
 
 def _cli() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer timed steps (< 3 minutes on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="fewer timed steps (< 5 minutes on 2 cores)")
     args = ap.parse_args()
     r = main(args.quick)
     from benchmarks.common import fmt
