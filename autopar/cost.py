@@ -460,6 +460,7 @@ class Evaluator:
         slow = max(ranks, key=lambda r: sum(rank_tail[r]))
         states, act, fixed = parts[worst]
         dp_comm, opt = rank_tail[slow]
+        dp_comm += self._tied_time(sh, topo, bounds, cfg)
         step = tl.makespan + dp_comm + opt
         tp_comm = m * max(sum(stage_sum(per.comm, v) for v in chunks_of[r]) for r in ranks)
         compute = max(tl.busy) - tp_comm
@@ -486,6 +487,22 @@ class Evaluator:
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), pipeline=pipeline,
         )
+
+    def _tied_time(self, sh: AxisSharding, topo: MeshTopology, bounds: list[int], cfg: ParallelConfig) -> float:
+        """The gradient all-reduce of weights read on several pipeline ranks
+        (a tied embedding and head; the runtime sums their copies'
+        gradients), over those ranks on the pipeline axis's link."""
+        self._unit_params(sh, cfg.tp)   # builds self._param_units
+        stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
+        total = 0.0
+        for name, numel, us in self._param_units:
+            ranks = {stage_of_unit[u] % cfg.pp for u in us}
+            if len(ranks) > 1:
+                local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
+                total += cost_models.comm.collective_time(
+                    "all_reduce", local * self.itemsize, len(ranks), topo.axis_link(0),
+                    self.cluster.collectives.get("inter_node" if topo.spans_nodes(0) else "intra_node"))
+        return total
 
     def _simulate(self, cfg: ParallelConfig, fwd: list[float], bwd: list[float], p2p: list[float]) -> Timeline:
         """The simulated timeline of ``cfg``'s schedule (cached: the search

@@ -171,3 +171,14 @@ def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
         assert got.makespan == pytest.approx(full.makespan, rel=1e-9)
         assert got.busy == pytest.approx(full.busy, rel=1e-9)
         assert got.peak_in_flight == full.peak_in_flight
+
+
+def test_tied_weights_across_stages_cost_an_all_reduce():
+    ev_tied = api._evaluator(api.as_graph(GPT + ",tie=1"), "dgx-a100-80g", "adamw", None)
+    ev = api._evaluator(api.as_graph(GPT), "dgx-a100-80g", "adamw", None)
+    cfg = parse_strategy("pp=2,microbatches=4", 2)
+    tied, untied = ev_tied.evaluate(cfg, 8, 2), ev.evaluate(cfg, 8, 2)
+    # both ranks hold a copy of the tied weight, and pay for summing its gradients
+    assert tied.dp_comm_time_s > 0 == untied.dp_comm_time_s
+    flat = ev_tied.evaluate(parse_strategy("microbatches=4", 1), 8, 1)
+    assert flat.dp_comm_time_s == 0

@@ -1,8 +1,9 @@
 """Pipeline execution (pp > 1) against a single-process run.
 
 One spawn of 4 gloo processes runs pp=2 x tp=2 (1F1B; GPT and Llama), pp=4
-(GPipe) and pp=2 x dp=2 (interleaved, 2 chunks per rank), and the refusals
-(weights tied across pipeline ranks, more stages than layers); one spawn of 8
+(GPipe), pp=2 x dp=2 (interleaved, 2 chunks per rank), a GPT whose head is tied
+to its embedding (on another pipeline rank: the copies' gradients are summed), and
+the refusal of more stages than layers; one spawn of 8
 runs pp=2 x dp=2 x tp=2 (1F1B). Every step's loss must match the
 single-process loss to a relative 1e-4 on every rank, and the gathered final
 weights the single-process weights. The cut itself (:func:`split_stages`) is
@@ -23,10 +24,10 @@ RUNS4 = [
     (LLAMA, f"pp=2,tp=2,{PIPE}", "adamw"),
     (GPT4, "pp=4,microbatches=4,schedule=gpipe", "sgd"),
     (GPT4, "pp=2,dp=2,microbatches=4,schedule=interleaved,chunks=2", "sgd"),
+    (GPT + ",tie=1", f"pp=2,tp=2,{PIPE}", "sgd"),   # head tied to the embedding, on another rank
 ]
 RUNS8 = [(GPT, f"pp=2,dp=2,tp=2,{PIPE}", "sgd"), (LLAMA, f"pp=2,dp=2,tp=2,{PIPE}", "adamw")]
 REFUSED = {   # label -> (model, strategy)
-    "tied": (GPT + ",tie=1", f"pp=2,tp=2,{PIPE}"),
     "too_many_stages": (GPT, "pp=4,microbatches=4"),
 }
 
@@ -88,8 +89,6 @@ def test_pipelines_on_4_processes_match_single_process():
     res = run_distributed(_worker, 4, RUNS4, REFUSED, timeout=300)
     _check(RUNS4, res)
     for r in res:
-        assert r["tied"].startswith("UnsupportedError"), r["tied"]
-        assert "'wte.weight'" in r["tied"] and "'lm_head.weight'" in r["tied"] and "[0, 1]" in r["tied"]
         assert r["too_many_stages"].startswith("StrategyError"), r["too_many_stages"]
         assert "layers" in r["too_many_stages"]
 

@@ -28,7 +28,7 @@ from ..strategies import is_shard, shard_dim
 from ..trace import trace, with_loss
 from . import collectives as C
 from .dist import Mesh, init_process_group, local_device
-from .pipeline import PipelineExecutor, check_tied, split_stages
+from .pipeline import PipelineExecutor, split_stages, tied_params
 
 
 def default_cluster() -> str:
@@ -172,6 +172,7 @@ class ParallelModule(nn.Module):
         self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
         self.step_times: list[float] = []
         self.pipeline: PipelineExecutor | None = None
+        self._tie_groups: list[tuple[torch.Tensor, Any]] = []
         self.stages_held: list[int] = []
         if seed_broadcast and world > 1:
             # every rank must start from the same weights (as DDP does)
@@ -223,7 +224,6 @@ class ParallelModule(nn.Module):
             raise PlanError(f"the plan's pipeline gives layer counts {list(layers)} for {len(layers)} stages, but "
                             f"pp={cfg.pp} x chunks={cfg.chunks} needs {cfg.stages}")
         stage_of = assign(graph, layers)
-        check_tied(graph, stage_of, cfg.pp)
         prog = self._compile(graph, plan, global_batch)
         self.stages_held = list(range(self.pp_rank, cfg.stages, cfg.pp))
         stages = split_stages(prog.module.to(self.device), graph, stage_of, self.stages_held)
@@ -232,10 +232,27 @@ class ParallelModule(nn.Module):
         local = self._local_tensors()
         self.param_placement = {k: v for k, v in prog.param_placement.items() if k in local}
         self.comms = sum(s.comms for s in stages)
+        self._tie_groups = self._tie(tied_params(graph, stage_of, cfg.pp), local)
         self.pipeline = PipelineExecutor(
             stages, schedule=cfg.schedule, pp=cfg.pp, pp_rank=self.pp_rank, microbatches=cfg.microbatches,
             chunks=cfg.chunks, ranks=self.mesh.group_ranks("pp"), group=self.pp_group, device=self.device,
             input_names=[n.name for n in prog.module.graph.nodes if n.op == "placeholder"])
+
+    def _tie(self, tied: dict[str, list[int]], local: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        """A group per tied weight and (dp, tp) coordinate over the pipeline
+        ranks holding a copy (every rank creates every group, in the same
+        order); returns this rank's (copy, group) pairs. The copies start equal
+        and get the same summed gradient, so they stay equal."""
+        cfg = self.config
+        out = []
+        for name, pp_ranks in tied.items():
+            for d in range(cfg.dp):
+                for t in range(cfg.tp):
+                    members = [(p * cfg.dp + d) * cfg.tp + t for p in pp_ranks]
+                    group = dist.new_group(members)
+                    if self.rank in members:
+                        out.append((local[name], group))
+        return out
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program (each once)."""
@@ -286,6 +303,10 @@ class ParallelModule(nn.Module):
             loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
             if loss is not None:   # this rank holds the last stage
                 total += loss
+            for param, group in self._tie_groups:   # a weight tied across stages: sum its gradients
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, group=group)
         if self.grad_sync is not None:
             self.grad_sync.sync()
         self.optimizer.step()

@@ -39,7 +39,7 @@ from ..graph import Graph
 from ..pipeline.partition import param_stages
 from ..pipeline.schedule import Action, Event, build_schedule
 
-__all__ = ["StageModule", "split_stages", "check_tied", "PipelineExecutor"]
+__all__ = ["StageModule", "split_stages", "tied_params", "PipelineExecutor"]
 
 #: dtypes a boundary tensor may have, by the code its header carries
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -198,24 +198,18 @@ def _stage_module(gm: fx.GraphModule, v: int, stage: dict[str, int], boundary: d
                        ids=mine, last=last, comms=comms)
 
 
-def check_tied(graph: Graph, stage_of: dict[str, int], pp: int) -> None:
-    """Raise :class:`UnsupportedError` for a trainable parameter read by
-    stages on different pipeline ranks (a tied embedding and head): its
-    gradient would need an all-reduce across the pipeline, not done yet."""
-    pre = graph.loss_prefix
-    aliases: dict[str, list[str]] = {}
-    for alias, canon in graph.aliases.items():
-        aliases.setdefault(canon, []).append(alias)
+def tied_params(graph: Graph, stage_of: dict[str, int], pp: int) -> dict[str, list[int]]:
+    """Trainable parameters read by stages on different pipeline ranks (a
+    tied embedding and head), by their ``get_attr`` target, with those
+    pipeline ranks: each rank holds a copy, and their gradients must be
+    summed across them (Megatron's embedding group)."""
+    out: dict[str, list[int]] = {}
     for node, stages in param_stages(graph, stage_of).items():
         nd = graph[node]
         ranks = sorted({s % pp for s in stages})
-        if nd.kind == "param" and len(ranks) > 1:
-            names = " = ".join(repr(n[len(pre):] if pre and n.startswith(pre) else n)
-                               for n in [nd.param, *aliases.get(nd.param, [])])
-            raise UnsupportedError(
-                f"parameter {names} is read by pipeline stages {stages}, on pipeline ranks {ranks}: weights tied "
-                f"across pipeline ranks are not supported yet (their gradients would need an all-reduce between "
-                f"the stages); untie them, or use pp=1")
+        if nd.kind == "param" and len(ranks) > 1 and graph.params[nd.param].requires_grad:
+            out[nd.param] = ranks
+    return dict(sorted(out.items()))
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
