@@ -492,10 +492,12 @@ class Evaluator:
         """The gradient all-reduce of weights read on several pipeline ranks
         (a tied embedding and head; the runtime sums their copies'
         gradients), over those ranks on the pipeline axis's link."""
-        self._unit_params(sh, cfg.tp)   # builds self._param_units
+        shared = [(name, numel, us) for name, numel, us in self._param_unit_list() if len(us) > 1]
+        if not shared:
+            return 0.0
         stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
         total = 0.0
-        for name, numel, us in self._param_units:
+        for name, numel, us in shared:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
                 local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
@@ -583,9 +585,8 @@ class Evaluator:
         cache[key] = out
         return out
 
-    def _unit_params(self, sh: AxisSharding, tp: int) -> tuple[list[float], list[float]]:
-        """Local trainable parameter elements and tensors per unit; a weight
-        read from several units (tied) counts in each."""
+    def _param_unit_list(self) -> list[tuple[str, int, list[int]]]:
+        """(parameter node, elements, units reading it) of every trainable parameter."""
         if not hasattr(self, "_param_units"):
             unit_of = units(self.graph).of_node
             self._param_units = []
@@ -595,14 +596,23 @@ class Evaluator:
                     continue
                 us = sorted({unit_of[c] for c in self.graph.consumers(name) if c in unit_of})
                 self._param_units.append((name, info.numel, us))
+        return self._param_units
+
+    def _unit_params(self, sh: AxisSharding, tp: int) -> tuple[list[float], list[float]]:
+        """Local trainable parameter elements and tensors per unit; a weight
+        read from several units (tied) counts in each."""
+        cache = self.__dict__.setdefault("_unit_params_cache", {})
+        if (id(sh), tp) in cache:
+            return cache[id(sh), tp]
         n = units(self.graph).layers + 2
         elems, tensors = [0.0] * n, [0.0] * n
         out = sh.out
-        for name, numel, us in self._param_units:
+        for name, numel, us in self._param_unit_list():
             local = numel / tp if is_shard(out.get(name, R)) else numel
             for u in us:
                 elems[u] += local
                 tensors[u] += 1
+        cache[id(sh), tp] = (elems, tensors)
         return elems, tensors
 
     def _cut_bytes(self, sh: AxisSharding, shapes: dict, tp: int, n: int) -> list[float]:

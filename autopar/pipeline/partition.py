@@ -226,7 +226,7 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
     if best is None:
         return None
     for _ in range(40):
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= 1e-4 * hi:   # finer than any layer's share of a stage
             break
         mid = (lo + hi) / 2
         got = pack(mid)
