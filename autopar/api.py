@@ -6,13 +6,11 @@ import contextlib
 import time
 from typing import Any, Callable
 
-import torch.nn as nn
-
 import cost_models
 
 from . import __version__
 from .cost import Estimate, Evaluator, Sharder
-from .errors import ClusterError, PlanError, StrategyError
+from .errors import ClusterError, StrategyError
 from .graph import Graph
 from .plan import PLAN_VERSION, Plan
 from .search import pins as _pins

@@ -22,9 +22,7 @@ compares the peak against 90% of the device memory (allocator slack).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Any, Sequence
 
 import cost_models

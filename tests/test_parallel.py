@@ -61,14 +61,21 @@ def _single(spec: str, opt: str) -> list[float]:
     return _single_run(spec, opt)[0]
 
 
+def _train(spec: str, strategy: str, opt: str):
+    """Parallelize ``spec`` with ``strategy`` and train it ``STEPS`` steps:
+    (the ParallelModule, the losses)."""
+    import autopar
+    z, x, y = _data(spec)
+    pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y, optimizer=_opt(opt),
+                             strategy=strategy)
+    return pm, [pm.train_step((x,), y) for _ in range(STEPS)]
+
+
 def _worker(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
     import autopar
     results = {}
     for spec, strategy, opt in runs:
-        z, x, y = _data(spec)
-        pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y, optimizer=_opt(opt),
-                                 strategy=strategy)
-        losses = [pm.train_step((x,), y) for _ in range(STEPS)]
+        pm, losses = _train(spec, strategy, opt)
         sd = pm.full_state_dict()
         local = {n: tuple(p.shape) for n, p in pm.named_parameters()}
         results[(spec, strategy, opt)] = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from test_parallel import GPT, LLAMA, STEPS, _data, _opt, _single_run
+from test_parallel import GPT, LLAMA, _data, _single_run, _train
 
 GPT4 = "gpt:layers=4,hidden=32,heads=4,seq=8,vocab=64"
 PIPE = "microbatches=4,schedule=1f1b"
@@ -36,10 +36,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, str]], refused: di
     import autopar
     results: dict = {}
     for spec, strategy, opt in runs:
-        z, x, y = _data(spec)
-        pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y, optimizer=_opt(opt),
-                                 strategy=strategy)
-        losses = [pm.train_step((x,), y) for _ in range(STEPS)]
+        pm, losses = _train(spec, strategy, opt)
         timeline = pm.measured_timeline()
         results[spec, strategy] = {
             "losses": losses, "state": pm.full_state_dict(), "describe": pm.describe(),

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..errors import CompileError
 from ..graph import Graph

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .. import api
 from ..compile.rewrite import LocalProgram, compile_local
-from ..errors import AutoparError, PlanError, StrategyError, UnsupportedError
+from ..errors import PlanError, StrategyError, UnsupportedError
 from ..pipeline.partition import assign, even_layers, units
 from ..pipeline.schedule import Timeline
 from ..plan import Plan
