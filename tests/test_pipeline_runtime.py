@@ -11,6 +11,9 @@ checked in this process.
 """
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +41,9 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, str]], refused: di
     for spec, strategy, opt in runs:
         pm, losses = _train(spec, strategy, opt)
         timeline = pm.measured_timeline()
+        if rank == 0:   # the predicted schedule above the measured one
+            png = pm.plot_timeline(Path(tempfile.mkdtemp()) / "timeline.png", measured=timeline)
+            assert png.stat().st_size > 0
         results[spec, strategy] = {
             "losses": losses, "state": pm.full_state_dict(), "describe": pm.describe(),
             "local": sorted(n for n, _ in pm.named_parameters()), "held": pm.stages_held,

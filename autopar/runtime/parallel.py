@@ -355,6 +355,14 @@ class ParallelModule(nn.Module):
         dist.all_gather_object(parts, self.pipeline.events, group=self.pp_group)
         return Timeline.from_events([e for part in parts for e in part], self.config.pp, self.config.chunks)
 
+    def plot_timeline(self, path: str | os.PathLike, measured: Timeline | None = None) -> Path:
+        """Draw the plan's predicted schedule above a measured one (default:
+        the last step's, from :meth:`measured_timeline`, which makes this a
+        collective over the pipeline group) into the PNG ``path``."""
+        from ..pipeline.timeline import plot_timeline, predicted_timeline
+        measured = measured if measured is not None else self.measured_timeline()
+        return plot_timeline(predicted_timeline(self.plan), path, title=self.plan.strategy, measured=measured)
+
     def describe(self) -> str:
         """Where each parameter lives on this rank."""
         where = f"pp {self.pp_rank}/{self.config.pp} (stages {self.stages_held}), " if self.pipeline else ""
