@@ -60,8 +60,10 @@ def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
 def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, strategy: str,
              global_batch: int, optimizer: str = "adamw", precision: str | None = None,
              loss_fn: Callable | None = None, target: Any = None) -> Estimate:
-    """Predict one manual strategy: step time (compute and communication
-    parts), TFLOP/s per device, peak memory per device and whether it fits.
+    """Predict one manual strategy as written (Megatron-style placements;
+    with a pipeline, equal layers per stage): step time (compute and
+    communication parts), TFLOP/s per device, peak memory per device and
+    whether it fits.
 
     ``model`` is an ``nn.Module`` (with ``example_inputs``), a zoo string or a
     traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
@@ -69,8 +71,8 @@ def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: i
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     cfg = _config(strategy, devices)
     ev = _evaluator(graph, cluster, optimizer, precision)
-    with _cluster_errors():
-        return ev.evaluate(cfg, global_batch, devices)
+    with _cluster_errors():   # as written: Megatron placements, equal pipeline stages
+        return ev.evaluate(cfg, global_batch, devices, layers="even")
 
 
 @contextlib.contextmanager

@@ -323,6 +323,10 @@ def evaluate(
         ("peak memory", f"[bold]{_gib(est.peak_memory_bytes)}[/] of {_gib(est.device_memory_bytes)}  ({fits})"),
     ]
     rows += [(f"  {k}", _gib(v)) for k, v in est.memory.items()]
+    if est.pipeline:
+        pl = est.pipeline
+        rows.append(("pipeline", f"{pl['schedule']}, layers per stage {pl['layers']} (even, as written), "
+                                 f"bubble {pl['bubble_fraction']:.1%}"))
     out.print(_kv_table("autopar estimate", rows))
 
 
