@@ -26,9 +26,9 @@ More microbatches shrink the bubble there, so the time is not monotone in
 the count: every count is evaluated (Megatron placements, stages balanced by
 :func:`autopar.pipeline.partition.balance`), first with a lower bound on the
 makespan, then, in bound order, with the simulated schedule until the bound
-passes the best time found. The
-per-op search then runs on the pipelined configurations within
-``PIPE_MARGIN`` of the best time found, the ``PIPE_SEARCHED`` fastest first.
+passes the best time found. The per-op search then runs on the pipelined
+configurations within ``PIPE_MARGIN`` of the best time found, the
+``PIPE_SEARCHED`` fastest first.
 The schedules searched are 1F1B and interleaved 1F1B with two chunks; GPipe
 has 1F1B's timeline with more activations in flight, so it never wins and is
 only searched when asked (``schedules=``). ZeRO 2 and 3 are not combined with
@@ -43,8 +43,8 @@ from typing import Callable
 
 from ..cost import MANUAL, MEMORY_HEADROOM, Estimate, Evaluator, Sharder, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
-from .ilp import InfeasiblePins
 from ..pipeline.partition import units
+from .ilp import InfeasiblePins
 from .space import ParallelConfig, divisors
 
 MODES = ("grid", "ilp", "greedy")
@@ -52,6 +52,7 @@ NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded
 PIPE_SCHEDULES = ("1f1b", "interleaved")
 PIPE_MARGIN = 1.10     # pipelined configurations this close to the best time get the per-op search
 PIPE_SEARCHED = 8      # and at most this many of them
+PIPE_PROGRESS = 10     # progress steps the pipelined configurations count for
 
 
 @dataclass
@@ -190,7 +191,8 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
                 pins: tuple[tuple[str, str], ...] = (), pipeline: bool = True,
                 schedules: tuple[str, ...] = PIPE_SCHEDULES) -> SearchResult:
     """Best fitting strategy (lowest predicted step time; ties go to the
-    smaller tp, then fewer microbatches), the tensor-parallel axis decided as
+    smaller pp, then smaller tp, then fewer microbatches; ``pipeline=False``
+    leaves pipelines out), the tensor-parallel axis decided as
     ``mode`` says (see the module docstring). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest."""
     if mode not in MODES:
@@ -200,7 +202,7 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
     lines = grid_configs(ev, devices, global_batch, executable_only=executable_only)
     piped = pipeline_configs(ev, devices, global_batch, executable_only=executable_only,
                              schedules=schedules) if pipeline else []
-    steps = len(lines) + (1 if piped else 0)
+    steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
                             f"valid tp sizes for this model: {tp_valid_sizes(ev.graph)}")
@@ -246,10 +248,12 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
         if progress:
             progress(k + 1, steps)
     if piped:
+        def tick(fraction: float) -> None:
+            if progress:
+                progress(len(lines) + round(fraction * PIPE_PROGRESS), steps)
+
         evaluated, closest, pin_error = _search_pipelines(ev, piped, global_batch, devices, chooser, mode, manual,
-                                                          feasible, evaluated, closest, pin_error)
-        if progress:
-            progress(steps, steps)
+                                                          feasible, evaluated, closest, pin_error, tick)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
     if not feasible:
@@ -270,16 +274,21 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
 
 def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch: int, devices: int,
                       chooser: _Chooser, mode: str, manual: Sharder, feasible: list, evaluated: int,
-                      closest: Estimate | None, pin_error: InfeasiblePins | None):
+                      closest: Estimate | None, pin_error: InfeasiblePins | None,
+                      tick: Callable[[float], None]):
     """Evaluate the pipelined ``configs`` with the Megatron placements (the
     schedule simulated only where its lower bound can still beat the best),
     then run the per-op search on the fastest that come within
     ``PIPE_MARGIN`` of the best time so far. Appends to ``feasible``; returns the updated
-    count, closest misfit and first pin error."""
+    count, closest misfit and first pin error; ``tick(fraction done)``
+    reports progress."""
     # Bound first (memory is exact, the makespan a lower bound), then simulate the
     # fitting ones in bound order until the bound passes the best simulated time.
     bounded: list[tuple[Estimate, ParallelConfig]] = []
-    for cfg in configs:
+    every = max(1, len(configs) // PIPE_PROGRESS)
+    for k, cfg in enumerate(configs):
+        if k % every == 0:
+            tick(0.8 * k / len(configs))   # bounding is most of the work
         try:
             est = ev.evaluate(cfg, global_batch, devices, manual, simulate_schedule=False)
         except InfeasiblePins as e:
@@ -307,4 +316,5 @@ def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch
             continue
         e, sh = chooser.best(cfg, global_batch, devices, best)
         feasible.append((e, cfg, sh) if e.fits else (est, cfg, manual))
+    tick(1.0)
     return evaluated, closest, pin_error
