@@ -1,10 +1,11 @@
 """Cut a traced graph into pipeline stages between its repeated layers.
 
-A pipeline cuts only between *units*: the nodes before the first repeated
-layer (unit 0: embeddings), each repeated-layer instance in graph order
-(units 1..L), and the nodes after the last one (unit L+1: final norm, head,
-loss). A node outside the layers that sits between two instances belongs to
-the instance before it. Parameters are not units: a parameter lives on every
+A pipeline cuts only between *units*: the nodes before the first layer (unit
+0: embeddings), each layer in graph order (units 1..L), and the nodes after
+the last one (unit L+1: final norm, head, loss). The layers are the instances
+of the largest repeated-layer group whose instances run in sequence (see
+:func:`units`). A node outside them that sits between two layers belongs to
+the layer before it. Parameters are not units: a parameter lives on every
 stage that reads it.
 
 A partition of ``V`` virtual stages is given by the number of layers each
