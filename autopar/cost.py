@@ -217,8 +217,13 @@ class Evaluator:
         if sharder.mode == "ilp":
             # the ILP also weighs what a weight costs per step (its gradient reduction and
             # optimizer update, spread over the microbatches) and, bounded, the memory
-            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3,
-                       (cfg.recompute, cfg.zero) if sharder.memory_limit is not None else None)
+            bound = None
+            if sharder.memory_limit is not None:
+                # bounded: the memory depends on the recompute and ZeRO choices and, with a
+                # pipeline, on the stages and the schedule's microbatches in flight
+                bound = (cfg.recompute, cfg.zero) if cfg.pp == 1 else \
+                    (cfg.recompute, cfg.zero, cfg.pp, cfg.microbatches, cfg.schedule, cfg.chunks)
+            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound)
         else:
             ilp_key = None
         key = (cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
@@ -246,8 +251,10 @@ class Evaluator:
 
             pins = dict(sharder.pins)
             if sharder.mode == "ilp":
-                memory = self._memory_terms(cfg, shapes, sharder.memory_limit) \
-                    if sharder.memory_limit is not None else None
+                memory = None
+                if sharder.memory_limit is not None:
+                    memory = self._memory_terms(cfg, shapes, sharder.memory_limit) if cfg.pp == 1 else \
+                        self._pipeline_memory_terms(cfg, global_batch, shapes, sharder)
                 self._tp_cache[key] = solve_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
                                                  param_time=self._param_time(cfg, topo), pins=pins,
                                                  memory=memory)
@@ -317,6 +324,40 @@ class Evaluator:
         if cfg.recompute == "full":
             return MemoryTerms(param=param, saved=saved, limit=limit, group_factor=lambda k: 1.0)
         return MemoryTerms(param=param, saved=saved, limit=limit)
+
+    def _pipeline_memory_terms(self, cfg: ParallelConfig, global_batch: int, shapes: dict,
+                               sharder: Sharder) -> MemoryTerms:
+        """The ILP's memory row for a pipelined ``cfg``: the pipeline rank that
+        needs the most memory under the time-optimal placements (with the
+        stages they balance to), its model states and its activations times
+        the microbatches its schedule keeps in flight. The decisions of a
+        repeated layer are shared by all its instances, so a layer's terms
+        count the share of the layers that rank holds; nodes of other ranks
+        count nothing. Not for full recompute (one recomputed layer at a time
+        is not linear in the choices)."""
+        free = self.evaluate(cfg, global_batch, cfg.devices, Sharder("ilp", sharder.pins))
+        pipe_rec = free.pipeline or {}
+        rank = max(range(cfg.pp), key=lambda r: pipe_rec["rank_memory_bytes"][r])
+        bounds = pipe.unit_bounds(pipe_rec["layers"])
+        stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
+        held = {u for u, v in enumerate(stage_of_unit) if v % cfg.pp == rank}
+        flight = max(f for v, f in enumerate(pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
+                     if v % cfg.pp == rank)
+        u = units(self.graph)
+        layers = set(u.labels[1:-1])
+        layer_share = sum(1 for k in held if 0 < k <= u.layers) / u.layers
+        param_units = {name: us for name, _, us in self._param_unit_list()}
+        flat = self._memory_terms(cfg, shapes, sharder.memory_limit)
+
+        def share(nd: Node) -> float:
+            if nd.group in layers:
+                return layer_share
+            us = param_units.get(nd.name) if nd.kind in ("param", "buffer") else [u.of_node.get(nd.name, 0)]
+            return 1.0 if us and any(k in held for k in us) else 0.0
+
+        return MemoryTerms(param=lambda nd, p: flat.param(nd, p) * share(nd),
+                           saved=lambda nd, st: flat.saved(nd, st) * share(nd) * flight,
+                           limit=sharder.memory_limit)
 
     # -- the estimate ---------------------------------------------------------
     def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None,

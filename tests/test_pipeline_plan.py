@@ -180,3 +180,27 @@ def test_tied_weights_across_stages_cost_an_all_reduce():
     assert tied.dp_comm_time_s > 0 == untied.dp_comm_time_s
     flat = ev_tied.evaluate(parse_strategy("microbatches=4", 1), 8, 1)
     assert flat.dp_comm_time_s == 0
+
+
+def test_memory_bounded_ilp_on_a_pipeline():
+    """When the time-optimal placements of a pipeline do not fit, the ILP is
+    solved again under the memory of the pipeline rank that needs the most;
+    the search keeps that plan where it fits and beats the Megatron one."""
+    import dataclasses
+
+    from autopar.cost import Evaluator, Sharder
+    from autopar.search.grid import _Chooser
+    g = api.as_graph("gpt:layers=8,hidden=512,heads=8,vocab=8192,seq=256")
+    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
+    cfg = parse_strategy("pp=2,tp=4,microbatches=8", 8)
+    manual, free = ev.evaluate(cfg, 32, 8), ev.evaluate(cfg, 32, 8, Sharder("ilp"))
+    assert free.step_time_s < manual.step_time_s and free.peak_memory_bytes > manual.peak_memory_bytes
+    limit = (manual.peak_memory_bytes + free.peak_memory_bytes) / 2
+    bounded = ev.evaluate(cfg, 32, 8, Sharder("ilp", (), limit - free.memory["transient"]))
+    assert bounded.peak_memory_bytes <= limit
+    assert free.step_time_s <= bounded.step_time_s <= manual.step_time_s
+    # the search does the same on a device with that much memory
+    small = dataclasses.replace(ev.cluster, device=dataclasses.replace(ev.cluster.device,
+                                                                       memory_bytes=int(limit / 0.9)))
+    est, sh = _Chooser(Evaluator(g, small), "ilp", ()).best(cfg, 32, 8, float("inf"))
+    assert est.fits and sh.memory_limit is not None and est.step_time_s < manual.step_time_s

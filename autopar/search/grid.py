@@ -163,11 +163,11 @@ class _Chooser:
         self._count(cfg, gb, first)
         est = tries[0][0]
         best_so_far = min(bound, ref.step_time_s) if ref.fits else bound
-        if self.mode == "ilp" and cfg.pp == 1 and not est.fits and est.step_time_s < best_so_far and \
-                (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
+        if self.mode == "ilp" and not (cfg.pp > 1 and cfg.recompute == "full") and not est.fits and \
+                est.step_time_s < best_so_far and (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
             # the time-optimal choice does not fit; the memory-bounded one lies
-            # between it and the manual sharding (its linear memory row is the whole
-            # model's: with a pipeline the bound would be per stage, not modelled)
+            # between it and the manual sharding (with a pipeline, bounded on the
+            # pipeline rank that needs the most memory)
             limit = cap - est.memory["transient"]
             for _ in range(2):
                 sh = Sharder("ilp", self.pins, limit)
