@@ -347,7 +347,8 @@ def show(
     with _errors():
         p = Plan.load(path)
         if timeline is not None:
-            _draw_timeline(p, timeline)
+            from .pipeline.timeline import plot_timeline, predicted_timeline
+            plot_timeline(predicted_timeline(p), timeline, title=p.strategy)
     if as_json:
         sys.stdout.write(p.to_json())
         return
@@ -402,12 +403,6 @@ def show(
         for k, n in sorted(kernels.items()):
             t.add_row("kernel", k, str(n))
         out.print(t)
-
-
-def _draw_timeline(p, path: Path) -> None:
-    """Simulate the plan's schedule from its per-stage times and draw it."""
-    from .pipeline.timeline import plot_timeline, predicted_timeline
-    plot_timeline(predicted_timeline(p), path, title=p.strategy)
 
 
 @app.command()

@@ -186,6 +186,9 @@ class Evaluator:
         self._shapes_cache: dict[tuple, dict] = {}
         self._sums_cache: dict[tuple, tuple] = {}
         self._params_cache: dict[tuple, tuple[float, int]] = {}
+        self._unit_cache: dict[tuple, _UnitCosts] = {}            # pipeline: per-unit sums
+        self._unit_params_cache: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._timeline_cache: dict[tuple, Timeline] = {}          # simulated schedules
         self.params = {nd.name: nd for nd in graph.nodes if nd.kind in ("param", "buffer")}
 
     # -- pieces ---------------------------------------------------------------
@@ -556,7 +559,7 @@ class Evaluator:
         they do not; so a search over hundreds of pipelines with thousands of
         microbatches stays fast and exact."""
         key = (cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, tuple(fwd), tuple(bwd), tuple(p2p))
-        cache = self.__dict__.setdefault("_timeline_cache", {})
+        cache = self._timeline_cache
         if key in cache:
             return cache[key]
         pp, m, chunks = cfg.pp, cfg.microbatches, cfg.chunks
@@ -584,7 +587,7 @@ class Evaluator:
         memory needed once (transients; with full recompute the one layer
         being recomputed), and the bytes crossing each cut."""
         key = (cfg.tp, cfg.dp, global_batch // cfg.microbatches, cfg.recompute, id(sh))
-        cache = self.__dict__.setdefault("_unit_cache", {})
+        cache = self._unit_cache
         if key in cache:
             return cache[key]
         local_batch = global_batch / (cfg.dp * cfg.microbatches)
@@ -640,7 +643,7 @@ class Evaluator:
     def _unit_params(self, sh: AxisSharding, tp: int) -> tuple[list[float], list[float]]:
         """Local trainable parameter elements and tensors per unit; a weight
         read from several units (tied) counts in each."""
-        cache = self.__dict__.setdefault("_unit_params_cache", {})
+        cache = self._unit_params_cache
         if (id(sh), tp) in cache:
             return cache[id(sh), tp]
         n = units(self.graph).layers + 2

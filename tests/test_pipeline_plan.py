@@ -154,8 +154,8 @@ def test_search_finds_pipelines_where_they_pay():
 def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
     """The Evaluator extrapolates the steady state of long pipelines; on
     uneven stages with transfers it must equal simulating every microbatch."""
-    from autopar.cost import Evaluator
     from autopar.search.space import ParallelConfig
+    ev = api._evaluator(api.as_graph(GPT), "cpu", "adamw", None)
     rng = random.Random(3)
     for pp in (2, 4, 8):
         v = pp * chunks
@@ -164,7 +164,7 @@ def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
         p2p = [rng.uniform(0, 0.3) for _ in range(v - 1)]
         m = 16 * pp
         cfg = ParallelConfig(pp=pp, microbatches=m, schedule=schedule, chunks=chunks)
-        got = Evaluator._simulate(object.__new__(Evaluator), cfg, fwd, bwd, p2p)
+        got = ev._simulate(cfg, fwd, bwd, p2p)
         full = simulate(build_schedule(schedule, pp, m, chunks), fwd, bwd, p2p)
         assert got.makespan == pytest.approx(full.makespan, rel=1e-9)
         assert got.busy == pytest.approx(full.busy, rel=1e-9)

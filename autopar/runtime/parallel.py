@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import api
-from ..compile.rewrite import LocalProgram, compile_local
+from ..compile.rewrite import LocalProgram, _get_attr, compile_local
 from ..errors import PlanError, StrategyError, UnsupportedError
 from ..pipeline.partition import assign, even_layers, units
 from ..pipeline.schedule import Timeline
@@ -201,14 +201,8 @@ class ParallelModule(nn.Module):
                                 plan.data["precision"])
             tp_sh, _ = ev.sharding(cfg, global_batch)
         shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
-        full = {}
         gm = graph.gm
-        for n in gm.graph.nodes:
-            if n.op == "get_attr":
-                obj = gm
-                for part in n.target.split("."):
-                    obj = getattr(obj, part)
-                full[n.target] = obj
+        full = {n.target: _get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         return compile_local(graph, tp_sh, shapes, tp_rank=self.tp_rank, tp_group=self.tp_group, params=full)
 
     def _build_pipeline(self, graph, plan: Plan, global_batch: int) -> None:

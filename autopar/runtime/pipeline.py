@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from ..compile.rewrite import _get_attr
 from ..errors import CompileError, UnsupportedError
 from ..graph import Graph
 from ..pipeline.partition import param_stages
@@ -76,20 +77,13 @@ def _free_nodes(gm: fx.GraphModule) -> set[str]:
     free: set[str] = set()
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            if not isinstance(_attr(gm, n.target), nn.Parameter):
+            if not isinstance(_get_attr(gm, n.target), nn.Parameter):
                 free.add(n.name)
         elif n.op in ("call_function", "call_method") or (
                 n.op == "call_module" and next(gm.get_submodule(n.target).parameters(), None) is None):
             if all(i.op == "placeholder" or i.name in free for i in n.all_input_nodes):
                 free.add(n.name)
     return free
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _node_stages(gm: fx.GraphModule, graph: Graph, stage_of: dict[str, int], free: set[str]) -> dict[str, int]:
