@@ -70,6 +70,18 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class HostSpec:
+    """The host side of one device, for offloading: ``link`` is the
+    device-host link (PCIe) per device per direction, ``memory_bandwidth`` the
+    host DRAM bandwidth one device's share of the host can stream (the CPU
+    optimizer step is bound by it), ``memory_bytes`` the host DRAM of a node."""
+
+    link: LinkSpec
+    memory_bandwidth: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """Identical nodes of ``devices_per_node`` devices each.
 
@@ -77,7 +89,8 @@ class ClusterSpec:
     different nodes. ``default_precision`` is "mixed" or "fp32".
     ``collectives`` holds calibrated overrides (format in :mod:`cost_models.comm`),
     ``sources`` where each number comes from, ``max_nodes`` the largest number of
-    nodes (None: unbounded).
+    nodes (None: unbounded), ``host`` the device-host link and host memory
+    (None: offloading is not modelled for this cluster).
     """
 
     name: str
@@ -90,6 +103,7 @@ class ClusterSpec:
     collectives: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     max_nodes: int | None = None
+    host: HostSpec | None = None
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict fields; specs key caches.
@@ -151,6 +165,9 @@ class ClusterSpec:
             "sources": self.sources,
             "max_nodes": self.max_nodes,
         }
+        if self.host is not None:
+            d["host"] = {"link": _link_dict(self.host.link), "memory_bandwidth": self.host.memory_bandwidth,
+                         "memory_bytes": self.host.memory_bytes}
         return _sorted(d)
 
     @classmethod
@@ -184,6 +201,8 @@ class ClusterSpec:
             collectives=_sorted(d.get("collectives", {})),
             sources=dict(sorted(d.get("sources", {}).items())),
             max_nodes=d.get("max_nodes"),
+            host=HostSpec(link=_link(d["host"]["link"]), memory_bandwidth=float(d["host"]["memory_bandwidth"]),
+                          memory_bytes=int(d["host"]["memory_bytes"])) if d.get("host") else None,
         )
 
 

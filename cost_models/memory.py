@@ -10,12 +10,15 @@ _DTYPE_BYTES = {
 # Bytes per parameter: (weights, gradients, optimizer state).
 # mixed = bf16/fp16 weights and gradients plus an fp32 master copy, which is
 # counted in the optimizer state (it is sharded with it by ZeRO stage 1).
+# bf16 / fp16 are the same policy with the gradients accumulated and reduced
+# in ``grad_bytes`` (fp32 by default: Megatron's main_grad buffer).
 _BYTES_PER_PARAM = {
     "fp32": {"adam": (4, 4, 8), "adamw": (4, 4, 8),          # m, v
              "sgd": (4, 4, 0), "sgd_momentum": (4, 4, 4)},   # momentum buffer
     "mixed": {"adam": (2, 2, 12), "adamw": (2, 2, 12),       # master, m, v
               "sgd": (2, 2, 4), "sgd_momentum": (2, 2, 8)},  # master (+ momentum)
 }
+_BYTES_PER_PARAM["bf16"] = _BYTES_PER_PARAM["fp16"] = _BYTES_PER_PARAM["mixed"]
 OPTIMIZERS = tuple(_BYTES_PER_PARAM["fp32"])
 PRECISIONS = tuple(_BYTES_PER_PARAM)
 
@@ -32,9 +35,14 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def model_state_bytes(num_params: int, optimizer: str = "adamw",
-                      precision: str = "fp32") -> dict[str, int]:
+                      precision: str = "fp32", grad_bytes: int | None = None) -> dict[str, int]:
     """Return ``{"weights", "gradients", "optimizer", "total"}`` in bytes for
     ``num_params`` unsharded parameters.
+
+    ``precision``: "fp32", or "bf16" / "fp16" / "mixed" (low-precision weights
+    with an fp32 master copy in the optimizer state). ``grad_bytes``: bytes of
+    one accumulated gradient element (default: the precision's table; bf16 and
+    fp16 training usually accumulate in fp32, pass 4).
 
     Raises ValueError for a negative count or an unknown optimizer / precision.
     """
@@ -44,7 +52,10 @@ def model_state_bytes(num_params: int, optimizer: str = "adamw",
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
     if optimizer not in _BYTES_PER_PARAM[precision]:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    w, g, o = (num_params * b for b in _BYTES_PER_PARAM[precision][optimizer])
+    w, g, o = _BYTES_PER_PARAM[precision][optimizer]
+    if grad_bytes is not None:
+        g = grad_bytes
+    w, g, o = num_params * w, num_params * g, num_params * o
     return {"weights": w, "gradients": g, "optimizer": o, "total": w + g + o}
 
 

@@ -87,6 +87,10 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                         "additionalProperties": _SCOPE},
         "sources": {"type": "object", "additionalProperties": {"type": "string"}},
         "max_nodes": {"type": ["integer", "null"], "minimum": 1},
+        "host": {"type": "object", "required": ["link", "memory_bandwidth", "memory_bytes"],
+                 "properties": {"link": _LINK, "memory_bandwidth": _POSITIVE,
+                                "memory_bytes": {"type": "integer", "minimum": 1}},
+                 "additionalProperties": False},
     },
     # A typo in an optional key would otherwise be silently ignored.
     "additionalProperties": False,
