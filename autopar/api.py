@@ -3,6 +3,7 @@ each calls the stages below it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -115,6 +116,7 @@ SEARCH_MODES = {
 def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
          strategy: str | ParallelConfig = "auto", optimizer: str = "adamw", precision: str | None = None,
          loss_fn: Callable | None = None, target: Any = None, executable_only: bool = False,
+         memory_options: bool = True,
          search_mode: str | None = None, shardings: dict[str, Any] | None = None,
          progress: Callable[[int, int], None] | None = None) -> Plan:
     """Choose a strategy and return the :class:`Plan` with its predictions.
@@ -131,8 +133,10 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
 
     ``shardings`` pins placements: ``{parameter or module path: placement}``
     (see :mod:`autopar.search.pins`), merged with :func:`autopar.shard`
-    annotations on ``model``. ``executable_only`` restricts the search to
-    what :func:`parallelize` can run in this release.
+    annotations on ``model``. ``memory_options=False`` searches the plain
+    strategies only (no recompute, ZeRO, sequence parallelism or offload);
+    ``executable_only`` restricts the search to what :func:`parallelize`
+    can run (every strategy the grammar accepts; kept for callers).
 
     Raises :class:`StrategyError` for an invalid strategy, search mode or
     pin (two contradicting pins are both named), and
@@ -155,7 +159,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
         ev.cluster.check_devices(devices)
         if strategy == "auto":
             mode = SEARCH_MODES[search_mode]
-            res = search_grid(ev, devices, global_batch, executable_only=executable_only, progress=progress,
+            res = search_grid(ev, devices, global_batch, memory_options=memory_options, progress=progress,
                               mode=mode, pins=pins)
             est, cfg, sharder = res.best, res.best_config, res.best_sharder
             # the search time is not part of the JSON: the same inputs must give the same bytes
@@ -203,6 +207,7 @@ def _pin_errors(graph: Graph, user_pins: dict[str, Any]):
 def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,
                global_batch: int, devices: int, search: dict) -> Plan:
     """Assemble the Plan record (per-param and per-op placements on (dp, tp))."""
+    cfg = dataclasses.replace(cfg, precision=cfg.precision or ev.precision)
     dp_sh = ev.batch
     params: dict[str, list[str]] = {}
     ops: dict[str, Any] = {}
@@ -231,6 +236,8 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
     predicted = {k: pred[k] for k in ("step_time_s", "compute_time_s", "comm_time_s", "tp_comm_time_s",
                                       "dp_comm_time_s", "optimizer_time_s", "tflops_per_device",
                                       "peak_memory_bytes", "fits", "device_memory_bytes", "memory")}
+    if est.host_memory_bytes:
+        predicted["host_memory_bytes"] = pred["host_memory_bytes"]
     data = {
         "plan_version": PLAN_VERSION,
         "autopar_version": __version__,
@@ -239,7 +246,7 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
         "cluster": {"name": ev.cluster.name, "spec": ev.cluster.to_dict()},
         "devices": devices,
         "global_batch": global_batch,
-        "precision": ev.precision,
+        "precision": cfg.precision,
         "optimizer": ev.optimizer,
         "mesh": {"shape": [cfg.pp, cfg.dp, cfg.tp], "axes": ["pp", "dp", "tp"]} if cfg.pp > 1 else
                 {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
@@ -257,12 +264,17 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
 
 
 def config_from_plan(plan_: Plan) -> ParallelConfig:
-    """The :class:`ParallelConfig` a plan records (plans written before
-    pipelines have no ``chunks``)."""
+    """The :class:`ParallelConfig` a plan records, its precision resolved to
+    the plan's (plans written before pipelines have no ``chunks``, those
+    before the memory options none of them)."""
     p = plan_.parallel
+    precision = p.get("precision") or plan_.data.get("precision", "fp32")
     return ParallelConfig(dp=p["dp"], tp=p["tp"], pp=p["pp"], microbatches=p["microbatches"],
                           schedule=p["schedule"], recompute=p["recompute"], zero=p["zero"],
-                          chunks=p.get("chunks", 1))
+                          chunks=p.get("chunks", 1), sequence_parallel=p.get("sequence_parallel", False),
+                          offload=p.get("offload", "none"), precision="bf16" if precision == "mixed" else precision,
+                          reduce_dtype=p.get("reduce_dtype", ""), overlap=p.get("overlap", True),
+                          bucket_mb=p.get("bucket_mb", 25.0))
 
 
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:

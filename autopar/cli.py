@@ -53,7 +53,7 @@ ClusterOpt = typer.Option(..., "--cluster", "-c", help="Cluster preset (see `aut
 DevicesOpt = typer.Option(..., "--devices", "-n", min=1, help="Number of devices (world size).")
 BatchOpt = typer.Option(..., "--global-batch", "-b", min=1, help="Samples per optimizer step, over all devices.")
 OptimizerOpt = typer.Option("adamw", "--optimizer", help=f"Optimizer whose state is counted: {', '.join(OPTIMIZERS)}.")
-PrecisionOpt = typer.Option(None, "--precision", help="fp32 or mixed (default: the cluster's).")
+PrecisionOpt = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (mixed = bf16; default: the cluster's).")
 JsonOpt = typer.Option(False, "--json", help="Print JSON to stdout instead of tables.")
 
 
@@ -81,8 +81,8 @@ def _errors(hint: Callable[[Exception], str] | None = None) -> Iterator[None]:
 def _check_options(optimizer: str, precision: str | None) -> None:
     if optimizer not in OPTIMIZERS:
         _fail(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if precision is not None and precision not in ("fp32", "mixed"):
-        _fail(f"precision {precision!r} is invalid; valid: fp32, mixed")
+    if precision is not None and precision not in ("fp32", "bf16", "fp16", "mixed"):
+        _fail(f"precision {precision!r} is invalid; valid: fp32, bf16, fp16 (mixed = bf16)")
 
 
 def _load_graph(model: str, quiet: bool = False) -> Any:
@@ -220,9 +220,9 @@ def plan(
                                  help="'auto' (search) or a manual strategy, e.g. 'dp=2,tp=4,microbatches=2'."),
     optimizer: str = OptimizerOpt,
     precision: Optional[str] = PrecisionOpt,
-    executable_only: bool = typer.Option(False, "--executable-only",
-                                         help="Search only what autopar.parallelize can run today "
-                                              "(no recompute, no ZeRO)."),
+    plain: bool = typer.Option(False, "--plain", "--executable-only",
+                               help="Search the plain strategies only: no recompute, ZeRO, sequence parallelism "
+                                    "or offload (--executable-only is its former name)."),
     out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the plan JSON to this file."),
     search_mode: Optional[str] = typer.Option(
         None, "--search-mode", "-m",
@@ -260,7 +260,7 @@ def plan(
 
                 p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                               strategy="auto", optimizer=optimizer, precision=precision,
-                              executable_only=executable_only, progress=tick, search_mode=search_mode,
+                              memory_options=not plain, progress=tick, search_mode=search_mode,
                               shardings=shardings)
         else:
             p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,

@@ -97,14 +97,19 @@ class Estimate:
     optimizer: str
     parallel: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] | None = None   # pp > 1: stages, schedule timeline summary
+    host_memory_bytes: float = 0.0           # offload: model state kept in host memory per device
 
     def to_dict(self) -> dict:
         d = asdict(self)
         return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in d.items()}
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def compute_dtype(precision: str) -> str:
-    return "bfloat16" if precision == "mixed" else "float32"
+    """The torch dtype name compute runs in under ``precision`` (``mixed`` is bf16)."""
+    return _DTYPES["bf16" if precision == "mixed" else precision]
 
 
 def tp_valid_sizes(graph: Graph, limit: int | None = None) -> list[int]:
@@ -175,11 +180,17 @@ class Evaluator:
         self.graph = graph
         self.cluster = cost_models.load_cluster(cluster) if not isinstance(cluster, ClusterSpec) else cluster
         self.optimizer = optimizer
-        self.precision = precision or self.cluster.default_precision
-        if self.precision not in ("fp32", "mixed"):
-            raise StrategyError(f"precision {self.precision!r} is invalid; valid: 'fp32', 'mixed'")
+        precision = precision or self.cluster.default_precision
+        self.precision = "bf16" if precision == "mixed" else precision
+        if self.precision not in _DTYPES:
+            raise StrategyError(f"precision {precision!r} is invalid; valid: fp32, bf16, fp16 (mixed = bf16)")
         self.dtype = compute_dtype(self.precision)
-        self.itemsize = 2 if self.precision == "mixed" else 4
+        if self.dtype not in self.cluster.device.peak_flops:
+            raise StrategyError(f"precision {self.precision}: device {self.cluster.device.name} of cluster "
+                                f"{self.cluster.name!r} has no {self.dtype} FLOP rate "
+                                f"(it lists {', '.join(sorted(self.cluster.device.peak_flops))})")
+        self.itemsize = 2 if self.precision != "fp32" else 4
+        self._siblings: dict[str, Evaluator] = {self.precision: self}
         self.batch = track_batch(graph)
         self.grad = needs_grad(graph)
         self._tp_cache: dict[tuple, AxisSharding] = {}
@@ -191,7 +202,133 @@ class Evaluator:
         self._timeline_cache: dict[tuple, Timeline] = {}          # simulated schedules
         self.params = {nd.name: nd for nd in graph.nodes if nd.kind in ("param", "buffer")}
 
+    def for_precision(self, precision: str) -> "Evaluator":
+        """The evaluator of the same graph and cluster under another precision
+        (a strategy's ``precision=`` key; "" is this one's)."""
+        precision = precision or self.precision
+        if precision not in self._siblings:
+            self._siblings[precision] = Evaluator(self.graph, self.cluster, optimizer=self.optimizer,
+                                                  precision=precision)
+        return self._siblings[precision]
+
     # -- pieces ---------------------------------------------------------------
+    def _grad_bytes(self, cfg: ParallelConfig) -> int:
+        """Bytes of one accumulated (and reduced) gradient element."""
+        if self.precision == "fp32":
+            return 4
+        return 4 if (cfg.reduce_dtype or "fp32") == "fp32" else 2
+
+    def _state_bytes(self, cfg: ParallelConfig, local: float) -> dict[str, float]:
+        """Model states of ``local`` trainable elements on one device:
+        weights, gradients, optimizer state (with the fp32 master under
+        bf16/fp16), ZeRO-sharded over ``dp``; ``offloaded`` is what
+        ``offload=optimizer`` keeps on the host instead (the master and
+        state; with ZeRO-3 also the sharded weights and gradients, as FSDP2's
+        CPU offload does), and ``total`` what stays on the device."""
+        n = int(local)
+        st = dict(model_state_bytes(n, self.optimizer, self.precision, self._grad_bytes(cfg)))
+        if cfg.zero >= 3 and self.precision != "fp32":
+            # FSDP2 keeps the sharded parameter in fp32: it is the master copy
+            st["optimizer"] -= 4 * n - st["weights"]
+            st["weights"] = 4 * n
+        st = dict(zero_sharded_state_bytes(st, cfg.dp, cfg.zero))
+        host = 0.0
+        if cfg.offload == "optimizer":
+            for k in (("weights", "gradients", "optimizer") if cfg.zero >= 3 else ("optimizer",)):
+                host += st[k]
+                st[k] = 0
+        st["offloaded"] = host
+        st["total"] = st["weights"] + st["gradients"] + st["optimizer"]
+        return st
+
+    def _state_per_elem(self, cfg: ParallelConfig) -> float:
+        """Device bytes of model state per local trainable element."""
+        big = 1 << 30
+        return self._state_bytes(cfg, big)["total"] / big
+
+    def _reduction(self, kind: str, nbytes: float, backward_s: float, cfg: ParallelConfig, coll) -> float:
+        """Exposed time of a gradient reduction of ``nbytes`` in buckets of
+        ``cfg.bucket_mb``: with ``overlap``, bucket k of n is ready k/n into
+        the backward of ``backward_s`` and the buckets are reduced one after
+        another, so what shows is max(one bucket, n buckets - the backward
+        before the last one, times the device's ``comm_overlap``); without,
+        all n buckets after the backward."""
+        n = max(1, math.ceil(nbytes / (cfg.bucket_mb * (1 << 20))))
+        c = coll(kind, nbytes / n)
+        if not cfg.overlap:
+            return n * c
+        return max(c, n * c - backward_s * (1 - 1 / n) * self.cluster.device.comm_overlap)
+
+    def _dp_tail(self, cfg: ParallelConfig, local: float, n_tensors: float, topo: MeshTopology, axis: int,
+                 fwd_s: float, bwd_s: float, units_: int) -> tuple[float, float, dict[str, float]]:
+        """Data-parallel communication (exposed), optimizer time and model
+        states of a rank holding ``local`` trainable elements; ``fwd_s`` and
+        ``bwd_s`` are one microbatch's forward and backward compute (what
+        overlapped communication hides behind), ``units_`` the FSDP units of
+        ZeRO-3 (the layers and the root)."""
+        dp, m = cfg.dp, cfg.microbatches
+        st = self._state_bytes(cfg, local)
+        gb, pb = self._grad_bytes(cfg), self.itemsize
+        comm = 0.0
+        if dp > 1:
+            def coll(kind: str, nbytes: float) -> float:
+                return topo.collective_time(kind, nbytes, axis)
+
+            comm += coll("all_reduce", 4)     # the loss, for the caller
+            grads = local * gb
+            if cfg.zero == 0:
+                comm += self._reduction("all_reduce", grads, bwd_s, cfg, coll)
+            elif cfg.zero == 1:     # reduce-scatter after the last microbatch, all-gather after the step
+                comm += self._reduction("reduce_scatter", grads, bwd_s, cfg, coll) + coll("all_gather", local * pb)
+            elif cfg.zero == 2:     # reduce-scatter after every microbatch
+                comm += m * self._reduction("reduce_scatter", grads, bwd_s, cfg, coll) + \
+                    coll("all_gather", local * pb)
+            else:                   # FSDP2: per unit, gather in forward, gather + reduce-scatter in backward
+                n = max(units_, 1)
+                g, r = coll("all_gather", local * pb / n), coll("reduce_scatter", grads / n)
+                if cfg.overlap:     # the next unit's gather is prefetched behind this one's compute
+                    hide = self.cluster.device.comm_overlap
+                    f, b = hide * fwd_s / n, hide * bwd_s / n
+                    per = g + (n - 1) * max(0.0, g - f) + g + r + (n - 1) * max(0.0, g + r - b)
+                else:
+                    per = n * (2 * g + r)
+                comm += m * per
+        dev = self.cluster.device
+        opt = n_tensors * dev.optimizer_overhead_s.get(self.optimizer, 0.0)
+        if cfg.offload == "optimizer":
+            host = self.cluster.host
+            if host is None:
+                raise StrategyError(f"offload=optimizer: cluster {self.cluster.name!r} does not describe its host "
+                                    "(add a 'host' section: device-host link, host memory bandwidth and size)")
+            shard = local / dp if cfg.zero >= 1 else local
+            # grads down and updated weights up (ZeRO-3: every microbatch's shards)
+            moved = shard * (gb + (4 if cfg.zero >= 3 else pb)) * (m if cfg.zero >= 3 else 1)
+            opt += moved / host.link.bandwidth + 2 * host.link.latency
+            opt += st["offloaded"] * 2 / host.memory_bandwidth if cfg.zero < 3 else \
+                (st["offloaded"] - shard * (4 + gb)) * 2 / host.memory_bandwidth
+        else:
+            opt += st["optimizer"] * 2 / (dev.memory_bandwidth * dev.memory_efficiency)
+        return comm, opt, st
+
+    def _gathered(self, cfg: ParallelConfig, sh: AxisSharding) -> float:
+        """ZeRO-3's unsharded weights at the peak: the root's (outside the
+        layers, kept for the whole step) and two layers' (the one running and
+        the one prefetched), in the compute dtype."""
+        if cfg.zero < 3 or cfg.dp == 1:
+            return 0.0
+        try:
+            elems, _ = self._unit_params(sh, cfg.tp)
+        except StrategyError:
+            return self._local_params(sh, cfg.tp)[0] * self.itemsize
+        layers = elems[1:-1]
+        return (elems[0] + elems[-1] + 2 * (max(layers) if layers else 0.0)) * self.itemsize
+
+    def _fsdp_units(self) -> int:
+        try:
+            return units(self.graph).layers + 1
+        except StrategyError:
+            return 1
+
     def _flops_at(self, global_batch: int) -> float:
         """Forward FLOPs of the whole model at ``global_batch``."""
         if not hasattr(self, "_flops_split"):
@@ -216,6 +353,13 @@ class Evaluator:
 
         Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
         pins and :class:`StrategyError` when an ILP memory bound cannot be met."""
+        if cfg.precision and cfg.precision != self.precision:
+            return self.for_precision(cfg.precision).sharding(cfg, global_batch, sharder)
+        if cfg.sequence_parallel:
+            sp_key = ("sp", sharder, cfg.tp)
+            if sp_key not in self._tp_cache:
+                self._tp_cache[sp_key] = self._sequence_parallel(cfg, sharder)
+            sharder = self._tp_cache[sp_key]
         mb_global = global_batch // cfg.microbatches
         if sharder.mode == "ilp":
             # the ILP also weighs what a weight costs per step (its gradient reduction and
@@ -224,8 +368,9 @@ class Evaluator:
             if sharder.memory_limit is not None:
                 # bounded: the memory depends on the recompute and ZeRO choices and, with a
                 # pipeline, on the stages and the schedule's microbatches in flight
-                bound = (cfg.recompute, cfg.zero) if cfg.pp == 1 else \
-                    (cfg.recompute, cfg.zero, cfg.pp, cfg.microbatches, cfg.schedule, cfg.chunks)
+                bound = (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype) if cfg.pp == 1 else \
+                    (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
+                     cfg.schedule, cfg.chunks)
             ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound)
         else:
             ilp_key = None
@@ -273,6 +418,39 @@ class Evaluator:
                 self._tp_cache[key] = res
         return self._tp_cache[key], shapes
 
+    def _sequence_parallel(self, cfg: ParallelConfig, sharder: Sharder) -> Sharder:
+        """``sequence_parallel=true``: Megatron's sequence parallelism as pins
+        on the tensor-parallel axis: every LayerNorm / RMSNorm on a (batch,
+        sequence, hidden) activation is split along the sequence. The
+        propagation (or the ILP) then keeps the residual stream and dropout
+        split too, and turns the all-reduces around the tensor-parallel
+        blocks into reduce-scatters and all-gathers."""
+        pinned = dict(sharder.pins)
+        g = self.graph
+        for nd in g.nodes:
+            if nd.kind not in ("layernorm", "rmsnorm") or nd.out is None or len(nd.out.shape) < 3:
+                continue
+            seq = len(nd.out.shape) - 2
+            if nd.out.shape[seq] % cfg.tp:
+                raise StrategyError(f"sequence_parallel=true with tp={cfg.tp}: the sequence length "
+                                    f"{nd.out.shape[seq]} of {nd.name} is not divisible by {cfg.tp}")
+            # the norm and the residual stream into it: the elementwise ops (residual and bias
+            # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
+            todo = [nd.name]
+            while todo:
+                name = todo.pop()
+                if name in pinned:
+                    continue
+                pinned[name] = f"S({seq})"
+                for i in g[name].inputs:
+                    src = g[i]
+                    if src.kind == "elementwise" and src.out is not None and src.out.shape == nd.out.shape:
+                        todo.append(i)
+        if len(pinned) == len(sharder.pins):
+            raise StrategyError(f"sequence_parallel=true: {self.graph.name} has no LayerNorm/RMSNorm on "
+                                "(batch, sequence, hidden) activations to split along the sequence")
+        return Sharder(sharder.mode, tuple(sorted(pinned.items())), sharder.memory_limit)
+
     def _param_time(self, cfg: ParallelConfig, topo: MeshTopology):
         """Seconds per microbatch a weight costs in a placement, as
         :meth:`evaluate` counts them per step: its share of the data-parallel
@@ -288,8 +466,8 @@ class Evaluator:
             if cfg.zero >= 3:
                 ag = (topo.collective_time("all_gather", big, 0) - topo.collective_time("all_gather", 0.0, 0)) / big
                 per_elem += 2 * ag * isz
-        opt_bytes = zero_sharded_state_bytes(model_state_bytes(1 << 30, self.optimizer, self.precision),
-                                             dp, cfg.zero)["optimizer"] / big
+        opt_bytes = self._state_bytes(cfg, big)
+        opt_bytes = (opt_bytes["optimizer"] + opt_bytes["offloaded"]) / big
         dev = self.cluster.device
         per_elem += opt_bytes * 2 / (dev.memory_bandwidth * dev.memory_efficiency) / m
 
@@ -306,9 +484,7 @@ class Evaluator:
         parameter element (ZeRO-divided) and the activations each strategy
         saves, as :meth:`evaluate` counts them (shared inputs counted once per
         reader: an upper bound)."""
-        big = 1 << 30
-        per_elem = zero_sharded_state_bytes(model_state_bytes(big, self.optimizer, self.precision),
-                                            cfg.dp, cfg.zero)["total"] / big
+        per_elem = self._state_per_elem(cfg)
         tp = cfg.tp
 
         def param(nd: Node, p: str) -> float:
@@ -376,6 +552,9 @@ class Evaluator:
         (the busiest rank, or one microbatch through every stage) instead of
         the simulated schedule, and ``pipeline["simulated"]`` is False: the
         search uses it to skip simulating pipelines that cannot win."""
+        if cfg.precision and cfg.precision != self.precision:
+            return self.for_precision(cfg.precision).evaluate(cfg, global_batch, devices, sharder, layers,
+                                                              simulate_schedule)
         g = self.graph
         devices = devices or cfg.devices
         check_config(g, cfg, devices, global_batch)
@@ -390,31 +569,27 @@ class Evaluator:
         skey = (tp, dp, global_batch // m, cfg.recompute == "selective", id(sh))
         if skey not in self._sums_cache:
             self._sums_cache[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
-        fwd, tp_comm, transient, saved_outside, inst_saved = self._sums_cache[skey]
+        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd = self._sums_cache[skey]
 
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
-        compute = m * passes * fwd
-        if cfg.recompute == "selective":
-            compute += m * 0.1 * fwd   # the cheap elementwise ops run again
+        compute = m * (passes * fwd + refwd)    # selective: the cheap ops of the layers run again
         tp_comm_total = m * tp_comm
 
-        # model states
+        # model states, data-parallel communication, optimizer
         local_params, n_tensors = self._local_params(sh, tp)
-        states = model_state_bytes(int(local_params), self.optimizer, self.precision)
-        states = zero_sharded_state_bytes(states, dp, cfg.zero)
-        grad_bytes = local_params * isz
-        # the gradients, and the loss for the caller (one scalar per step)
-        dp_comm = topo.collective_time("all_reduce", grad_bytes, 0) + topo.collective_time("all_reduce", 4, 0) \
-            if dp > 1 else 0.0
-        if cfg.zero >= 3 and dp > 1:
-            dp_comm += m * 2 * topo.collective_time("all_gather", local_params * isz, 0)
-        opt_time = states["optimizer"] * 2 / (self.cluster.device.memory_bandwidth *
-                                               self.cluster.device.memory_efficiency)
-        opt_time += n_tensors * self.cluster.device.optimizer_overhead_s.get(self.optimizer, 0.0)
+        mb_fwd = fwd + tp_comm / 2
+        dp_comm, opt_time, states = self._dp_tail(cfg, local_params, n_tensors, topo, 0, mb_fwd,
+                                                  (passes - 1) * fwd + tp_comm / 2, self._fsdp_units())
         activations = saved_outside + sum(inst_saved.values())
+        recomputed = 0.0     # one layer's values materialised again while its backward runs
         if cfg.recompute == "full" and inst_saved:
-            activations = saved_outside + self._layer_inputs(sh, shapes, tp) + max(inst_saved.values())
-        peak = states["total"] + activations + 2 * transient
+            activations = saved_outside + self._layer_inputs(sh, shapes, tp)
+            recomputed = max(inst_saved.values())
+        elif cfg.recompute == "selective" and inst_saved:
+            activations += self._layer_inputs(sh, shapes, tp)
+            recomputed = max(inst_full[k] - inst_saved[k] for k in inst_saved)
+        gathered = self._gathered(cfg, sh)
+        peak = states["total"] + activations + recomputed + 2 * transient + gathered
         step = compute + tp_comm_total + dp_comm + opt_time
         model_flops = 3.0 * self._flops_at(global_batch)
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
@@ -425,11 +600,19 @@ class Evaluator:
             tflops_per_device=model_flops / step / devices / 1e12 if step > 0 else 0.0,
             peak_memory_bytes=peak,
             memory={"weights": states["weights"], "gradients": states["gradients"],
-                    "optimizer": states["optimizer"], "activations": activations, "transient": 2 * transient},
-            fits=peak <= cap, device_memory_bytes=float(self.cluster.device.memory_bytes),
+                    "optimizer": states["optimizer"], "activations": activations,
+                    "transient": 2 * transient + recomputed + gathered},
+            fits=peak <= cap and self._host_fits(states["offloaded"]), device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
-            parallel=cfg.as_dict(),
+            parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )
+
+    def _host_fits(self, offloaded: float) -> bool:
+        """Whether a node's host memory holds its devices' offloaded state."""
+        if not offloaded:
+            return True
+        host = self.cluster.host
+        return host is not None and offloaded * self.cluster.devices_per_node <= host.memory_bytes * MEMORY_HEADROOM
 
     def _evaluate_pipeline(self, cfg: ParallelConfig, global_batch: int, devices: int, sharder: Sharder,
                            layers: str | Sequence[int], simulate_schedule: bool = True) -> Estimate:
@@ -451,8 +634,7 @@ class Evaluator:
         if isinstance(layers, str):
             split = None
             if layers == "balanced":
-                per_elem = zero_sharded_state_bytes(model_state_bytes(1 << 30, self.optimizer, self.precision),
-                                                    dp, cfg.zero)["total"] / (1 << 30)
+                per_elem = self._state_per_elem(cfg)
                 states = [x * per_elem for x in per.params]
                 split = pipe.balance(per.time, states, per.act, per.fixed, V, flight, cap / cfg.chunks)
             split = split or pipe.even_layers(n_layers, V)
@@ -483,20 +665,14 @@ class Evaluator:
         isz = self.itemsize
         rank_mem, rank_tail, parts = [], [], []
         for r in ranks:
-            states = zero_sharded_state_bytes(model_state_bytes(int(local[r]), self.optimizer, self.precision),
-                                              dp, cfg.zero)
             act = sum(flight[v] * stage_sum(per.act, v) for v in chunks_of[r])
             fixed = max(max(per.fixed[bounds[v]:bounds[v + 1]]) for v in chunks_of[r])
+            # the gradient reduction overlaps the backward of the rank's last microbatch
+            last_bwd = sum(bwd[v] for v in chunks_of[r])
+            dp_comm, opt, states = self._dp_tail(cfg, local[r], tensors[r], topo, 1,
+                                                 sum(fwd[v] for v in chunks_of[r]), last_bwd, 1)
             rank_mem.append(states["total"] + act + fixed)
             parts.append((states, act, fixed))
-            dp_comm = 0.0
-            if dp > 1:
-                dp_comm = topo.collective_time("all_reduce", local[r] * isz, 1) + \
-                    topo.collective_time("all_reduce", 4, 1)
-                if cfg.zero >= 3:
-                    dp_comm += m * 2 * topo.collective_time("all_gather", local[r] * isz, 1)
-            opt = states["optimizer"] * 2 / (dev.memory_bandwidth * dev.memory_efficiency) + \
-                tensors[r] * dev.optimizer_overhead_s.get(self.optimizer, 0.0)
             rank_tail.append((dp_comm, opt))
         worst = max(ranks, key=lambda r: rank_mem[r])
         slow = max(ranks, key=lambda r: sum(rank_tail[r]))
@@ -524,10 +700,11 @@ class Evaluator:
             tflops_per_device=model_flops / step / devices / 1e12 if step > 0 else 0.0,
             peak_memory_bytes=peak,
             memory={"weights": states["weights"], "gradients": states["gradients"],
-                    "optimizer": states["optimizer"], "activations": act, "transient": fixed},
-            fits=peak <= cap, device_memory_bytes=float(dev.memory_bytes),
+                    "optimizer": states["optimizer"], "activations": act, "transient": fixed,
+        },
+            fits=peak <= cap and self._host_fits(states["offloaded"]), device_memory_bytes=float(dev.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
-            parallel=cfg.as_dict(), pipeline=pipeline,
+            parallel=cfg.as_dict(), pipeline=pipeline, host_memory_bytes=states["offloaded"],
         )
 
     def _tied_time(self, sh: AxisSharding, topo: MeshTopology, bounds: list[int], cfg: ParallelConfig) -> float:
@@ -603,7 +780,7 @@ class Evaluator:
             if src is not None:
                 parts[layers.get(inst) or u.of_node[self._first_node(inst)]].append(src)
         layer_in = self._layer_input_bytes(sh, shapes, cfg.tp)
-        passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0) + (0.1 if cfg.recompute == "selective" else 0.0)
+        passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         out = _UnitCosts(n)
         for k in range(n):
             fwd = sum(p_.fwd for p_ in parts[k])
@@ -611,13 +788,17 @@ class Evaluator:
             saved = sum(sum(p_.saved.values()) for p_ in parts[k])
             transient = max(p_.transient for p_ in parts[k])
             out.fwd[k] = fwd + comm / 2
-            out.time[k] = passes * fwd + comm
+            out.time[k] = passes * fwd + sum(p_.refwd for p_ in parts[k]) + comm
             out.comm[k] = comm
             inst = u.labels[k] if 0 < k < n - 1 else None
             if cfg.recompute == "full" and inst is not None:
                 kept = sum(parts[k][0].saved.values())   # outside the recomputed layer: kept
                 out.act[k] = layer_in.get(inst, 0.0) + kept
                 out.fixed[k] = 2 * transient + (saved - kept)
+            elif cfg.recompute == "selective" and inst is not None:
+                out.act[k] = layer_in.get(inst, 0.0) + saved
+                out.fixed[k] = 2 * transient + sum(sum(p_.full.values()) - sum(p_.saved.values())
+                                                   for p_ in parts[k][1:])
             else:
                 out.act[k] = saved
                 out.fixed[k] = 2 * transient
@@ -763,9 +944,11 @@ class Evaluator:
             acc = outside.setdefault(unit_of.get(nd.name, 0), _Sums()) if inst is None \
                 else per_inst.setdefault(inst, _Sums())
             frac = 1.0 / tp if st.split else 1.0
-            acc.fwd += self._node_time(nd, self._scale(nd, local_batch), frac)
-            if nd.kind not in NO_DISPATCH:
-                acc.fwd += dispatch
+            t = self._node_time(nd, self._scale(nd, local_batch), frac) + (dispatch if nd.kind not in NO_DISPATCH
+                                                                           else 0.0)
+            acc.fwd += t
+            if inst is not None and cfg.recompute == "selective" and not self._kept_selective(nd):
+                acc.refwd += t
             if tp > 1:
                 for i, want in zip(nd.inputs, st.ins):
                     have = sh.out.get(i, want)
@@ -774,11 +957,16 @@ class Evaluator:
                     nbytes = _numel(shapes.get(i)) * 4
                     acc.comm += reshard_time(have, want, nbytes, self.grad.get(i, False), comm_tp)
                     if want == R and st.split and self.grad.get(i, False):
-                        acc.comm += comm_tp("all_reduce", nbytes)
+                        # Megatron's f: the backward sums the partial input gradients; from a
+                        # shard (sequence parallel) it reduce-scatters them instead
+                        acc.comm += comm_tp("reduce_scatter" if is_shard(have) else "all_reduce", nbytes)
                 for kind, nbytes in st.comm:
                     acc.comm += comm_tp(kind, nbytes)
             for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
                 acc.saved[name] = local
+            if cfg.recompute == "selective":   # what the layer holds again while it is recomputed
+                for name, local in self._saved(nd, st, sh, shapes, tp, "none"):
+                    acc.full[name] = local
             if nd.out is not None:
                 acc.transient = max(acc.transient, _numel(shapes.get(nd.name)) * isz /
                                     (tp if is_shard(sh.out.get(nd.name, R)) else 1))
@@ -813,26 +1001,42 @@ class Evaluator:
         tp_comm = sum(s_.comm for s_ in outside.values())
         transient = max((s_.transient for s_ in outside.values()), default=0.0)
         inst_saved: dict[str, float] = {}
+        inst_full: dict[str, float] = {}
+        refwd = 0.0
         for inst in self._instances():
             s_ = per_inst.get(_source(copied, inst))
             if s_ is None:
                 continue
             fwd += s_.fwd
+            refwd += s_.refwd
             tp_comm += s_.comm
             transient = max(transient, s_.transient)
             inst_saved[inst] = sum(s_.saved.values())
+            inst_full[inst] = sum(s_.full.values())
         saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
-        return fwd, tp_comm, transient, saved_outside, inst_saved
+        return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd
+
+    def _kept_selective(self, nd: Node) -> bool:
+        """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
+        return nd.kind == "sdpa" or (nd.kind in _MATMUL_KINDS and any(self.params.get(i) is not None
+                                                                      for i in nd.inputs))
 
     def _saved_names(self, nd: Node, recompute: str) -> list[str]:
-        """The float values ``nd`` keeps for its backward."""
+        """The float values ``nd`` keeps for its backward. Under selective
+        recompute (inside a checkpointed layer) only the outputs of the
+        weight matmuls and of attention are kept: the rest (norms,
+        activations, the attention core of explicit matmul-softmax
+        attention) runs again in backward from them and the layer input."""
         k = nd.kind
-        if k in _MATMUL_KINDS:
+        if recompute == "selective":
+            if self._kept_selective(nd):
+                names = [nd.name]
+            else:
+                return []
+        elif k in _MATMUL_KINDS:
             names = [i for i in nd.inputs if self.params.get(i) is None]
             if k == "sdpa":
                 names.append(nd.name)
-        elif recompute == "selective":
-            return []
         elif k in ("layernorm", "rmsnorm", "batchnorm", "cross_entropy", "pool"):
             names = nd.inputs[:1]
         elif k == "softmax":
@@ -889,11 +1093,13 @@ class _UnitCosts:
 
 
 class _Sums:
-    __slots__ = ("fwd", "comm", "saved", "transient")
+    __slots__ = ("fwd", "refwd", "comm", "saved", "full", "transient")
 
     def __init__(self) -> None:
         self.fwd = 0.0
+        self.refwd = 0.0                     # selective recompute: forward time run again
         self.comm = 0.0
         self.saved: dict[str, float] = {}
+        self.full: dict[str, float] = {}     # selective recompute: what no recompute would save
         self.transient = 0.0
 

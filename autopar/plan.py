@@ -42,7 +42,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "cluster": {"type": "object", "required": ["name"]},
         "devices": {"type": "integer", "minimum": 1},
         "global_batch": {"type": "integer", "minimum": 1},
-        "precision": {"enum": ["fp32", "mixed"]},
+        "precision": {"enum": ["fp32", "bf16", "fp16", "mixed"]},   # mixed: older plans (= bf16)
         "optimizer": {"type": "string"},
         "mesh": {
             "type": "object", "required": ["shape", "axes"],
@@ -57,6 +57,10 @@ PLAN_SCHEMA: dict[str, Any] = {
                 "pp": {"type": "integer", "minimum": 1}, "microbatches": {"type": "integer", "minimum": 1},
                 "schedule": {"type": "string"}, "recompute": {"enum": ["none", "selective", "full"]},
                 "zero": {"enum": [0, 1, 2, 3]}, "chunks": {"type": "integer", "minimum": 1},
+                "sequence_parallel": {"type": "boolean"}, "offload": {"enum": ["none", "optimizer"]},
+                "precision": {"enum": ["", "fp32", "bf16", "fp16"]},
+                "reduce_dtype": {"enum": ["", "fp32", "bf16", "fp16"]},
+                "overlap": {"type": "boolean"}, "bucket_mb": {"type": "number", "exclusiveMinimum": 0},
             },
         },
         "pipeline": {

@@ -27,6 +27,12 @@ class DeviceSpec:
     ``optimizer_overhead_s[optimizer]`` per parameter tensor per optimizer
     step (a loop over the tensors). On a GPU that host time overlaps the
     kernels, so GPU presets leave both at 0.
+
+    ``comm_overlap`` is the fraction of compute time that communication
+    launched alongside it (gradient buckets during backward, prefetched
+    ZeRO-3 gathers) can hide behind: 1 where collectives run on their own
+    engines (GPUs with NCCL), less where they compete with compute for the
+    same cores.
     """
 
     name: str
@@ -38,13 +44,14 @@ class DeviceSpec:
     kernel_overhead_s: float = 0.0
     dispatch_overhead_s: float = 0.0
     optimizer_overhead_s: dict[str, float] = field(default_factory=dict)
+    comm_overlap: float = 1.0
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
         return hash((self.name, self.memory_bytes, tuple(sorted(self.peak_flops.items())),
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
                      self.kernel_overhead_s, self.dispatch_overhead_s,
-                     tuple(sorted(self.optimizer_overhead_s.items()))))
+                     tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -156,6 +163,7 @@ class ClusterSpec:
                 "kernel_overhead_s": self.device.kernel_overhead_s,
                 "dispatch_overhead_s": self.device.dispatch_overhead_s,
                 "optimizer_overhead_s": dict(self.device.optimizer_overhead_s),
+                "comm_overlap": self.device.comm_overlap,
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -189,6 +197,7 @@ class ClusterSpec:
             kernel_overhead_s=float(dev.get("kernel_overhead_s", 0.0)),
             dispatch_overhead_s=float(dev.get("dispatch_overhead_s", 0.0)),
             optimizer_overhead_s={k: float(v) for k, v in sorted(dev.get("optimizer_overhead_s", {}).items())},
+            comm_overlap=float(dev.get("comm_overlap", 1.0)),
         )
         return cls(
             name=d["name"],

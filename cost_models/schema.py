@@ -75,6 +75,7 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                 "kernel_overhead_s": _NON_NEGATIVE,
                 "dispatch_overhead_s": _NON_NEGATIVE,
                 "optimizer_overhead_s": {"type": "object", "additionalProperties": _NON_NEGATIVE},
+                "comm_overlap": {"type": "number", "minimum": 0, "maximum": 1},
             },
             "additionalProperties": False,
         },

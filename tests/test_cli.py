@@ -50,9 +50,10 @@ def test_plan_json_is_only_json_and_uses_all_devices():
     assert d["devices"] == 4 and d["search"]["mode"] == "dynamic_programming"
 
 
-def test_plan_executable_only_excludes_zero_and_recompute():
-    d = json.loads(ok("plan", TINY, *WHERE, "--executable-only", "--json").stdout)
+def test_plan_plain_excludes_the_memory_options():
+    d = json.loads(ok("plan", TINY, *WHERE, "--plain", "--json").stdout)
     assert d["parallel"]["zero"] == 0 and d["parallel"]["recompute"] == "none"
+    assert not d["parallel"]["sequence_parallel"] and d["parallel"]["offload"] == "none"
 
 
 def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):

@@ -129,7 +129,7 @@ def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
     assert p.parallel["chunks"] == 1
     assert "schedule=1f1b" in p.strategy
     loaded = autopar.Plan.load(p.save(tmp_path / "p.json"))
-    assert api.config_from_plan(loaded) == parse_strategy("pp=2,tp=2,microbatches=4", 4)
+    assert api.config_from_plan(loaded) == parse_strategy("pp=2,tp=2,microbatches=4,precision=fp32", 4)
     with pytest.raises(StrategyError, match="5 pipeline stages need at least 5"):
         autopar.plan(gpt, cluster="cpu", devices=5, global_batch=5, strategy="pp=5")
 

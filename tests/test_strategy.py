@@ -58,9 +58,9 @@ def test_to_string_round_trips():
 
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(StrategyError) as ei:
-        parse_strategy("dp=2,sp=2")
+        parse_strategy("dp=2,sq=2")
     msg = str(ei.value)
-    assert "'sp'" in msg
+    assert "'sq'" in msg
     for key in ("dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero"):
         assert key in msg
     assert "micro_batch_num" in msg  # the aliases are listed too
@@ -165,8 +165,23 @@ def test_zero_invalid():
 def test_executable():
     assert parse_strategy("dp=2,tp=2").executable
     assert parse_strategy("pp=2,tp=2", 4).executable
-    assert not parse_strategy("dp=2,zero=1").executable
-    assert not parse_strategy("dp=2,recompute=full").executable
+    assert parse_strategy("dp=2,zero=1").executable
+    assert parse_strategy("dp=2,tp=2,recompute=full,zero=3,sequence_parallel=true,offload=optimizer").executable
+
+
+def test_memory_option_keys_and_aliases():
+    c = parse_strategy("dp=2,tp=2,accumulate=4,use_seq_parallel=true,precision=mixed,offload=optimizer,"
+                       "zero_stage=2,overlap=false,bucket_mb=10", 4)
+    assert (c.microbatches, c.sequence_parallel, c.precision, c.offload, c.zero, c.overlap, c.bucket_mb) == \
+        (4, True, "bf16", "optimizer", 2, False, 10.0)
+    assert parse_strategy(c.to_string(), 4) == c
+    assert parse_strategy("dp=4").to_string() == "dp=4,tp=1,pp=1,microbatches=1,recompute=none,zero=0"
+    for bad, words in [("tp=1,sequence_parallel=true", "tp > 1"), ("pp=2,accumulate=2", "pipeline"),
+                       ("precision=fp32,reduce_dtype=bf16", "lower precision"), ("offload=all", "none, optimizer"),
+                       ("bucket_mb=0", "> 0"), ("accumulate=2,microbatches=2", "not both"),
+                       ("precision=fp8", "fp32, bf16, fp16"), ("overlap=maybe", "true or false")]:
+        with pytest.raises(StrategyError, match=words):
+            parse_strategy(bad)
 
 
 def test_strategy_error_is_value_error():

@@ -58,6 +58,8 @@ class Comm(nn.Module):
             return C.reduce_grad(x, self.group)
         if k == "all_gather":
             return C.all_gather(x, self.dim, self.group)
+        if k == "all_gather_reduce_grad":
+            return C.all_gather_reduce_grad(x, self.dim, self.group)
         if k == "split":
             return C.split(x, self.dim, self.group)
         if k == "reduce_scatter":
@@ -158,6 +160,9 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
                 x = comm(x, "reduce_scatter", shard_dim(want))
             elif have == R:
                 x = comm(x, "split", shard_dim(want))
+            elif want == R and g:   # sequence parallel's entry: the backward reduce-scatters
+                x = comm(x, "all_gather_reduce_grad", shard_dim(have))
+                g = False
             elif want == R:
                 x = comm(x, "all_gather", shard_dim(have))
             else:

@@ -34,6 +34,12 @@ has 1F1B's timeline with more activations in flight, so it never wins and is
 only searched when asked (``schedules=``). ZeRO 2 and 3 are not combined with
 pipelines (their per-microbatch gradient and weight traffic is what
 DeepSpeed refuses there too).
+
+Every line with ``tp > 1`` comes with and without Megatron sequence
+parallelism. Offloading the optimizer state to the host is the last resort,
+as in MindSpore: it is searched only when nothing fits without it. When
+nothing fits even then, :func:`smallest_fitting_devices` finds the fewest
+devices of the cluster's kind that would, for the error message.
 """
 from __future__ import annotations
 
@@ -70,29 +76,44 @@ class SearchResult:
     ilp_time_s: float = 0.0
 
 
-def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False
-                 ) -> list[list[ParallelConfig]]:
+def _sp_choices(ev: Evaluator, tp: int, options: bool = True) -> tuple[bool, ...]:
+    """Sequence parallelism where it applies: tp > 1 and norms on (batch, sequence, hidden) values."""
+    if tp == 1 or not options:
+        return (False,)
+    if not hasattr(ev, "_sp_ok"):
+        ev._sp_ok = any(nd.kind in ("layernorm", "rmsnorm") and nd.out is not None and len(nd.out.shape) >= 3
+                        for nd in ev.graph.nodes)
+    return (False, True) if ev._sp_ok else (False,)
+
+
+def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
+                 offload: str = "none", memory_options: bool = True) -> list[list[ParallelConfig]]:
     """The grid, as lists of configs ordered by increasing microbatches (one
-    list per tp x recompute x zero choice)."""
+    list per tp x sequence parallel x recompute x zero choice; with
+    ``memory_options=False`` only the plain ones: no recompute, ZeRO or
+    sequence parallelism)."""
     tps = [t for t in tp_valid_sizes(ev.graph) if devices % t == 0]
-    recomputes = ("none",) if executable_only else ("none", "selective", "full")
-    zeros = (0,) if executable_only else (0, 1, 2, 3)
+    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    zeros = (0, 1, 2, 3) if memory_options else (0,)
     out = []
     for tp in tps:
         dp = devices // tp
         if global_batch % dp:
             continue
         mbs = divisors(global_batch // dp)
-        for rc in recomputes:
-            for z in zeros:
-                if z and dp == 1:
-                    continue
-                out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z) for m in mbs])
+        for sp in _sp_choices(ev, tp, memory_options):
+            for rc in recomputes:
+                for z in zeros:
+                    if z and dp == 1:
+                        continue
+                    out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z,
+                                               sequence_parallel=sp, offload=offload) for m in mbs])
     return out
 
 
 def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
-                     schedules: tuple[str, ...] = PIPE_SCHEDULES) -> list[ParallelConfig]:
+                     schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
+                     memory_options: bool = True) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
@@ -101,8 +122,8 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executab
         n_layers = units(ev.graph).layers
     except StrategyError:   # no repeated layers in sequence: nothing to pipeline
         return []
-    recomputes = ("none",) if executable_only else ("none", "selective", "full")
-    zeros = (0,) if executable_only else (0, 1)
+    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    zeros = (0, 1) if memory_options else (0,)
     out = []
     for tp in [t for t in tp_valid_sizes(ev.graph) if devices % t == 0]:
         for pp in divisors(devices // tp):
@@ -117,13 +138,15 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executab
                 chunks = 2 if sched == "interleaved" else 1
                 if pp * chunks > n_layers:
                     continue
-                for rc in recomputes:
-                    for z in zeros:
-                        if z and dp == 1:
-                            continue
-                        out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched,
-                                                  recompute=rc, zero=z, chunks=chunks)
-                                   for m in counts if sched != "interleaved" or m % pp == 0)
+                for sp in _sp_choices(ev, tp, memory_options):
+                    for rc in recomputes:
+                        for z in zeros:
+                            if z and dp == 1:
+                                continue
+                            out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched,
+                                                      recompute=rc, zero=z, chunks=chunks, sequence_parallel=sp,
+                                                      offload=offload)
+                                       for m in counts if sched != "interleaved" or m % pp == 0)
     return out
 
 
@@ -189,19 +212,89 @@ class _Chooser:
 def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
                 progress: Callable[[int, int], None] | None = None, mode: str = "grid",
                 pins: tuple[tuple[str, str], ...] = (), pipeline: bool = True,
-                schedules: tuple[str, ...] = PIPE_SCHEDULES) -> SearchResult:
+                schedules: tuple[str, ...] = PIPE_SCHEDULES, memory_options: bool = True) -> SearchResult:
     """Best fitting strategy (lowest predicted step time; ties go to the
     smaller pp, then smaller tp, then fewer microbatches; ``pipeline=False``
     leaves pipelines out), the tensor-parallel axis decided as
-    ``mode`` says (see the module docstring). Raises
-    :class:`NoFeasibleStrategyError` when nothing fits, naming the closest."""
+    ``mode`` says (see the module docstring). ``memory_options=False``
+    searches the plain strategies only (no recompute, ZeRO, sequence
+    parallelism or offload). Raises :class:`NoFeasibleStrategyError` when
+    nothing fits, naming the closest and the fewest devices that would fit."""
     if mode not in MODES:
         raise StrategyError(f"search mode {mode!r} is invalid; valid: {', '.join(MODES)}")
     t0 = time.perf_counter()
+    try:
+        return _search(ev, devices, global_batch, progress, mode, pins, pipeline, schedules, "none", t0,
+                       memory_options)
+    except NoFeasibleStrategyError as first:
+        if not memory_options:
+            raise
+        if ev.cluster.host is None:
+            raise
+        try:   # the last resort: the optimizer state in host memory
+            return _search(ev, devices, global_batch, progress, mode, pins, pipeline, schedules, "optimizer", t0,
+                           True)
+        except NoFeasibleStrategyError:
+            pass
+        need = smallest_fitting_devices(ev, global_batch, devices)
+        hint = (f"; the smallest number of {ev.cluster.device.name} devices on which {ev.graph.name} fits at "
+                f"global batch {global_batch} is {need[0]} ({need[1].strategy}, "
+                f"{need[1].peak_memory_bytes / 2**30:.3g} GiB per device)" if need else
+                f"; it does not fit on any number of {ev.cluster.device.name} devices up to {MAX_DEVICES} at "
+                f"global batch {global_batch} either")
+        raise NoFeasibleStrategyError(str(first) + " (also with recompute, every ZeRO stage, sequence parallelism "
+                                      "and the optimizer state offloaded to the host)" + hint) from None
+
+
+MAX_DEVICES = 1 << 17
+
+
+def smallest_fitting_devices(ev: Evaluator, global_batch: int, devices: int) -> tuple[int, Estimate] | None:
+    """The fewest devices (a power of two above ``devices`` the cluster can
+    have) on which a strategy fits, with that strategy: per count, the
+    configurations that save the most memory (the largest tensor-parallel
+    size with sequence parallelism, full recompute, microbatches of one
+    sample, optimizer state offloaded, ZeRO-3 without a pipeline or ZeRO-1
+    with the deepest one). None when none fits up to ``MAX_DEVICES``."""
+    try:
+        n_layers = units(ev.graph).layers
+    except StrategyError:
+        n_layers = 1
+    offload = "optimizer" if ev.cluster.host is not None else "none"
+    n = 1
+    while n <= devices:
+        n *= 2
+    while n <= MAX_DEVICES:
+        try:
+            ev.cluster.check_devices(n)
+        except Exception:   # more nodes than the cluster has
+            return None
+        tps = [t for t in tp_valid_sizes(ev.graph) if n % t == 0]
+        for tp in sorted(tps, reverse=True)[:2]:
+            for pp in sorted({1, max(d for d in divisors(n // tp) if d <= n_layers)}):
+                dp = n // (tp * pp)
+                if global_batch % dp:
+                    continue
+                m = global_batch // dp
+                cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule="1f1b" if pp > 1 else "none",
+                                     recompute="full", zero=3 if pp == 1 else 1,
+                                     sequence_parallel=True in _sp_choices(ev, tp), offload=offload)
+                try:
+                    est = ev.evaluate(cfg, global_batch, n, MANUAL, simulate_schedule=False)
+                except (StrategyError, InfeasiblePins):
+                    continue
+                if est.fits:
+                    return n, est
+        n *= 2
+    return None
+
+
+def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str, pins, pipeline: bool,
+            schedules: tuple[str, ...], offload: str, t0: float, memory_options: bool) -> SearchResult:
     chooser = _Chooser(ev, mode, tuple(pins))
-    lines = grid_configs(ev, devices, global_batch, executable_only=executable_only)
-    piped = pipeline_configs(ev, devices, global_batch, executable_only=executable_only,
-                             schedules=schedules) if pipeline else []
+    lines = grid_configs(ev, devices, global_batch, offload=offload, memory_options=memory_options)
+    piped = pipeline_configs(ev, devices, global_batch, schedules=schedules, offload=offload,
+                             memory_options=memory_options) if pipeline else []
     steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
@@ -260,9 +353,7 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_on
         assert closest is not None
         raise NoFeasibleStrategyError(
             f"no strategy fits in device memory ({closest.device_memory_bytes / 2**30:.3g} GiB); the closest, "
-            f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device"
-            + ("" if not executable_only else
-               " (only strategies this release can execute were searched: recompute and ZeRO excluded)"))
+            f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device")
     feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].pp, ec[1].tp, ec[1].microbatches, ec[1].zero,
                                   ec[1].recompute))
     best, cfg, sh = feasible[0]

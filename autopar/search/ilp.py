@@ -42,7 +42,7 @@ from ..graph import Graph, Node
 from ..strategies import Strategy, candidates
 from ..strategies.placement import P, R
 from ..strategies.rules import Ctx
-from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, reshard_time
+from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature, reshard_time
 
 Shape = tuple[int, ...]
 SCALE = 1e6          # the objective is in microseconds: HiGHS' tolerances suit numbers near 1
@@ -182,22 +182,28 @@ class _Problem:
     def _keys(self) -> None:
         g = self.graph
         inst = _instances(g)
-        pinned_inst = {self.by_name[p].group for p in self.pins if p in self.by_name}
         self.key: dict[str, str] = {}
         self.mult: dict[str, int] = {}
         self.copied_from: dict[str, str] = {}
         for grp in g.groups:
-            shared = [i for i in grp.instances if i not in pinned_inst and i in inst]
-            if len(shared) < 2:
-                continue
-            template = inst[shared[0]]
-            for i in shared:
-                for a, b in zip(inst[i], template):
-                    self.key[a.name] = b.name
-            for a, b, c in zip(grp.instances, grp.instances[1:], grp.instances[2:]):
-                # c costs what b costs when both read from an instance with the same decisions
-                if a in shared and b in shared and c in shared:
-                    self.copied_from[c] = b
+            # instances pinned alike (none, or the same pins at the same places, as
+            # sequence parallelism pins every layer) share their decisions
+            by_sig: dict[tuple, list[str]] = {}
+            for i in grp.instances:
+                if i in inst:
+                    by_sig.setdefault(pin_signature(inst[i], self.pins), []).append(i)
+            for shared in by_sig.values():
+                if len(shared) < 2:
+                    continue
+                template = inst[shared[0]]
+                for i in shared:
+                    for a, b in zip(inst[i], template):
+                        self.key[a.name] = b.name
+                same = set(shared)
+                for a, b, c in zip(grp.instances, grp.instances[1:], grp.instances[2:]):
+                    # c costs what b costs when both read from an instance with the same decisions
+                    if a in same and b in same and c in same:
+                        self.copied_from[c] = b
         for nd in g.nodes:
             k = self.key.setdefault(nd.name, nd.name)
             self.mult[k] = self.mult.get(k, 0) + 1

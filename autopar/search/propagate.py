@@ -87,6 +87,11 @@ def _instances(graph: Graph) -> dict[str, list[Node]]:
     return inst
 
 
+def pin_signature(nodes: list[Node], pins: dict[str, str]) -> tuple:
+    """The pins of a layer instance by position: instances pinned alike may share decisions."""
+    return tuple(pins.get(nd.name) for nd in nodes) if pins else ()
+
+
 CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
 
 
@@ -102,7 +107,6 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
             prev_of[b] = a
     done_instance: set[str] = set()
     by_name = {nd.name: nd for nd in graph.nodes}
-    pinned_inst = {by_name[p].group for p in pins if p in by_name}
     for name, p in pins.items():
         if name in by_name and by_name[name].kind in ("param", "buffer"):
             res.out[name] = p       # a pinned parameter is placed before its consumers choose
@@ -148,7 +152,7 @@ def _solve(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placemen
             done_instance.add(g)
             prev = prev_of.get(g)
             mine = inst[g]
-            if prev is not None and g not in pinned_inst and prev not in pinned_inst and \
+            if prev is not None and pin_signature(mine, pins) == pin_signature(inst[prev], pins) and \
                     external_placements(mine) == external_placements(inst[prev]):
                 for a, b in zip(mine, inst[prev]):
                     if b.name in res.strategy:
@@ -276,8 +280,8 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
                     c += memory_weight * param_bytes(name) * (1.0 if want == R else 1.0 / n)
                 have = want
             c += reshard(have, want, sizes.get(name, 0.0), ng.get(name, False))
-            if want == R and st.split and ng.get(name, False):
-                c += comm("all_reduce", sizes.get(name, 0.0))      # backward of reduce_grad
+            if want == R and st.split and ng.get(name, False):      # backward of reduce_grad (from a
+                c += comm("reduce_scatter" if is_shard(have) else "all_reduce", sizes.get(name, 0.0))  # shard: RS)
             if c == INF:
                 return INF
         c += 3.0 * compute(nd, 1.0 / n if st.split else 1.0)       # forward + backward
