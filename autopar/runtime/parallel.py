@@ -27,8 +27,12 @@ from ..search.space import ParallelConfig
 from ..strategies import is_shard, shard_dim
 from ..trace import trace, with_loss
 from . import collectives as C
+from . import regions as R_
 from .dist import Mesh, init_process_group, local_device
+from .optim import DistributedOptimizer
 from .pipeline import PipelineExecutor, split_stages, tied_params
+
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_cluster() -> str:
@@ -76,8 +80,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     The process group is created from the torchrun environment when none
     exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
     that do not fit this world or model, :class:`UnsupportedError` for valid
-    strategies this release cannot run yet (recompute, ZeRO; pipelines over a
-    torch.export graph or with weights tied across pipeline ranks).
+    strategies this release cannot run (pipelines, recompute or ZeRO-3 over a
+    torch.export graph; fp16 with ZeRO-3).
     """
     rank, world = init_process_group(backend)
     inputs = _as_tuple(example_inputs)
@@ -120,9 +124,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
                                 strategy=str(strategy), search_mode=search_mode, shardings=pins)
         cfg = api.config_from_plan(plan_obj)
         gbatch = plan_obj.data["global_batch"]
-    if not cfg.executable:
-        raise UnsupportedError(f"strategy {cfg.to_string()} is valid and its cost can be evaluated, but this "
-                               "release cannot execute recompute or ZeRO yet; use recompute=none,zero=0")
+    if graph.frontend != "fx" and (cfg.recompute != "none" or cfg.zero == 3):
+        raise UnsupportedError(f"recompute={cfg.recompute},zero={cfg.zero} needs a model traced by torch.fx (its "
+                               "layers become regions to recompute or shard); this one was traced with torch.export: "
+                               "use recompute=none and zero<=2")
+    if cfg.zero == 3 and cfg.precision == "fp16":
+        raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
+                               "(same exponent range as fp32, no scaling needed) or zero<=2")
     return ParallelModule(model, graph, plan_obj, cfg, loss_fn=loss_fn, optimizer=optimizer,
                           full_batch=full_batch, global_batch=gbatch, rank=rank, world=world,
                           seed_broadcast=seed_broadcast)
@@ -171,6 +179,7 @@ class ParallelModule(nn.Module):
             self._tied.setdefault(canon, []).append(alias)
         self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
         self.step_times: list[float] = []
+        self.skipped_steps = 0     # fp16: steps skipped on a gradient overflow
         self.pipeline: PipelineExecutor | None = None
         self._tie_groups: list[tuple[torch.Tensor, Any]] = []
         self.stages_held: list[int] = []
@@ -188,9 +197,35 @@ class ParallelModule(nn.Module):
             self.program = prog.module.to(self.device)
             self.param_placement = prog.param_placement
             self.comms = prog.comms
-        params = [p for p in self.parameters() if p.requires_grad]
-        self.optimizer = optimizer(params) if optimizer else torch.optim.SGD(params, lr=0.01)
-        self.grad_sync = C.GradSync(params, self.dp_group) if cfg.dp > 1 else None
+            if cfg.recompute != "none" or cfg.zero == 3:
+                self.program = R_.apply_recompute(R_.layer_regions(self.program, graph), cfg.recompute)
+        self.compute_dtype = _LOW.get(cfg.precision, torch.float32)
+        factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01))
+        self.fsdp = cfg.zero == 3
+        if self.fsdp:
+            if self.mesh.device_mesh is None:
+                raise UnsupportedError("zero=3 runs on torch FSDP2, which needs a torch DeviceMesh; "
+                                       "init_device_mesh failed on this process group")
+            R_.fully_shard_regions(self.program, self.mesh.device_mesh["dp"],
+                                   param_dtype=_LOW.get(cfg.precision),
+                                   reduce_dtype=_LOW.get(cfg.reduce_dtype) if cfg.reduce_dtype else
+                                   (torch.float32 if cfg.precision in _LOW else None),
+                                   offload=cfg.offload == "optimizer")
+            params = [p for p in self.parameters() if p.requires_grad]
+            self.dist_optimizer = None
+            self.optimizer = factory(params)
+        else:
+            if self.compute_dtype != torch.float32:
+                for mod in ([self.program] if self.program is not None else list(self.stage_modules)):
+                    for b in mod.buffers():   # rotary tables, masks: in the compute dtype too
+                        if b.is_floating_point():
+                            b.data = b.data.to(self.compute_dtype)
+            params = [p for p in self.parameters() if p.requires_grad]
+            self.dist_optimizer = DistributedOptimizer(
+                params, factory, self.dp_group, zero=cfg.zero, precision=cfg.precision or "fp32",
+                reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
+                offload=cfg.offload == "optimizer", tied=self._tie_groups)
+            self.optimizer = self.dist_optimizer.optimizer
 
     def _compile(self, graph, plan: Plan, global_batch: int) -> LocalProgram:
         """This tensor-parallel rank's program of the whole model."""
@@ -221,6 +256,9 @@ class ParallelModule(nn.Module):
         prog = self._compile(graph, plan, global_batch)
         self.stages_held = list(range(self.pp_rank, cfg.stages, cfg.pp))
         stages = split_stages(prog.module.to(self.device), graph, stage_of, self.stages_held)
+        if cfg.recompute != "none":
+            for s in stages:
+                s.module = R_.apply_recompute(R_.layer_regions(s.module, graph), cfg.recompute)
         self.program = None
         self.stage_modules = nn.ModuleList(s.module for s in stages)
         local = self._local_tensors()
@@ -249,13 +287,16 @@ class ParallelModule(nn.Module):
         return out
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters, then buffers, by their names in the program (each once)."""
+        """This rank's parameters, then buffers, by their names in the program
+        (each once; names inside layer regions mapped back)."""
         mods = [self.program] if self.program is not None else list(self.stage_modules)
         out: dict[str, torch.Tensor] = {}
         for mod in mods:
-            out.update(mod.named_parameters())
+            names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
+            out.update((names.get(k, k), v) for k, v in mod.named_parameters())
         for mod in mods:
-            out.update(mod.named_buffers())
+            names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
+            out.update((names.get(k, k), v) for k, v in mod.named_buffers())
         return out
 
     # -- training -------------------------------------------------------------
@@ -285,25 +326,35 @@ class ParallelModule(nn.Module):
         if inputs[0].shape[0] != expected:
             raise StrategyError(f"this plan runs a global batch of {self.global_batch} "
                                 f"({expected} per data-parallel rank); got {inputs[0].shape[0]} per rank")
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.compute_dtype != torch.float32:
+            inputs = tuple(x.to(self.compute_dtype) if x.is_floating_point() else x for x in inputs)
+        dopt = self.dist_optimizer
+        if dopt is not None:
+            dopt.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        scale = dopt.loss_scale if dopt is not None else 1.0
         total = torch.zeros((), device=self.device)
         micro = list(zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)))
         if self.pipeline is None:
-            for xs, tg in micro:
+            for i, (xs, tg) in enumerate(micro):
+                if dopt is not None:   # the gradient buckets are reduced during the last backward
+                    dopt.start_microbatch(last=i == m - 1)
                 loss = self.program(*xs, tg)
-                (loss / m).backward()
-                total += loss.detach() / m
+                (loss * (scale / m)).backward()
+                total += loss.detach().float() / m
         else:
+            if dopt is not None:    # a pipeline's backwards interleave: reduce after the flush
+                dopt.start_microbatch(last=False)
+            self.pipeline.loss_scale = scale
             loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
             if loss is not None:   # this rank holds the last stage
-                total += loss
-            for param, group in self._tie_groups:   # a weight tied across stages: sum its gradients
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=group)
-        if self.grad_sync is not None:
-            self.grad_sync.sync()
-        self.optimizer.step()
+                total += loss.float()
+        if dopt is not None:   # weights tied across pipeline ranks are summed there first
+            if not dopt.step():
+                self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         if self.pipeline is not None:
             dist.broadcast(total, self.mesh.group_ranks("pp")[-1], group=self.pp_group)
         if self.config.dp > 1:
@@ -325,7 +376,9 @@ class ParallelModule(nn.Module):
 
         for name, t in self._local_tensors().items():
             p = self.param_placement.get(name, "R")
-            full = t.detach()
+            full = R_.full_tensor(t) if self.fsdp else t.detach()
+            if full.is_floating_point() and full.dtype != torch.float32:
+                full = full.float()    # bf16/fp16 weights (rounded copies of the fp32 master)
             if is_shard(p) and self.config.tp > 1:
                 full = C.all_gather(full, shard_dim(p), self.tp_group)
             for full_name in [name] + self._tied.get(name, []):

@@ -248,6 +248,7 @@ class PipelineExecutor:
         self.input_names = list(input_names)
         self.device = device
         self.events: list[Event] = []       # the last step's actions as they ran on this rank
+        self.loss_scale = 1.0               # fp16: the backward of the loss is scaled by it
 
     def run(self, micro: Sequence[Sequence[torch.Tensor]], t0: float) -> torch.Tensor | None:
         """One step over the microbatches ``micro`` (each the graph inputs in
@@ -286,7 +287,7 @@ class PipelineExecutor:
         leaves, out = step.ins.pop((st.stage, i)), step.outs.pop((st.stage, i))
         if st.last:
             start = time.perf_counter()
-            torch.autograd.backward(out / self.m)
+            torch.autograd.backward(out * (self.loss_scale / self.m))
         else:
             tensors = [out[name] for name in st.outputs if out[name].requires_grad]
             grads = [self._recv_grad(step, st, name, out[name], i) for name in st.outputs if out[name].requires_grad]
