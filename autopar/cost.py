@@ -667,10 +667,8 @@ class Evaluator:
         for r in ranks:
             act = sum(flight[v] * stage_sum(per.act, v) for v in chunks_of[r])
             fixed = max(max(per.fixed[bounds[v]:bounds[v + 1]]) for v in chunks_of[r])
-            # the gradient reduction overlaps the backward of the rank's last microbatch
-            last_bwd = sum(bwd[v] for v in chunks_of[r])
-            dp_comm, opt, states = self._dp_tail(cfg, local[r], tensors[r], topo, 1,
-                                                 sum(fwd[v] for v in chunks_of[r]), last_bwd, 1)
+            # the runtime reduces a pipeline's gradients after the flush: nothing hides them
+            dp_comm, opt, states = self._dp_tail(cfg, local[r], tensors[r], topo, 1, 0.0, 0.0, 1)
             rank_mem.append(states["total"] + act + fixed)
             parts.append((states, act, fixed))
             rank_tail.append((dp_comm, opt))

@@ -129,12 +129,19 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
                     "measured_events": [(e.rank, e.stage, e.kind, e.microbatch, e.chunk, e.start, e.end)
                                         for e in tl.events]}
         mt = _peak_tracker()
-        mt.track_external(pm, pm.optimizer)
+        dopt = pm.dist_optimizer
+        mt.track_external(pm, pm.optimizer, *(dopt.buffers() if dopt is not None else ()))
         with mt:
             pm.train_step((x,), y)
         snap = mt.get_tracker_snapshot("peak")
         dev = next(iter(snap))
         parts = {k.value if hasattr(k, "value") else str(k): int(v) for k, v in snap[dev].items()}
+        # offload=optimizer: on a CPU "device" the host is the same memory; what lives there is
+        # known exactly (the optimizer's own bookkeeping), and is not device memory
+        offloaded = dopt.memory_bytes()["offloaded"] if dopt is not None else 0
+        if offloaded:
+            parts["Total"] = parts.get("Total", 0) - offloaded
+            parts["offloaded"] = offloaded
         pred = pm.plan.predicted
         out.append({
             "model": key, "strategy": pm.config.to_string(), "global_batch": gb,

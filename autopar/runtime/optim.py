@@ -476,6 +476,16 @@ class DistributedOptimizer:
         return {"master": master, "optimizer_state": state, "grad_buffer": grads,
                 "bucket_staging": self._staged_peak, "offloaded": off}
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent tensors this object allocated (flat parameters, gradient
+        buffers, master), for memory trackers that only see what they are given."""
+        out, seen = [], set()
+        for t in (self._pbuf, self._gbuf, self._tbuf, self._gshard, self._mgrad, self.master):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
+
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters (the optimizer is unusable afterwards)."""
         for h in self._hooks:
