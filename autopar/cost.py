@@ -232,6 +232,13 @@ class Evaluator:
             st["optimizer"] -= 4 * n - st["weights"]
             st["weights"] = 4 * n
         st = dict(zero_sharded_state_bytes(st, cfg.dp, cfg.zero))
+        if cfg.zero in (1, 2) and cfg.dp > 1:
+            # the distributed optimizer's own buffers (runtime/optim.py): fp32 weights get a
+            # separate fp32 master shard; ZeRO-1 keeps the reduce-scatter's output shard too
+            if self.precision == "fp32":
+                st["optimizer"] += -(-4 * n // cfg.dp)
+            if cfg.zero == 1:
+                st["gradients"] += -(-self._grad_bytes(cfg) * n // cfg.dp)
         host = 0.0
         if cfg.offload == "optimizer":
             for k in (("weights", "gradients", "optimizer") if cfg.zero >= 3 else ("optimizer",)):
@@ -314,7 +321,7 @@ class Evaluator:
         """ZeRO-3's unsharded weights at the peak: the root's (outside the
         layers, kept for the whole step) and two layers' (the one running and
         the one prefetched), in the compute dtype."""
-        if cfg.zero < 3 or cfg.dp == 1:
+        if cfg.zero < 3 or (cfg.dp == 1 and cfg.offload == "none"):
             return 0.0
         try:
             elems, _ = self._unit_params(sh, cfg.tp)
@@ -589,7 +596,12 @@ class Evaluator:
             activations += self._layer_inputs(sh, shapes, tp)
             recomputed = max(inst_full[k] - inst_saved[k] for k in inst_saved)
         gathered = self._gathered(cfg, sh)
-        peak = states["total"] + activations + recomputed + 2 * transient + gathered
+        # DDP-style (ZeRO-0, fp32, on the device) and FSDP2 (ZeRO-3) with one microbatch: the
+        # gradients are created as the backward frees the activations, so the two never peak together
+        ddp = (cfg.zero == 0 and self.precision == "fp32") or cfg.zero == 3
+        freed = -min(activations + recomputed, states["gradients"]) if m == 1 and ddp and cfg.offload == "none" \
+            else 0.0
+        peak = states["total"] + activations + recomputed + 2 * transient + gathered + freed
         step = compute + tp_comm_total + dp_comm + opt_time
         model_flops = 3.0 * self._flops_at(global_batch)
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
@@ -601,7 +613,8 @@ class Evaluator:
             peak_memory_bytes=peak,
             memory={"weights": states["weights"], "gradients": states["gradients"],
                     "optimizer": states["optimizer"], "activations": activations,
-                    "transient": 2 * transient + recomputed + gathered},
+                    "transient": 2 * transient + recomputed + gathered,
+                    **({"freed_by_backward": freed} if freed else {})},
             fits=peak <= cap and self._host_fits(states["offloaded"]), device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],

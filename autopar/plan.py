@@ -145,8 +145,21 @@ class Plan:
         if p["pp"] > 1:
             chunks = p.get("chunks", 1)
             pipe = f",schedule={p['schedule']}" + (f",chunks={chunks}" if chunks > 1 else "")
+        extra = ""   # the memory and communication options, when not at their defaults (as ParallelConfig)
+        if p.get("sequence_parallel"):
+            extra += ",sequence_parallel=true"
+        if p.get("offload", "none") != "none":
+            extra += f",offload={p['offload']}"
+        if p.get("precision"):
+            extra += f",precision={p['precision']}"
+        if p.get("reduce_dtype"):
+            extra += f",reduce_dtype={p['reduce_dtype']}"
+        if not p.get("overlap", True):
+            extra += ",overlap=false"
+        if p.get("bucket_mb", 25.0) != 25.0:
+            extra += f",bucket_mb={p['bucket_mb']:g}"
         return (f"dp={p['dp']},tp={p['tp']},pp={p['pp']},microbatches={p['microbatches']}{pipe},"
-                f"recompute={p['recompute']},zero={p['zero']}")
+                f"recompute={p['recompute']},zero={p['zero']}{extra}")
 
     # -- serialisation --------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

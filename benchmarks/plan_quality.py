@@ -38,12 +38,16 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
     """Every manual strategy string autopar accepts for ``devices`` and
     ``batch``: dp x tp = devices, tp dividing the attention heads,
     microbatches dividing batch/dp, each recompute mode and each ZeRO stage
-    (stages > 0 with dp = 1 are accepted too; they equal stage 0); and the
+    (stages > 0 with dp = 1 are accepted too; they equal stage 0), with and
+    without sequence parallelism when tp > 1; and the
     pipelined ones of :func:`benchmarks.pipeline_plan.manual_grid` (pp > 1:
     every schedule, ZeRO 0 and 1). Returns (strings, number of tp sizes
     rejected as invalid)."""
-    assert set(KEYS) == {"dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero"}, \
-        f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
+    # precision is the user's choice, offload the search's last resort, overlap and bucket
+    # size fixed at their defaults, accumulate an alias: none of them is a grid dimension
+    assert set(KEYS) == {"dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero",
+                         "sequence_parallel", "accumulate", "offload", "precision", "reduce_dtype", "overlap",
+                         "bucket_mb"}, f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     valid_tp = set(tp_valid_sizes(graph))
     out, rejected = [], 0
     for tp in divisors(devices):
@@ -56,7 +60,8 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
         for mb in divisors(batch // dp):
             for rc in RECOMPUTE:
                 for z in ZEROS:
-                    out.append(f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z}")
+                    for sp in ("", ",sequence_parallel=true") if tp > 1 else ("",):
+                        out.append(f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z}{sp}")
     out += [s for s in manual_grid(graph, devices, batch, quick=False) if ",pp=1," not in s]
     return out, rejected
 

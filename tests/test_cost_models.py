@@ -60,7 +60,7 @@ def test_preset_numbers():
 
 def test_unknown_dtype_names_valid_ones():
     with pytest.raises(ClusterError, match="float32"):
-        load_cluster("cpu").device.flops("bfloat16")
+        load_cluster("cpu").device.flops("tf32")
 
 
 @pytest.mark.parametrize("name", PRESETS)
