@@ -117,7 +117,8 @@ import torch.distributed as dist
 
 from autopar.errors import DistributedError
 
-from .collectives import _all_gather_single, _buckets, _reduce_scatter_single, _unique, group_rank, group_size
+from .collectives import (_all_gather_single, _buckets, _reduce_scatter_single, _unique, group_rank, group_size,
+                          pack_grads)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -550,16 +551,7 @@ class DistributedOptimizer:
         if self.mode == "plain":
             if w == 1:
                 return
-            ps = [self.params[i] for i in b.params]
-            sizes = [p.numel() for p in ps]
-            flat = torch.empty(sum(sizes) + len(ps), dtype=ps[0].dtype, device=self.device)
-            pieces = flat.split(sizes + [len(ps)])
-            for p, piece in zip(ps, pieces):
-                if p.grad is not None:
-                    piece.copy_(p.grad.reshape(-1))
-                else:
-                    piece.zero_()
-            pieces[-1].copy_(torch.tensor([p.grad is not None for p in ps], dtype=flat.dtype))
+            flat, _ = pack_grads([self.params[i] for i in b.params])
             self._stage(_nbytes(flat))
             work = dist.all_reduce(flat, group=group, async_op=True)
             self._inflight.append((b, work, flat))

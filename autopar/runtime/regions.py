@@ -68,8 +68,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..compile.rewrite import _get_attr
 from ..errors import CompileError
 from ..graph import Graph
+from .pipeline import _free_nodes
 
 __all__ = ["Region", "layer_regions", "regions", "param_names", "apply_recompute", "recompute_policy",
            "SAVE_OPS", "fully_shard_regions", "full_tensor", "full_state_dict", "RECOMPUTE_MODES"]
@@ -215,28 +217,6 @@ def _mutated_buffers(gm: fx.GraphModule) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- cutting
-def _get_attr(mod: nn.Module, target: str) -> Any:
-    obj: Any = mod
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _free_nodes(gm: fx.GraphModule) -> set[str]:
-    """Nodes computed from graph inputs, buffers and constants only (not from
-    parameters): the same notion as :mod:`autopar.runtime.pipeline`'s."""
-    free: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            if not isinstance(_get_attr(gm, n.target), nn.Parameter):
-                free.add(n.name)
-        elif n.op in ("call_function", "call_method") or (
-                n.op == "call_module" and next(gm.get_submodule(n.target).parameters(), None) is None):
-            if all(i.op == "placeholder" or i.name in free for i in n.all_input_nodes):
-                free.add(n.name)
-    return free
-
-
 def _labels(gm: fx.GraphModule, graph: Graph, free: set[str]) -> dict[str, str | None]:
     """The layer instance (group) of every node that is not floating (not a
     placeholder, output, ``get_attr`` or free node); None for the parent.

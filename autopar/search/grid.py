@@ -86,7 +86,7 @@ def _sp_choices(ev: Evaluator, tp: int, options: bool = True) -> tuple[bool, ...
     return (False, True) if ev._sp_ok else (False,)
 
 
-def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
+def grid_configs(ev: Evaluator, devices: int, global_batch: int, *,
                  offload: str = "none", memory_options: bool = True) -> list[list[ParallelConfig]]:
     """The grid, as lists of configs ordered by increasing microbatches (one
     list per tp x sequence parallel x recompute x zero choice; with
@@ -111,7 +111,7 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_o
     return out
 
 
-def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
+def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
                      memory_options: bool = True) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
@@ -209,7 +209,7 @@ class _Chooser:
         return e, sh
 
 
-def search_grid(ev: Evaluator, devices: int, global_batch: int, *, executable_only: bool = False,
+def search_grid(ev: Evaluator, devices: int, global_batch: int, *,
                 progress: Callable[[int, int], None] | None = None, mode: str = "grid",
                 pins: tuple[tuple[str, str], ...] = (), pipeline: bool = True,
                 schedules: tuple[str, ...] = PIPE_SCHEDULES, memory_options: bool = True) -> SearchResult:
