@@ -13,17 +13,11 @@ from .cost import Estimate  # noqa: E402
 from .errors import (AutoparError, ClusterError, CompileError, DistributedError,  # noqa: E402
                      NoFeasibleStrategyError, PlanError, StrategyError, TraceError, UnsupportedError, ZooError)
 from .graph import Graph  # noqa: E402
+from .parallelize import parallelize  # noqa: E402  (the function: it shadows its module's name)
 from .plan import Plan  # noqa: E402
 from .search.pins import shard  # noqa: E402
-from .search.space import ParallelConfig, parse_strategy  # noqa: E402
+from .spec import ParallelConfig, parse_strategy  # noqa: E402
 from .trace import trace  # noqa: E402
-
-
-def parallelize(*args, **kwargs):
-    """See :func:`autopar.runtime.parallel.parallelize`."""
-    from .runtime.parallel import parallelize as _p
-    return _p(*args, **kwargs)
-
 
 __all__ = [
     "trace", "evaluate", "plan", "parallelize", "shard", "load_cluster", "Plan", "Graph", "Estimate",

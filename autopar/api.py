@@ -1,25 +1,30 @@
-"""The public API: ``trace``, ``evaluate``, ``plan``, ``parallelize``. Thin:
-each calls the stages below it."""
+"""The public API: ``trace``, ``evaluate``, ``plan`` (and
+``plan_and_record``, which also returns the search record), ``parallelize``.
+Thin: each builds one :class:`~autopar.search.planner.Planner` per request
+and calls the stages below it; :data:`WARM` keeps the planners' caches per
+graph between requests."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
+import weakref
 from typing import Any, Callable
 
 import cost_models
 
 from . import __version__
-from .cost import Estimate, Evaluator, Sharder
+from .cost import CostModel, Estimate
 from .errors import ClusterError, StrategyError
 from .graph import Graph
 from .plan import PLAN_VERSION, Plan
 from .search import pins as _pins
-from .search.grid import _Chooser, search_grid
+from .search.grid import search_grid
 from .search.ilp import InfeasiblePins
-from .search.propagate import AxisSharding
-from .search.space import ParallelConfig, parse_strategy
-from .strategies.placement import R
+from .search.planner import Planner, PlannerState, SearchRecord, Sharder
+from .sharding import AxisSharding, track_batch
+from .spec import ParallelConfig, parse_strategy
+from .spec.placement import R
 from .strategies.rules import Strategy
 from .trace import trace
 
@@ -71,9 +76,9 @@ def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: i
     milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     cfg = _config(strategy, devices)
-    ev = _evaluator(graph, cluster, optimizer, precision)
+    planner = planner_for(graph, cluster, optimizer, precision, devices=devices, global_batch=global_batch)
     with _cluster_errors():   # as written: Megatron placements, equal pipeline stages
-        return ev.evaluate(cfg, global_batch, devices, layers="even")
+        return planner.evaluate(cfg, layers="even")
 
 
 @contextlib.contextmanager
@@ -85,21 +90,64 @@ def _cluster_errors():
         raise ClusterError(str(e)) from None
 
 
-def _evaluator(graph: Graph, cluster: Any, optimizer: str, precision: str | None) -> Evaluator:
+class WarmStates:
+    """The planner state (:class:`~autopar.search.planner.PlannerState`)
+    kept between requests on the same graph, per cluster, optimizer and
+    precision: a second :func:`plan` or :func:`evaluate` on a graph reuses
+    the decisions and sums of the first (benchmarks and tests plan one graph
+    many times). Only the state's caches are shared; every request gets its
+    own :class:`~autopar.search.planner.Planner`. A graph's states go when
+    the graph does; :meth:`clear` drops them sooner (a cold measurement)."""
+
+    def __init__(self) -> None:
+        self._by_graph: dict[int, dict[tuple, PlannerState]] = {}
+
+    def get(self, graph: Graph, key: tuple) -> PlannerState:
+        """The state of ``graph`` under ``key`` (made empty on first use)."""
+        states = self._by_graph.get(id(graph))
+        if states is None:
+            states = self._by_graph[id(graph)] = {}
+            weakref.finalize(graph, self._by_graph.pop, id(graph), None)
+        return states.setdefault(key, PlannerState())
+
+    def clear(self, graph: Graph | None = None) -> None:
+        """Forget ``graph``'s states (every graph's when None)."""
+        if graph is None:
+            self._by_graph.clear()
+        else:
+            self._by_graph.pop(id(graph), None)
+
+
+#: the warm states of this process (see :class:`WarmStates`)
+WARM = WarmStates()
+
+
+def _state(graph: Graph, cluster: Any, optimizer: str, precision: str | None
+           ) -> tuple[cost_models.ClusterSpec, PlannerState]:
+    """The cluster spec and the warm planner state of a request, its cost
+    model built: raises :class:`ClusterError` or :class:`StrategyError` for
+    an unknown cluster, optimizer or precision."""
     spec = load_cluster(cluster)
     from cost_models.memory import model_state_bytes
     try:
         model_state_bytes(1, optimizer, "fp32")
     except ValueError as e:
         raise StrategyError(f"optimizer {optimizer!r}: {e}") from None
-    key = (spec.name, hash(spec), optimizer, precision)
-    cache = getattr(graph, "_evaluators", None)
-    if cache is None:
-        cache = {}
-        graph._evaluators = cache  # type: ignore[attr-defined]
-    if key not in cache:
-        cache[key] = Evaluator(graph, spec, optimizer=optimizer, precision=precision)
-    return cache[key]
+    state = WARM.get(graph, (spec.name, hash(spec), optimizer, precision))
+    if "" not in state.models:
+        state.models[""] = CostModel(graph, spec, optimizer=optimizer, precision=precision)
+    return spec, state
+
+
+def planner_for(graph: Graph, cluster: Any, optimizer: str, precision: str | None, *, devices: int,
+                global_batch: int, mode: str = "grid", pins: tuple[tuple[str, str], ...] = ()) -> Planner:
+    """A :class:`~autopar.search.planner.Planner` for one request on
+    ``graph``, warm from earlier requests on it (:data:`WARM`). Raises
+    :class:`ClusterError` or :class:`StrategyError` for an unknown cluster,
+    optimizer, precision or search mode."""
+    spec, state = _state(graph, cluster, optimizer, precision)
+    return Planner(graph, spec, global_batch=global_batch, devices=devices, optimizer=optimizer,
+                   precision=precision, mode=mode, pins=pins, state=state)
 
 
 #: MindSpore's names for the search modes, and ours
@@ -118,8 +166,9 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
          loss_fn: Callable | None = None, target: Any = None, executable_only: bool = False,
          memory_options: bool = True,
          search_mode: str | None = None, shardings: dict[str, Any] | None = None,
-         progress: Callable[[int, int], None] | None = None) -> Plan:
-    """Choose a strategy and return the :class:`Plan` with its predictions.
+         progress: Callable[[int, int], None] | None = None, solver: str = "highs") -> Plan:
+    """Choose a strategy and return the :class:`Plan` with its predictions
+    (:func:`plan_and_record` also returns how the search got there).
 
     ``strategy="auto"`` searches the mesh (dp x tp), microbatches, recompute
     and ZeRO; per configuration the tensor-parallel axis is decided per op by
@@ -137,10 +186,33 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     strategies only (no recompute, ZeRO, sequence parallelism or offload);
     ``executable_only`` restricts the search to what :func:`parallelize`
     can run (every strategy the grammar accepts; kept for callers).
+    ``solver``: the MILP solver of the ILP, ``"highs"`` (default) or
+    ``"pulp:CBC"``, ``"pulp:GLPK"``, ``"pulp:GUROBI"``, ``"pulp:CPLEX"``
+    through PuLP (``pip install autopar[pulp]``); recorded in the plan's
+    ``search.ilp.solver`` when not HiGHS.
 
-    Raises :class:`StrategyError` for an invalid strategy, search mode or
-    pin (two contradicting pins are both named), and
-    :class:`NoFeasibleStrategyError` when nothing fits."""
+    Raises :class:`StrategyError` for an invalid strategy, search mode,
+    solver (or one not installed) or pin (two contradicting pins are both
+    named), and :class:`NoFeasibleStrategyError` when nothing fits."""
+    return plan_and_record(model, example_inputs, cluster=cluster, devices=devices, global_batch=global_batch,
+                           strategy=strategy, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
+                           target=target, executable_only=executable_only, memory_options=memory_options,
+                           search_mode=search_mode, shardings=shardings, progress=progress,
+                           solver=solver)[0]
+
+
+def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
+                    strategy: str | ParallelConfig = "auto", optimizer: str = "adamw",
+                    precision: str | None = None, loss_fn: Callable | None = None, target: Any = None,
+                    executable_only: bool = False, memory_options: bool = True, search_mode: str | None = None,
+                    shardings: dict[str, Any] | None = None,
+                    progress: Callable[[int, int], None] | None = None,
+                    solver: str = "highs") -> tuple[Plan, SearchRecord]:
+    """:func:`plan`, and beside the plan the
+    :class:`~autopar.search.planner.SearchRecord` of how it was found (the
+    configurations compared, the ILP's runners-up: what
+    :func:`autopar.explain.explain` and ``autopar plan --explain`` show).
+    Same arguments and errors as :func:`plan`."""
     t0 = time.perf_counter()
     if search_mode is None and strategy == "auto":
         search_mode = "dynamic_programming"
@@ -148,19 +220,20 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
         raise StrategyError(f"search_mode {search_mode!r} is invalid; valid: {', '.join(SEARCH_MODES)}")
     user_pins = {**_pins.annotations(model), **(shardings or {})}
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
-    ev = _evaluator(graph, cluster, optimizer, precision)
-    pins = _pins.resolve(graph, user_pins, ev.batch.out)
+    spec, state = _state(graph, cluster, optimizer, precision)
+    pins = _pins.resolve(graph, user_pins, track_batch(graph).out)
     if search_mode == "sharding_propagation" and not pins:
         raise StrategyError("search_mode='sharding_propagation' propagates from pinned shardings, and none were "
                             "given: pin some with autopar.shard(module, weight='S(0)') or shardings={...}, or use "
                             "search_mode='dynamic_programming'")
     info = None
+    planner = Planner(graph, spec, global_batch=global_batch, devices=devices, optimizer=optimizer,
+                      precision=precision, mode=SEARCH_MODES[search_mode] if search_mode else "grid",
+                      pins=tuple(pins), state=state, solver=solver)
     with _cluster_errors(), _pin_errors(graph, user_pins):
-        ev.cluster.check_devices(devices)
+        spec.check_devices(devices)
         if strategy == "auto":
-            mode = SEARCH_MODES[search_mode]
-            res = search_grid(ev, devices, global_batch, memory_options=memory_options, progress=progress,
-                              mode=mode, pins=pins)
+            res = search_grid(planner, memory_options=memory_options, progress=progress)
             est, cfg, sharder = res.best, res.best_config, res.best_sharder
             # the search time is not part of the JSON: the same inputs must give the same bytes
             search = {"mode": search_mode, "candidates": res.candidates, "feasible": res.feasible,
@@ -169,14 +242,13 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
         else:
             cfg = _config(strategy, devices)
             if search_mode is None:   # evaluated as written: Megatron placements, equal pipeline stages
-                sharder = Sharder("manual", pins)
-                est = ev.evaluate(cfg, global_batch, devices, sharder, layers="even")
+                sharder = Sharder("manual", tuple(pins))
+                est = planner.evaluate(cfg, sharder, layers="even")
                 search = {"mode": "manual"}
             else:    # the mesh is the user's; the per-op placements are searched
-                est, sharder = _Chooser(ev, SEARCH_MODES[search_mode], pins).best(cfg, global_batch, devices,
-                                                                                  float("inf"))
+                est, sharder = planner.choose(cfg, float("inf"))
                 search = {"mode": search_mode, "tp_axis": sharder.label}
-        sh, _ = ev.sharding(cfg, global_batch, sharder)
+        sh, _ = planner.sharding(cfg, sharder)
     if pins:
         names = _pins.keys(graph, user_pins)
         search["pins"] = {names[n]: p for n, p in pins}
@@ -184,12 +256,12 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     if ilp is not None:
         search["ilp"] = {"decisions": ilp.decisions, "nodes": ilp.nodes, "variables": ilp.variables,
                          "constraints": ilp.constraints}
-    p = build_plan(graph, ev, cfg, est, sh, global_batch, devices, search)
+        if planner.solver != "highs":   # HiGHS plans keep their bytes
+            search["ilp"]["solver"] = planner.solver
+    p = build_plan(graph, planner.model, cfg, est, sh, global_batch, devices, search)
     p.planning_time_s = time.perf_counter() - t0
     p.graph = graph
-    p.search_result = info
-    p.tp_sharding = sh
-    return p
+    return p, SearchRecord(graph=graph, sharding=sh, result=info, planning_time_s=p.planning_time_s)
 
 
 @contextlib.contextmanager
@@ -204,15 +276,17 @@ def _pin_errors(graph: Graph, user_pins: dict[str, Any]):
         raise StrategyError(f"pin {' and '.join(repr(names.get(n, n)) for n in e.nodes)}: {e}") from None
 
 
-def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,
+def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,
                global_batch: int, devices: int, search: dict) -> Plan:
-    """Assemble the Plan record (per-param and per-op placements on (dp, tp))."""
-    cfg = dataclasses.replace(cfg, precision=cfg.precision or ev.precision)
-    dp_sh = ev.batch
+    """Assemble the Plan record (per-param and per-op placements on (dp, tp));
+    ``model`` is the request's cost model (its cluster, optimizer and
+    precision are recorded)."""
+    cfg = dataclasses.replace(cfg, precision=cfg.precision or model.precision)
+    dp_sh = model.batch
     params: dict[str, list[str]] = {}
     ops: dict[str, Any] = {}
     for nd in graph.nodes:
-        if nd.kind in ("param", "buffer"):
+        if nd.is_state:
             if nd.param is not None:
                 params[nd.param] = [dp_sh.out.get(nd.name, R), tp_sharding.out.get(nd.name, R)]
             continue
@@ -243,11 +317,11 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
         "autopar_version": __version__,
         "model": {"name": graph.name, "fingerprint": graph.fingerprint, "num_params": graph.num_params,
                   "num_nodes": len(graph.nodes)},
-        "cluster": {"name": ev.cluster.name, "spec": ev.cluster.to_dict()},
+        "cluster": {"name": model.cluster.name, "spec": model.cluster.to_dict()},
         "devices": devices,
         "global_batch": global_batch,
         "precision": cfg.precision,
-        "optimizer": ev.optimizer,
+        "optimizer": model.optimizer,
         "mesh": {"shape": [cfg.pp, cfg.dp, cfg.tp], "axes": ["pp", "dp", "tp"]} if cfg.pp > 1 else
                 {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
         "parallel": cfg.as_dict(),
@@ -261,20 +335,6 @@ def build_plan(graph: Graph, ev: Evaluator, cfg: ParallelConfig, est: Estimate, 
     # rounded as the JSON will be; schema validation is for plans read from files
     # (a test validates what this builds: on GPT-3 175B validation alone took 0.9 s)
     return Plan(Plan(data).to_dict())
-
-
-def config_from_plan(plan_: Plan) -> ParallelConfig:
-    """The :class:`ParallelConfig` a plan records, its precision resolved to
-    the plan's (plans written before pipelines have no ``chunks``, those
-    before the memory options none of them)."""
-    p = plan_.parallel
-    precision = p.get("precision") or plan_.data.get("precision", "fp32")
-    return ParallelConfig(dp=p["dp"], tp=p["tp"], pp=p["pp"], microbatches=p["microbatches"],
-                          schedule=p["schedule"], recompute=p["recompute"], zero=p["zero"],
-                          chunks=p.get("chunks", 1), sequence_parallel=p.get("sequence_parallel", False),
-                          offload=p.get("offload", "none"), precision="bf16" if precision == "mixed" else precision,
-                          reduce_dtype=p.get("reduce_dtype", ""), overlap=p.get("overlap", True),
-                          bucket_mb=p.get("bucket_mb", 25.0))
 
 
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
@@ -291,7 +351,7 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
             return None
         sh.out[node] = placements[1]
     for nd in graph.nodes:
-        if nd.kind in ("param", "buffer"):
+        if nd.is_state:
             continue
         e = ops.get(nd.name)
         if e is None:

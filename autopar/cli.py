@@ -166,9 +166,9 @@ def _dur(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
-def _print_explain(p) -> None:
+def _print_explain(p, record) -> None:
     from .explain import explain as why
-    e = why(p)
+    e = why(p, record)
     s = e["search"]
     line = f"search: {s['mode']}"
     if "ilp_solves" in s:
@@ -235,10 +235,14 @@ def plan(
     explain: bool = typer.Option(False, "--explain",
                                  help="Show why: per layer group the chosen placements and the runners-up with "
                                       "their predicted cost, the best configurations, the ILP's size and time."),
+    solver: str = typer.Option(
+        "highs", "--solver",
+        help="MILP solver of the per-op ILP: highs (default) or, through PuLP (pip install 'autopar[pulp]'), "
+             "pulp:CBC, pulp:GLPK, pulp:GUROBI, pulp:CPLEX."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
-    from .api import plan as make_plan
+    from .api import plan_and_record as make_plan
     _check_options(optimizer, precision)
     shardings = {}
     for item in pin or []:
@@ -258,14 +262,14 @@ def plan(
                 def tick(done: int, total: int) -> None:
                     progress.update(task, completed=done, total=total)
 
-                p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
-                              strategy="auto", optimizer=optimizer, precision=precision,
-                              memory_options=not plain, progress=tick, search_mode=search_mode,
-                              shardings=shardings)
+                p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
+                                      strategy="auto", optimizer=optimizer, precision=precision,
+                                      memory_options=not plain, progress=tick, search_mode=search_mode,
+                                      shardings=shardings, solver=solver)
         else:
-            p = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
-                          strategy=strategy, optimizer=optimizer, precision=precision, search_mode=search_mode,
-                          shardings=shardings)
+            p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
+                                  strategy=strategy, optimizer=optimizer, precision=precision,
+                                  search_mode=search_mode, shardings=shardings, solver=solver)
     if out_path is not None:
         try:
             p.save(out_path)
@@ -274,13 +278,14 @@ def plan(
     if as_json:
         if explain:
             from .explain import explain as why
-            sys.stdout.write(json.dumps({"plan": p.to_dict(), "explain": why(p)}, indent=1, default=float))
+            sys.stdout.write(json.dumps({"plan": p.to_dict(), "explain": why(p, record)}, indent=1,
+                                        default=float))
         else:
             sys.stdout.write(p.to_json())
         return
     typer.echo(p.summary().rstrip("\n"))
     if explain:
-        _print_explain(p)
+        _print_explain(p, record)
     if out_path is not None:
         out.print(f"plan written to [bold]{escape(str(out_path))}[/]  (inspect it with `autopar show "
                   f"{escape(str(out_path))}`)")

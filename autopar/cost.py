@@ -1,78 +1,66 @@
 """Predict step time and memory of one strategy on a traced graph.
 
-The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh:
+The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
+(``(pp, dp, tp)`` with a pipeline):
 
 * compute: every node's roofline time (``cost_models.op_time``) for its
   local share of the work, forward + backward (2x forward), times ``m``; with
-  ``recompute=full`` one more forward.
-* tensor-parallel communication: the reshards between neighbours that
-  disagree, the backward all-reduce of replicated values feeding split work,
-  and collectives inside ops (vocabulary-parallel cross-entropy), times ``m``.
-* data-parallel communication: one all-reduce of the local gradients over
-  ``dp`` (ZeRO-3 adds the weight all-gathers of forward and backward). It is
-  not overlapped with compute in this model (DDP overlaps part of it, so the
-  prediction is pessimistic there).
-* optimizer: a memory-bound pass over the local optimizer state.
+  ``recompute=full`` one more forward, with ``selective`` the cheap ops of
+  the layers again.
+* tensor-parallel communication: per node, :func:`autopar.strategies.axis_cost.op_axis_time`
+  (the transitions of its inputs from :mod:`autopar.strategies.redistribute`
+  and the collectives inside the op), times ``m``: the same charge the ILP
+  and the greedy search weigh.
+* data-parallel communication (``_dp_tail``): ZeRO-0 an all-reduce of the
+  gradients, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 per-layer gathers
+  and reduce-scatters; reduced in buckets that overlap the backward by the
+  device's ``comm_overlap`` (1 on GPUs, 0 on the CPU processes here); a
+  pipeline reduces after the flush, with nothing to hide behind.
+* optimizer: a memory-bound pass over the local optimizer state (or the
+  host link and host memory with ``offload=optimizer``).
+* pipelines: the simulated schedule of the per-stage times
+  (:mod:`autopar.pipeline.schedule`) with the point-to-point transfers.
 
 Memory per device: weights, gradients and optimizer state of the local
 shards (ZeRO divides them over ``dp``), the activations saved for backward
-for one microbatch, and the largest transient (e.g. the logits); ``fits``
-compares the peak against 90% of the device memory (allocator slack).
+(times the microbatches a pipeline rank keeps in flight), and the largest
+transient (e.g. the logits); ``fits`` compares the peak against 90% of the
+device memory (allocator slack).
+
+The model is pure: :meth:`CostModel.estimate` prices decisions made
+elsewhere (the tensor-parallel :class:`~autopar.sharding.AxisSharding`, the
+local shapes, the pipeline's layers per stage), and the primitives the search
+weighs its choices with (:meth:`CostModel.param_time`,
+:meth:`CostModel.param_memory`, :meth:`CostModel.saved_memory`,
+:meth:`CostModel.unit_costs`, ...) are priced the same way. Choosing the
+decisions is :mod:`autopar.search.planner`'s; nothing here imports the search.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from functools import cached_property
+from typing import Any, Callable, Sequence
 
 import cost_models
 from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, zero_sharded_state_bytes
 
+from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .search.ilp import InfeasiblePins, MemoryTerms, solve_axis
-from .search.propagate import AxisSharding, _numel, needs_grad, propagate, reshard_time, scaled_shapes, track_batch
+from .sharding import AxisSharding, needs_grad, numel as _numel, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, simulate
-from .search.space import ParallelConfig, divisors
+from .spec import ParallelConfig, divisors
+from .spec.placement import R
 from .strategies import is_shard
-from .strategies.placement import P, R
+from .strategies.axis_cost import op_axis_time
+from .strategies.redistribute import output_time
 from .trace import op_family
 
 MEMORY_HEADROOM = 0.9
 EXTRAPOLATE = 12              # pipelines with more than 12 x pp microbatches: steady state extrapolated
-MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated weight: manual tp shards every weight it can
-GREEDY_MEMORY_WEIGHT = 1e-15  # the greedy heuristic weighs time; memory only breaks ties
-
-
-@dataclass(frozen=True)
-class Sharder:
-    """How the tensor-parallel axis is decided.
-
-    ``mode``: ``"manual"`` (greedy propagation that shards every weight a rule
-    can split, Megatron-style: the ``tp=N`` strategies), ``"ilp"`` (the
-    optimal per-op choice of :mod:`autopar.search.ilp`) or ``"greedy"``
-    (propagation weighing time only: the fast heuristic for huge graphs).
-    ``pins``: ``(node, placement)`` pairs fixed by the user. ``memory_limit``:
-    bytes per device the ILP must respect (model states + saved activations).
-    """
-
-    mode: str = "manual"
-    pins: tuple[tuple[str, str], ...] = ()
-    memory_limit: float | None = None
-
-    @property
-    def label(self) -> str:
-        """``ilp``, ``ilp+memory``, ``greedy`` or ``manual`` (the plan's ``search.tp_axis``)."""
-        return self.mode + ("+memory" if self.memory_limit is not None else "")
-
-
-MANUAL = Sharder()
-
-_NONLINEAR = {"gelu", "relu", "silu", "sigmoid", "tanh", "mul", "truediv", "div", "pow", "exp", "log",
-              "rsqrt", "sqrt", "softplus", "erf", "mish", "elu", "leaky_relu", "square", "reciprocal"}
-_MATMUL_KINDS = {"linear", "matmul", "sdpa", "conv"}
 
 
 @dataclass
@@ -144,11 +132,7 @@ def tp_valid_sizes(graph: Graph, limit: int | None = None) -> list[int]:
 
 
 def _tp_sizes_cached(graph: Graph) -> list[int]:
-    sizes = getattr(graph, "_tp_sizes", None)
-    if sizes is None:
-        sizes = tp_valid_sizes(graph)
-        graph._tp_sizes = sizes
-    return sizes
+    return graph.memo(("tp_valid_sizes",), lambda: tp_valid_sizes(graph))
 
 
 def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: int) -> None:
@@ -171,12 +155,38 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
                             f"microbatches={cfg.microbatches} = {cfg.dp * cfg.microbatches}")
 
 
-class Evaluator:
-    """Evaluates strategies of one graph on one cluster; caches the
-    tensor-parallel propagation per (tp, dp, microbatch size)."""
+@dataclass
+class CostCache:
+    """What a :class:`CostModel` has summed, per decision it priced.
+
+    The per-node sums are the expensive part of an estimate and the search
+    prices the same decisions under many memory options, so they are kept;
+    their keys name an :class:`AxisSharding` by ``id``, and ``held`` keeps
+    every sharding priced alive so that an id is never reused for another.
+    Whoever makes the cache owns it (the planner: one per planning request,
+    or the warm one api keeps per graph)."""
+
+    sums: dict[tuple, tuple] = field(default_factory=dict)               # one microbatch, pp = 1
+    local_params: dict[tuple, tuple[float, int]] = field(default_factory=dict)
+    units: dict[tuple, "UnitCosts"] = field(default_factory=dict)        # pipeline: per-unit sums
+    unit_params: dict[tuple, tuple[list[float], list[float]]] = field(default_factory=dict)
+    timelines: dict[tuple, Timeline] = field(default_factory=dict)       # simulated schedules
+    held: dict[int, AxisSharding] = field(default_factory=dict)
+
+    def hold(self, sh: AxisSharding) -> None:
+        """Keep ``sh`` alive while entries keyed by its id may exist."""
+        self.held[id(sh)] = sh
+
+
+class CostModel:
+    """The cost model of one graph on one cluster under one optimizer and
+    precision: :meth:`estimate` predicts a strategy whose decisions are
+    given; the other public methods are the primitives the search weighs
+    its choices with. Raises :class:`StrategyError` for an invalid precision
+    or one the device has no FLOP rate for."""
 
     def __init__(self, graph: Graph, cluster: ClusterSpec | str, *, optimizer: str = "adamw",
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, cache: CostCache | None = None) -> None:
         self.graph = graph
         self.cluster = cost_models.load_cluster(cluster) if not isinstance(cluster, ClusterSpec) else cluster
         self.optimizer = optimizer
@@ -190,26 +200,10 @@ class Evaluator:
                                 f"{self.cluster.name!r} has no {self.dtype} FLOP rate "
                                 f"(it lists {', '.join(sorted(self.cluster.device.peak_flops))})")
         self.itemsize = 2 if self.precision != "fp32" else 4
-        self._siblings: dict[str, Evaluator] = {self.precision: self}
         self.batch = track_batch(graph)
         self.grad = needs_grad(graph)
-        self._tp_cache: dict[tuple, AxisSharding] = {}
-        self._shapes_cache: dict[tuple, dict] = {}
-        self._sums_cache: dict[tuple, tuple] = {}
-        self._params_cache: dict[tuple, tuple[float, int]] = {}
-        self._unit_cache: dict[tuple, _UnitCosts] = {}            # pipeline: per-unit sums
-        self._unit_params_cache: dict[tuple, tuple[list[float], list[float]]] = {}
-        self._timeline_cache: dict[tuple, Timeline] = {}          # simulated schedules
-        self.params = {nd.name: nd for nd in graph.nodes if nd.kind in ("param", "buffer")}
-
-    def for_precision(self, precision: str) -> "Evaluator":
-        """The evaluator of the same graph and cluster under another precision
-        (a strategy's ``precision=`` key; "" is this one's)."""
-        precision = precision or self.precision
-        if precision not in self._siblings:
-            self._siblings[precision] = Evaluator(self.graph, self.cluster, optimizer=self.optimizer,
-                                                  precision=precision)
-        return self._siblings[precision]
+        self.cache = cache if cache is not None else CostCache()
+        self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
 
     # -- pieces ---------------------------------------------------------------
     def _grad_bytes(self, cfg: ParallelConfig) -> int:
@@ -248,7 +242,7 @@ class Evaluator:
         st["total"] = st["weights"] + st["gradients"] + st["optimizer"]
         return st
 
-    def _state_per_elem(self, cfg: ParallelConfig) -> float:
+    def state_per_elem(self, cfg: ParallelConfig) -> float:
         """Device bytes of model state per local trainable element."""
         big = 1 << 30
         return self._state_bytes(cfg, big)["total"] / big
@@ -338,129 +332,30 @@ class Evaluator:
 
     def _flops_at(self, global_batch: int) -> float:
         """Forward FLOPs of the whole model at ``global_batch``."""
-        if not hasattr(self, "_flops_split"):
-            per_sample = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) != R)
-            fixed = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) == R)
-            self._flops_split = (per_sample / self.graph.batch_size, fixed)
         a, b = self._flops_split
         return a * global_batch + b
 
-    def _scale(self, nd: Node, local_batch: float) -> float:
+    @cached_property
+    def _flops_split(self) -> tuple[float, float]:
+        """Forward FLOPs per sample and those independent of the batch."""
+        per_sample = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) != R)
+        fixed = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) == R)
+        return per_sample / self.graph.batch_size, fixed
+
+    def scale(self, nd: Node, local_batch: float) -> float:
+        """How much of ``nd``'s traced work one device does at ``local_batch`` samples."""
         return local_batch / self.graph.batch_size if self.batch.out.get(nd.name, R) != R else 1.0
 
-    def _node_time(self, nd: Node, scale: float, frac: float) -> float:
+    def node_time(self, nd: Node, scale: float, frac: float) -> float:
+        """Forward roofline time of ``nd`` doing ``frac`` of its work at ``scale`` times the traced batch."""
         if nd.flops == 0 and nd.act_bytes == 0:
             return 0.0
         nbytes = (nd.act_bytes * scale * self.itemsize / 4 + nd.param_bytes * self.itemsize / 4) * frac
         return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, op_family(nd.kind))
 
-    def sharding(self, cfg: ParallelConfig, global_batch: int, sharder: Sharder = MANUAL
-                 ) -> tuple[AxisSharding, dict]:
-        """The tensor-parallel axis decisions and the local shapes for ``cfg``.
-
-        Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
-        pins and :class:`StrategyError` when an ILP memory bound cannot be met."""
-        if cfg.precision and cfg.precision != self.precision:
-            return self.for_precision(cfg.precision).sharding(cfg, global_batch, sharder)
-        if cfg.sequence_parallel:
-            sp_key = ("sp", sharder, cfg.tp)
-            if sp_key not in self._tp_cache:
-                self._tp_cache[sp_key] = self._sequence_parallel(cfg, sharder)
-            sharder = self._tp_cache[sp_key]
-        mb_global = global_batch // cfg.microbatches
-        if sharder.mode == "ilp":
-            # the ILP also weighs what a weight costs per step (its gradient reduction and
-            # optimizer update, spread over the microbatches) and, bounded, the memory
-            bound = None
-            if sharder.memory_limit is not None:
-                # bounded: the memory depends on the recompute and ZeRO choices and, with a
-                # pipeline, on the stages and the schedule's microbatches in flight
-                bound = (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype) if cfg.pp == 1 else \
-                    (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
-                     cfg.schedule, cfg.chunks)
-            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound)
-        else:
-            ilp_key = None
-        key = (cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
-        skey = (mb_global, cfg.dp)
-        if skey not in self._shapes_cache:
-            self._shapes_cache[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
-        shapes = self._shapes_cache[skey]
-        if key not in self._tp_cache:
-            shard_pins = [n for n, p in sharder.pins if is_shard(p)]
-            if cfg.tp == 1 and shard_pins:
-                raise InfeasiblePins(f"a Shard pin ({shard_pins[0]}) needs a tensor-parallel axis (tp > 1)",
-                                     (shard_pins[0],))
-            if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
-                # one device on the axis: every choice is the same
-                self._tp_cache[key] = self.sharding(cfg, global_batch)[0]
-                return self._tp_cache[key], shapes
-            topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
-            local_batch = mb_global / cfg.dp
-
-            def comm(kind: str, nbytes: float) -> float:
-                return topo.collective_time(kind, nbytes * self.itemsize / 4, 1)
-
-            def compute(nd: Node, frac: float) -> float:
-                return self._node_time(nd, self._scale(nd, local_batch), frac)
-
-            pins = dict(sharder.pins)
-            if sharder.mode == "ilp":
-                memory = None
-                if sharder.memory_limit is not None:
-                    memory = self._memory_terms(cfg, shapes, sharder.memory_limit) if cfg.pp == 1 else \
-                        self._pipeline_memory_terms(cfg, global_batch, shapes, sharder)
-                self._tp_cache[key] = solve_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
-                                                 param_time=self._param_time(cfg, topo), pins=pins,
-                                                 memory=memory)
-            else:
-                weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
-                res = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
-                                itemsize=4, memory_weight=weight, pins=pins)
-                for name, p in pins.items():
-                    if res.out.get(name, R) != p:
-                        raise InfeasiblePins(f"pinned placement {p} of {name} cannot be kept on a tensor-parallel "
-                                             f"axis of size {cfg.tp}: no strategy of the ops around it allows it "
-                                             f"(the propagation gave {res.out.get(name, R)})", (name,))
-                self._tp_cache[key] = res
-        return self._tp_cache[key], shapes
-
-    def _sequence_parallel(self, cfg: ParallelConfig, sharder: Sharder) -> Sharder:
-        """``sequence_parallel=true``: Megatron's sequence parallelism as pins
-        on the tensor-parallel axis: every LayerNorm / RMSNorm on a (batch,
-        sequence, hidden) activation is split along the sequence. The
-        propagation (or the ILP) then keeps the residual stream and dropout
-        split too, and turns the all-reduces around the tensor-parallel
-        blocks into reduce-scatters and all-gathers."""
-        pinned = dict(sharder.pins)
-        g = self.graph
-        for nd in g.nodes:
-            if nd.kind not in ("layernorm", "rmsnorm") or nd.out is None or len(nd.out.shape) < 3:
-                continue
-            seq = len(nd.out.shape) - 2
-            if nd.out.shape[seq] % cfg.tp:
-                raise StrategyError(f"sequence_parallel=true with tp={cfg.tp}: the sequence length "
-                                    f"{nd.out.shape[seq]} of {nd.name} is not divisible by {cfg.tp}")
-            # the norm and the residual stream into it: the elementwise ops (residual and bias
-            # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
-            todo = [nd.name]
-            while todo:
-                name = todo.pop()
-                if name in pinned:
-                    continue
-                pinned[name] = f"S({seq})"
-                for i in g[name].inputs:
-                    src = g[i]
-                    if src.kind == "elementwise" and src.out is not None and src.out.shape == nd.out.shape:
-                        todo.append(i)
-        if len(pinned) == len(sharder.pins):
-            raise StrategyError(f"sequence_parallel=true: {self.graph.name} has no LayerNorm/RMSNorm on "
-                                "(batch, sequence, hidden) activations to split along the sequence")
-        return Sharder(sharder.mode, tuple(sorted(pinned.items())), sharder.memory_limit)
-
-    def _param_time(self, cfg: ParallelConfig, topo: MeshTopology):
+    def param_time(self, cfg: ParallelConfig, topo: MeshTopology) -> Callable[[Node, str], float]:
         """Seconds per microbatch a weight costs in a placement, as
-        :meth:`evaluate` counts them per step: its share of the data-parallel
+        :meth:`estimate` counts them per step: its share of the data-parallel
         gradient all-reduce, of the optimizer pass and, with ZeRO-3, of the
         weight all-gathers (the per-message latencies do not depend on the
         placement and are left out)."""
@@ -486,12 +381,11 @@ class Evaluator:
 
         return param_time
 
-    def _memory_terms(self, cfg: ParallelConfig, shapes: dict, limit: float) -> MemoryTerms:
-        """The ILP's linear memory model for ``cfg``: model states per local
-        parameter element (ZeRO-divided) and the activations each strategy
-        saves, as :meth:`evaluate` counts them (shared inputs counted once per
-        reader: an upper bound)."""
-        per_elem = self._state_per_elem(cfg)
+    def param_memory(self, cfg: ParallelConfig) -> Callable[[Node, str], float]:
+        """``f(parameter node, placement)``: device bytes of its model states
+        under ``cfg`` (ZeRO-divided), as :meth:`estimate` counts them; 0 for
+        buffers and frozen weights."""
+        per_elem = self.state_per_elem(cfg)
         tp = cfg.tp
 
         def param(nd: Node, p: str) -> float:
@@ -500,6 +394,15 @@ class Evaluator:
                 return 0.0
             return info.numel * per_elem / (tp if is_shard(p) else 1)
 
+        return param
+
+    def saved_memory(self, cfg: ParallelConfig, shapes: dict) -> Callable[[Node, Any], float]:
+        """``f(node, strategy)``: bytes of the activations the node keeps for
+        backward per microbatch under ``cfg``'s recompute, its inputs in the
+        placements the strategy reads (a value read by several nodes counts
+        once per reader: an upper bound)."""
+        tp = cfg.tp
+
         def saved(nd: Node, st) -> float:
             wants = dict(zip(nd.inputs, st.ins))
             total = 0.0
@@ -507,76 +410,48 @@ class Evaluator:
                 total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(wants.get(i, st.out)) else 1)
             return total
 
-        if cfg.recompute == "full":
-            return MemoryTerms(param=param, saved=saved, limit=limit, group_factor=lambda k: 1.0)
-        return MemoryTerms(param=param, saved=saved, limit=limit)
+        return saved
 
-    def _pipeline_memory_terms(self, cfg: ParallelConfig, global_batch: int, shapes: dict,
-                               sharder: Sharder) -> MemoryTerms:
-        """The ILP's memory row for a pipelined ``cfg``: the pipeline rank that
-        needs the most memory under the time-optimal placements (with the
-        stages they balance to), its model states and its activations times
-        the microbatches its schedule keeps in flight. The decisions of a
-        repeated layer are shared by all its instances, so a layer's terms
-        count the share of the layers that rank holds; nodes of other ranks
-        count nothing. Not for full recompute (one recomputed layer at a time
-        is not linear in the choices)."""
-        free = self.evaluate(cfg, global_batch, cfg.devices, Sharder("ilp", sharder.pins))
-        pipe_rec = free.pipeline or {}
-        rank = max(range(cfg.pp), key=lambda r: pipe_rec["rank_memory_bytes"][r])
-        bounds = pipe.unit_bounds(pipe_rec["layers"])
-        stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
-        held = {u for u, v in enumerate(stage_of_unit) if v % cfg.pp == rank}
-        flight = max(f for v, f in enumerate(pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
-                     if v % cfg.pp == rank)
-        u = units(self.graph)
-        layers = set(u.labels[1:-1])
-        layer_share = sum(1 for k in held if 0 < k <= u.layers) / u.layers
-        param_units = {name: us for name, _, us in self._param_unit_list()}
-        flat = self._memory_terms(cfg, shapes, sharder.memory_limit)
-
-        def share(nd: Node) -> float:
-            if nd.group in layers:
-                return layer_share
-            us = param_units.get(nd.name) if nd.kind in ("param", "buffer") else [u.of_node.get(nd.name, 0)]
-            return 1.0 if us and any(k in held for k in us) else 0.0
-
-        return MemoryTerms(param=lambda nd, p: flat.param(nd, p) * share(nd),
-                           saved=lambda nd, st: flat.saved(nd, st) * share(nd) * flight,
-                           limit=sharder.memory_limit)
+    def param_units(self) -> dict[str, list[int]]:
+        """The pipeline units reading every trainable parameter node."""
+        return {name: us for name, _, us in self._param_unit_list}
 
     # -- the estimate ---------------------------------------------------------
-    def evaluate(self, cfg: ParallelConfig, global_batch: int, devices: int | None = None,
-                 sharder: Sharder = MANUAL, layers: str | Sequence[int] = "balanced",
+    def estimate(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
+                 devices: int | None = None, partition: Sequence[int] | None = None,
                  simulate_schedule: bool = True) -> Estimate:
-        """Predict ``cfg`` with the tensor-parallel axis decided by ``sharder``.
+        """Predict ``cfg`` with the tensor-parallel decisions ``sh`` on the
+        local ``shapes`` (:func:`autopar.sharding.scaled_shapes` at one
+        microbatch, over ``dp``).
 
-        With ``pp > 1``, ``layers`` says how the repeated layers are split
-        into stages: ``"balanced"`` (the stage search of
-        :func:`autopar.pipeline.partition.balance`), ``"even"`` (Megatron's
-        equal split) or the layer count of every virtual stage. With
+        With ``pp > 1``, ``partition`` is the layer count of every virtual
+        stage (None: Megatron's equal split). With
         ``simulate_schedule=False`` the pipeline's makespan is a lower bound
         (the busiest rank, or one microbatch through every stage) instead of
         the simulated schedule, and ``pipeline["simulated"]`` is False: the
-        search uses it to skip simulating pipelines that cannot win."""
-        if cfg.precision and cfg.precision != self.precision:
-            return self.for_precision(cfg.precision).evaluate(cfg, global_batch, devices, sharder, layers,
-                                                              simulate_schedule)
+        search uses it to skip simulating pipelines that cannot win.
+
+        Raises :class:`StrategyError` when ``cfg`` cannot run the model on
+        ``devices`` (:func:`check_config`), names another precision than this
+        model's, or ``partition`` does not cover the layers."""
+        if cfg.precision and ("bf16" if cfg.precision == "mixed" else cfg.precision) != self.precision:
+            raise StrategyError(f"strategy precision {cfg.precision!r}: this cost model prices "
+                                f"{self.precision}; build a CostModel with precision={cfg.precision!r}")
         g = self.graph
         devices = devices or cfg.devices
         check_config(g, cfg, devices, global_batch)
         self.cluster.check_devices(devices)
+        self.cache.hold(sh)
         if cfg.pp > 1:
-            return self._evaluate_pipeline(cfg, global_batch, devices, sharder, layers, simulate_schedule)
+            return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
         topo = MeshTopology(self.cluster, (dp, tp))
-        sh, shapes = self.sharding(cfg, global_batch, sharder)
         local_batch = global_batch / (dp * m)
         isz = self.itemsize
         skey = (tp, dp, global_batch // m, cfg.recompute == "selective", id(sh))
-        if skey not in self._sums_cache:
-            self._sums_cache[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
-        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd = self._sums_cache[skey]
+        if skey not in self.cache.sums:
+            self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
+        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd = self.cache.sums[skey]
 
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         compute = m * (passes * fwd + refwd)    # selective: the cheap ops of the layers run again
@@ -627,32 +502,26 @@ class Evaluator:
         host = self.cluster.host
         return host is not None and offloaded * self.cluster.devices_per_node <= host.memory_bytes * MEMORY_HEADROOM
 
-    def _evaluate_pipeline(self, cfg: ParallelConfig, global_batch: int, devices: int, sharder: Sharder,
-                           layers: str | Sequence[int], simulate_schedule: bool = True) -> Estimate:
+    def _estimate_pipeline(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
+                           devices: int, partition: Sequence[int] | None, simulate_schedule: bool) -> Estimate:
         """Predict a pipelined ``cfg``: the repeated layers are cut into
         ``pp x chunks`` virtual stages, each on a ``dp x tp`` sub-mesh; the
         step is the simulated schedule of the per-stage forward and backward
         times with the point-to-point transfers between stages, then the
         slowest stage's gradient reduction and optimizer step. Memory is
         per pipeline rank: its stages' model states, the activations of the
-        microbatches its schedule keeps in flight, and the largest transient."""
+        microbatches its schedule keeps in flight, and the largest transient.
+        (Long because the Estimate's fields are assembled here, one per line.)"""
         tp, dp, pp, m, V = cfg.tp, cfg.dp, cfg.pp, cfg.microbatches, cfg.stages
         topo = MeshTopology(self.cluster, (pp, dp, tp))
-        sh, shapes = self.sharding(cfg, global_batch, sharder)
-        # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
-        per = self._unit_costs(cfg, sh, shapes, MeshTopology(self.cluster, (dp, tp)), global_batch)
+        per = self.unit_costs(cfg, sh, shapes, global_batch)
         flight = pipe.in_flight(cfg.schedule, pp, m, cfg.chunks)
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
         n_layers = len(per.time) - 2
-        if isinstance(layers, str):
-            split = None
-            if layers == "balanced":
-                per_elem = self._state_per_elem(cfg)
-                states = [x * per_elem for x in per.params]
-                split = pipe.balance(per.time, states, per.act, per.fixed, V, flight, cap / cfg.chunks)
-            split = split or pipe.even_layers(n_layers, V)
+        if partition is None:
+            split = pipe.even_layers(n_layers, V)
         else:
-            split = list(layers)
+            split = list(partition)
             pipe.check_layers(split, n_layers)
         bounds = pipe.unit_bounds(split)
 
@@ -722,7 +591,7 @@ class Evaluator:
         """The gradient all-reduce of weights read on several pipeline ranks
         (a tied embedding and head; the runtime sums their copies'
         gradients), over those ranks on the pipeline axis's link."""
-        shared = [(name, numel, us) for name, numel, us in self._param_unit_list() if len(us) > 1]
+        shared = self._shared_params
         if not shared:
             return 0.0
         stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
@@ -747,7 +616,7 @@ class Evaluator:
         they do not; so a search over hundreds of pipelines with thousands of
         microbatches stays fast and exact."""
         key = (cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks, tuple(fwd), tuple(bwd), tuple(p2p))
-        cache = self._timeline_cache
+        cache = self.cache.timelines
         if key in cache:
             return cache[key]
         pp, m, chunks = cfg.pp, cfg.microbatches, cfg.chunks
@@ -767,17 +636,21 @@ class Evaluator:
         cache[key] = tl
         return tl
 
-    def _unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
-                    global_batch: int) -> "_UnitCosts":
+    def unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int) -> "UnitCosts":
         """Per pipeline unit (embedding, each layer instance, head) and one
         microbatch: forward and forward+backward time, tensor-parallel comm,
         local parameters, the activations kept per microbatch in flight, the
         memory needed once (transients; with full recompute the one layer
-        being recomputed), and the bytes crossing each cut."""
+        being recomputed), and the bytes crossing each cut. What the stage
+        balancing of :func:`autopar.pipeline.partition.balance` weighs.
+        Raises :class:`StrategyError` for a graph without pipeline units."""
         key = (cfg.tp, cfg.dp, global_batch // cfg.microbatches, cfg.recompute, id(sh))
-        cache = self._unit_cache
+        cache = self.cache.units
         if key in cache:
             return cache[key]
+        self.cache.hold(sh)
+        # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
+        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
         local_batch = global_batch / (cfg.dp * cfg.microbatches)
         outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
         u = units(self.graph)
@@ -792,7 +665,7 @@ class Evaluator:
                 parts[layers.get(inst) or u.of_node[self._first_node(inst)]].append(src)
         layer_in = self._layer_input_bytes(sh, shapes, cfg.tp)
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
-        out = _UnitCosts(n)
+        out = UnitCosts(n)
         for k in range(n):
             fwd = sum(p_.fwd for p_ in parts[k])
             comm = sum(p_.comm for p_ in parts[k])
@@ -819,29 +692,34 @@ class Evaluator:
         cache[key] = out
         return out
 
+    @cached_property
     def _param_unit_list(self) -> list[tuple[str, int, list[int]]]:
         """(parameter node, elements, units reading it) of every trainable parameter."""
-        if not hasattr(self, "_param_units"):
-            unit_of = units(self.graph).of_node
-            self._param_units = []
-            for name, nd in self.params.items():
-                info = self.graph.params.get(nd.param)
-                if info is None or info.is_buffer or not info.requires_grad:
-                    continue
-                us = sorted({unit_of[c] for c in self.graph.consumers(name) if c in unit_of})
-                self._param_units.append((name, info.numel, us))
-        return self._param_units
+        unit_of = units(self.graph).of_node
+        out = []
+        for name, nd in self.params.items():
+            info = self.graph.params.get(nd.param)
+            if info is None or info.is_buffer or not info.requires_grad:
+                continue
+            us = sorted({unit_of[c] for c in self.graph.consumers(name) if c in unit_of})
+            out.append((name, info.numel, us))
+        return out
+
+    @cached_property
+    def _shared_params(self) -> list[tuple[str, int, list[int]]]:
+        """The trainable parameters read from several pipeline units (tied)."""
+        return [(name, numel, us) for name, numel, us in self._param_unit_list if len(us) > 1]
 
     def _unit_params(self, sh: AxisSharding, tp: int) -> tuple[list[float], list[float]]:
         """Local trainable parameter elements and tensors per unit; a weight
         read from several units (tied) counts in each."""
-        cache = self._unit_params_cache
+        cache = self.cache.unit_params
         if (id(sh), tp) in cache:
             return cache[id(sh), tp]
         n = units(self.graph).layers + 2
         elems, tensors = [0.0] * n, [0.0] * n
         out = sh.out
-        for name, numel, us in self._param_unit_list():
+        for name, numel, us in self._param_unit_list:
             local = numel / tp if is_shard(out.get(name, R)) else numel
             for u in us:
                 elems[u] += local
@@ -854,17 +732,6 @@ class Evaluator:
         before ``k`` to those from ``k`` on (values produced on one side and
         read on the other; graph inputs, weights and shape arithmetic are
         available on every stage)."""
-        if not hasattr(self, "_crossing"):
-            unit_of = units(self.graph).of_node
-            self._crossing = []
-            for nd in self.graph.nodes:
-                u = unit_of.get(nd.name)
-                if u is None or nd.kind in ("input", "shape") or nd.out is None:
-                    continue
-                last = max((unit_of.get(c, u) for c in self.graph.consumers(nd.name)), default=u)
-                if last > u:
-                    isz = self.itemsize if nd.out.is_float else nd.out.nbytes / max(nd.out.numel, 1)
-                    self._crossing.append((nd.name, u, last, isz))
         diff = [0.0] * (n + 1)
         for name, u, last, isz in self._crossing:
             local = _numel(shapes.get(name)) * isz / (tp if is_shard(sh.out.get(name, R)) else 1)
@@ -876,61 +743,94 @@ class Evaluator:
             cut[k] = acc
         return cut
 
+    @cached_property
+    def _crossing(self) -> list[tuple[str, int, int, float]]:
+        """(value, unit producing it, last unit reading it, bytes per element)
+        of every value read in a later pipeline unit than its own."""
+        unit_of = units(self.graph).of_node
+        out = []
+        for nd in self.graph.nodes:
+            u = unit_of.get(nd.name)
+            if u is None or nd.kind in ("input", "shape") or nd.out is None:
+                continue
+            last = max((unit_of.get(c, u) for c in self.graph.consumers(nd.name)), default=u)
+            if last > u:
+                isz = self.itemsize if nd.out.is_float else nd.out.nbytes / max(nd.out.numel, 1)
+                out.append((nd.name, u, last, isz))
+        return out
+
     def _layer_input_bytes(self, sh: AxisSharding, shapes: dict, tp: int) -> dict[str, float]:
         """Bytes of the input of every repeated-layer instance (what full
         recompute keeps of it)."""
-        out: dict[str, float] = {}
+        out, isz = sh.out, self.itemsize
+        return {inst: _numel(shapes.get(i)) * isz / (tp if is_shard(out.get(i, R)) else 1)
+                for inst, i in self._layer_inputs_of}
+
+    @cached_property
+    def _layer_inputs_of(self) -> list[tuple[str, str]]:
+        """(instance, its input): per repeated-layer instance, the first value
+        its first node reading one reads from outside the instance."""
+        out: dict[str, str] = {}
         for nd in self.graph.nodes:
             inst = nd.group
             if inst is None or inst in out:
                 continue
             for i in nd.inputs:
                 src = self.graph[i]
-                if src.kind not in ("param", "buffer") and src.group != inst:
-                    out[inst] = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(sh.out.get(i, R)) else 1)
+                if not src.is_state and src.group != inst:
+                    out[inst] = i
                     break
-        return out
+        return list(out.items())
 
     def _nodes_to_cost(self, copied: dict[str, str]) -> list[Node]:
         """The nodes outside repeated layers and those of the instances not
         ``copied`` from another (grouped by instance: the sums do not depend on
         the order)."""
-        if not hasattr(self, "_by_instance"):
-            self._by_instance: dict[str | None, list[Node]] = {}
-            for nd in self.graph.nodes:
-                self._by_instance.setdefault(nd.group, []).append(nd)
         out: list[Node] = []
         for inst, nodes in self._by_instance.items():
             if inst is None or inst not in copied:
                 out.extend(nodes)
         return out
 
+    @cached_property
+    def _by_instance(self) -> dict[str | None, list[Node]]:
+        """The nodes of every layer instance (None: outside the layers)."""
+        out: dict[str | None, list[Node]] = {}
+        for nd in self.graph.nodes:
+            out.setdefault(nd.group, []).append(nd)
+        return out
+
+    @cached_property
+    def _trainable(self) -> list[tuple[str, int]]:
+        """(parameter node, elements) of every trainable parameter."""
+        return [(name, info.numel) for name, nd in self.params.items()
+                if (info := self.graph.params.get(nd.param)) is not None
+                and not info.is_buffer and info.requires_grad]
+
     def _local_params(self, sh: AxisSharding, tp: int) -> tuple[float, int]:
         """Trainable parameter elements per device on the tp axis, and tensors."""
         key = (id(sh), tp)
-        hit = self._params_cache.get(key)
+        hit = self.cache.local_params.get(key)
         if hit is not None:
             return hit
-        if not hasattr(self, "_trainable"):
-            self._trainable = [(name, info.numel) for name, nd in self.params.items()
-                               if (info := self.graph.params.get(nd.param)) is not None
-                               and not info.is_buffer and info.requires_grad]
-            self._trainable_total = sum(numel for _, numel in self._trainable)
         out = sh.out
+        total = sum(numel for _, numel in self._trainable)
         sharded = sum(numel for name, numel in self._trainable if is_shard(out.get(name, R)))
-        local, n = self._trainable_total - sharded + sharded / tp, len(self._trainable)
-        self._params_cache[key] = (local, n)
+        local, n = total - sharded + sharded / tp, len(self._trainable)
+        self.cache.local_params[key] = (local, n)
         return local, n
 
     def _outside_unit(self) -> dict[str, int]:
         """Pipeline unit of every node outside the repeated layers (all 0 for
         a graph without them, which cannot be pipelined)."""
-        if not hasattr(self, "_outside_units"):
-            try:
-                self._outside_units = units(self.graph).of_node
-            except StrategyError:
-                self._outside_units = {}
         return self._outside_units
+
+    @cached_property
+    def _outside_units(self) -> dict[str, int]:
+        try:
+            return units(self.graph).of_node
+        except StrategyError:
+            return {}
 
     def _node_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                    local_batch: float) -> tuple[dict[int, _Sums], dict[str, _Sums]]:
@@ -943,6 +843,12 @@ class Evaluator:
         def comm_tp(kind: str, nbytes: float) -> float:
             return topo.collective_time(kind, nbytes * isz / 4, 1)
 
+        def compute(nd: Node, frac: float) -> float:
+            return self.node_time(nd, self.scale(nd, local_batch), frac)
+
+        def nbytes(name: str) -> float:
+            return _numel(shapes.get(name)) * 4
+
         dispatch = self.cluster.device.dispatch_overhead_s
         unit_of = self._outside_unit()
         outside: dict[int, _Sums] = {}
@@ -954,25 +860,16 @@ class Evaluator:
             inst = nd.group
             acc = outside.setdefault(unit_of.get(nd.name, 0), _Sums()) if inst is None \
                 else per_inst.setdefault(inst, _Sums())
-            frac = 1.0 / tp if st.split else 1.0
-            t = self._node_time(nd, self._scale(nd, local_batch), frac) + (dispatch if nd.kind not in NO_DISPATCH
-                                                                           else 0.0)
+            # the op's time on the tensor-parallel axis, as the searches charge it (an input
+            # without a placement, shape arithmetic, arrives as read)
+            at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
+                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
+            t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             acc.fwd += t
             if inst is not None and cfg.recompute == "selective" and not self._kept_selective(nd):
                 acc.refwd += t
             if tp > 1:
-                for i, want in zip(nd.inputs, st.ins):
-                    have = sh.out.get(i, want)
-                    if have == want and not (want == R and st.split):
-                        continue
-                    nbytes = _numel(shapes.get(i)) * 4
-                    acc.comm += reshard_time(have, want, nbytes, self.grad.get(i, False), comm_tp)
-                    if want == R and st.split and self.grad.get(i, False):
-                        # Megatron's f: the backward sums the partial input gradients; from a
-                        # shard (sequence parallel) it reduce-scatters them instead
-                        acc.comm += comm_tp("reduce_scatter" if is_shard(have) else "all_reduce", nbytes)
-                for kind, nbytes in st.comm:
-                    acc.comm += comm_tp(kind, nbytes)
+                acc.comm += at.comm
             for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
                 acc.saved[name] = local
             if cfg.recompute == "selective":   # what the layer holds again while it is recomputed
@@ -981,25 +878,31 @@ class Evaluator:
             if nd.out is not None:
                 acc.transient = max(acc.transient, _numel(shapes.get(nd.name)) * isz /
                                     (tp if is_shard(sh.out.get(nd.name, R)) else 1))
-        if tp > 1 and self.graph.output and sh.out.get(self.graph.output) == P:
-            last = outside.setdefault(unit_of.get(self.graph.output, 0), _Sums())
-            last.comm += comm_tp("all_reduce", 4)
+        out = self.graph.output
+        t_out = output_time(sh.out.get(out, R), nbytes(out), comm_tp) if tp > 1 and out else 0.0
+        if t_out:   # the loss made whole on every rank
+            outside.setdefault(unit_of.get(out, 0), _Sums()).comm += t_out
         return outside, per_inst
 
     def _first_node(self, inst: str) -> str:
         """The first non-parameter node of a layer instance."""
-        if not hasattr(self, "_instance_first"):
-            self._instance_first: dict[str, str] = {}
-            for nd in self.graph.nodes:
-                if nd.group is not None and nd.kind not in ("param", "buffer"):
-                    self._instance_first.setdefault(nd.group, nd.name)
         return self._instance_first[inst]
+
+    @cached_property
+    def _instance_first(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for nd in self.graph.nodes:
+            if nd.group is not None and not nd.is_state:
+                out.setdefault(nd.group, nd.name)
+        return out
 
     def _instances(self) -> list[str]:
         """The repeated-layer instances in graph order."""
-        if not hasattr(self, "_instance_order"):
-            self._instance_order = list(dict.fromkeys(nd.group for nd in self.graph.nodes if nd.group is not None))
         return self._instance_order
+
+    @cached_property
+    def _instance_order(self) -> list[str]:
+        return list(dict.fromkeys(nd.group for nd in self.graph.nodes if nd.group is not None))
 
     def _microbatch_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                          local_batch: float) -> tuple:
@@ -1029,8 +932,8 @@ class Evaluator:
 
     def _kept_selective(self, nd: Node) -> bool:
         """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
-        return nd.kind == "sdpa" or (nd.kind in _MATMUL_KINDS and any(self.params.get(i) is not None
-                                                                      for i in nd.inputs))
+        return nd.kind == "sdpa" or (ops.family(nd.kind) == "matmul"
+                                     and any(self.params.get(i) is not None for i in nd.inputs))
 
     def _saved_names(self, nd: Node, recompute: str) -> list[str]:
         """The float values ``nd`` keeps for its backward. Under selective
@@ -1044,7 +947,7 @@ class Evaluator:
                 names = [nd.name]
             else:
                 return []
-        elif k in _MATMUL_KINDS:
+        elif ops.family(k) == "matmul":
             names = [i for i in nd.inputs if self.params.get(i) is None]
             if k == "sdpa":
                 names.append(nd.name)
@@ -1052,7 +955,7 @@ class Evaluator:
             names = nd.inputs[:1]
         elif k == "softmax":
             names = [nd.name]
-        elif k == "elementwise" and nd.target in _NONLINEAR:
+        elif k == "elementwise" and ops.is_nonlinear(nd.target):
             names = [i for i in nd.inputs if self.params.get(i) is None]
         else:
             return []
@@ -1089,8 +992,8 @@ def _source(copied: dict[str, str], inst: str) -> str:
     return inst
 
 
-class _UnitCosts:
-    """Per pipeline unit costs of one microbatch (see ``Evaluator._unit_costs``)."""
+class UnitCosts:
+    """Per pipeline unit costs of one microbatch (see :meth:`CostModel.unit_costs`)."""
 
     def __init__(self, n: int) -> None:
         self.fwd = [0.0] * n       # forward time (with half the tp comm)

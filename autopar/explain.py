@@ -1,8 +1,9 @@
 """Why the planner chose what it chose (``autopar plan --explain``).
 
-:func:`explain` turns a freshly made :class:`~autopar.plan.Plan` (one from
-:func:`autopar.plan`, which keeps the search's working state) into a plain
-dict: the search (mode, candidates, ILP solves and their time), the
+:func:`explain` turns a :class:`~autopar.plan.Plan` and the
+:class:`~autopar.search.planner.SearchRecord` returned with it by
+:func:`autopar.api.plan_and_record` (the search's working state, which the
+plan's JSON does not keep) into a plain dict: the search (mode, candidates, ILP solves and their time), the
 runners-up among the mesh / pipeline / microbatch / memory configurations
 with their predicted step times, the pipeline's stages and bubble, the size and solve time of the chosen configuration's
 ILP, and per layer group the chosen placement of every op that had a choice
@@ -14,27 +15,32 @@ from typing import Any
 
 from .errors import PlanError
 from .plan import Plan
+from .search.planner import SearchRecord
 
 #: op kinds worth a line of their own (views and elementwise ops follow their neighbours)
 _SHOWN = {"linear", "matmul", "sdpa", "embedding", "cross_entropy", "conv", "layernorm", "rmsnorm",
           "batchnorm", "softmax", "pool"}
 
 
-def explain(plan: Plan, *, all_ops: bool = False) -> dict[str, Any]:
-    """The explanation of ``plan`` as a JSON-able dict (see the module
-    docstring). ``all_ops`` lists every op with a choice, not only matmuls,
-    attention, embeddings, norms and losses. Raises :class:`PlanError` for a
-    plan loaded from a file (the search state is not saved in the JSON)."""
-    graph = getattr(plan, "graph", None)
-    sh = getattr(plan, "tp_sharding", None)
-    if graph is None or sh is None:
-        raise PlanError("explain needs a plan made in this process by autopar.plan (a saved plan keeps "
-                        "the decisions but not the search that led to them)")
-    res = getattr(plan, "search_result", None)
+def explain(plan: Plan, record: SearchRecord | None, *, all_ops: bool = False) -> dict[str, Any]:
+    """The explanation of ``plan`` found by the search ``record`` describes,
+    as a JSON-able dict (see the module docstring). ``all_ops`` lists every
+    op with a choice, not only matmuls, attention, embeddings, norms and
+    losses. Raises :class:`PlanError` without a record (a plan loaded from a
+    file: the search state is not saved in the JSON) or with the record of
+    another model's plan."""
+    if record is None:
+        raise PlanError("explain needs the search record of a plan made in this process by "
+                        "autopar.api.plan_and_record (a saved plan keeps the decisions but not the search that "
+                        "led to them)")
+    graph, sh, res = record.graph, record.sharding, record.result
+    if graph.fingerprint != plan.data["model"]["fingerprint"]:
+        raise PlanError(f"the search record is of model {graph.name} ({graph.fingerprint}), the plan of "
+                        f"{plan.data['model']['name']} ({plan.data['model']['fingerprint']}): pass the record "
+                        "plan_and_record returned with this plan")
     m = plan.parallel["microbatches"]
     out: dict[str, Any] = {"search": dict(plan.data["search"])}
-    if plan.planning_time_s is not None:
-        out["search"]["time_s"] = round(plan.planning_time_s, 3)
+    out["search"]["time_s"] = round(record.planning_time_s, 3)
     if res is not None:
         out["search"].update({"ilp_solves": res.ilp_solves, "ilp_time_s": round(res.ilp_time_s, 3),
                               "best_plan_per_config_from": dict(sorted(res.won.items()))})
@@ -50,7 +56,7 @@ def explain(plan: Plan, *, all_ops: bool = False) -> dict[str, Any]:
             "note": "stages balanced under the cost model (the slowest stage as fast as the per-stage memory "
                     "allows)" if plan.data["search"].get("mode") != "manual" else "equal layers per stage "
                     "(a manual strategy is evaluated as written)"}
-    info = getattr(sh, "ilp", None)
+    info = sh.ilp
     if info is not None:
         out["ilp"] = {"decisions": info.decisions, "nodes": info.nodes, "variables": info.variables,
                       "constraints": info.constraints, "build_s": round(info.build_s, 4),

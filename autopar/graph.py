@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -19,8 +19,10 @@ DTYPE_BYTES = {
 }
 
 
+#: node kinds of model state (parameters and buffers): read by the program, never computed
+STATE_KINDS = frozenset({"param", "buffer"})
 #: node kinds that run no op of their own in a training step
-NO_DISPATCH = frozenset({"param", "buffer", "input", "output", "shape", "constant"})
+NO_DISPATCH = STATE_KINDS | {"input", "output", "shape", "constant"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Node:
 
     ``kind`` is the op family the sharding rules and the cost model dispatch
     on (``linear``, ``matmul``, ``elementwise``, ``layernorm`` ...; see
-    :data:`autopar.trace.KINDS`). ``inputs`` names the nodes whose tensors
+    :mod:`autopar.ops`). ``inputs`` names the nodes whose tensors
     this node reads, in argument order. ``flops`` and ``act_bytes`` are for
     the forward pass at the traced batch size and scale linearly with the
     batch; ``param_bytes`` (weights read) does not.
@@ -71,6 +73,11 @@ class Node:
     module: str = ""                  # innermost owning module ("" = root)
     group: str | None = None          # repeated-layer instance, e.g. "blocks.3"
     attrs: dict[str, Any] = field(default_factory=dict)  # op details: dims, shapes
+
+    @property
+    def is_state(self) -> bool:
+        """Whether this node reads a parameter or a buffer (:data:`STATE_KINDS`)."""
+        return self.kind in STATE_KINDS
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -126,11 +133,25 @@ class Graph:
     loss_prefix: str = ""              # "model." when the loss was traced with the model
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter name -> the name it is read by
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+    #: analyses derived from the graph alone (needs_grad, the batch dims, the pipeline
+    #: units, ...), filled by :meth:`memo`; the one place later stages keep state on a graph
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}
         self._fingerprint: str | None = None
         self._consumers: dict[str, list[str]] | None = None
+
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, computed once per graph and ``key``. Only for results
+        that depend on the graph alone (the graph is never mutated, so they
+        stay true); ``key`` names the analysis and its arguments, e.g.
+        ``("needs_grad",)``. Returns the cached or fresh result."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            out = self._memo[key] = compute()
+            return out
 
     def __getitem__(self, name: str) -> Node:
         return self._by_name[name]

@@ -1,11 +1,13 @@
 """The Plan: one versioned, JSON-serialisable record of every decision.
 
 A plan holds the model fingerprint (a plan for another model is refused),
-the cluster, the mesh, the ``parallel`` summary (dp, tp, pp, microbatches,
-schedule, chunks, recompute, zero), with a pipeline the ``pipeline`` record
-(schedule, layers per stage, the simulated bubble and per-stage times), the
-placement of every parameter and op on the (dp, tp) axes, and the predictions. ``to_json`` is deterministic: the same inputs
-give byte-identical text (sorted keys, rounded floats, no timestamps).
+the cluster, the mesh, the ``parallel`` section (the strategy as
+:meth:`autopar.spec.ParallelConfig.as_dict` writes it, read back by
+:attr:`Plan.config`; its schema is generated from the strategy keys), with a
+pipeline the ``pipeline`` record (schedule, layers per stage, the simulated
+bubble and per-stage times), the placement of every parameter and op on the
+(dp, tp) axes, and the predictions. ``to_json`` is deterministic: the same
+inputs give byte-identical text (sorted keys, rounded floats, no timestamps).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jsonschema
 
 from . import __version__
 from .errors import PlanError
+from .spec import PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema
 
 PLAN_VERSION = 1
 
@@ -42,31 +45,18 @@ PLAN_SCHEMA: dict[str, Any] = {
         "cluster": {"type": "object", "required": ["name"]},
         "devices": {"type": "integer", "minimum": 1},
         "global_batch": {"type": "integer", "minimum": 1},
-        "precision": {"enum": ["fp32", "bf16", "fp16", "mixed"]},   # mixed: older plans (= bf16)
+        "precision": {"enum": [*PRECISIONS, "mixed"]},   # mixed: older plans (= bf16)
         "optimizer": {"type": "string"},
         "mesh": {
             "type": "object", "required": ["shape", "axes"],
             "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                            "axes": {"type": "array", "items": {"type": "string"}}},
         },
-        "parallel": {
-            "type": "object",
-            "required": ["dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"],
-            "properties": {
-                "dp": {"type": "integer", "minimum": 1}, "tp": {"type": "integer", "minimum": 1},
-                "pp": {"type": "integer", "minimum": 1}, "microbatches": {"type": "integer", "minimum": 1},
-                "schedule": {"type": "string"}, "recompute": {"enum": ["none", "selective", "full"]},
-                "zero": {"enum": [0, 1, 2, 3]}, "chunks": {"type": "integer", "minimum": 1},
-                "sequence_parallel": {"type": "boolean"}, "offload": {"enum": ["none", "optimizer"]},
-                "precision": {"enum": ["", "fp32", "bf16", "fp16"]},
-                "reduce_dtype": {"enum": ["", "fp32", "bf16", "fp16"]},
-                "overlap": {"type": "boolean"}, "bucket_mb": {"type": "number", "exclusiveMinimum": 0},
-            },
-        },
+        "parallel": json_schema(),   # generated from the strategy keys of autopar.spec
         "pipeline": {
             "type": "object", "required": ["schedule", "chunks", "layers"],
             "properties": {
-                "schedule": {"enum": ["gpipe", "1f1b", "interleaved"]},
+                "schedule": {"enum": list(PIPELINE_SCHEDULES)},
                 "chunks": {"type": "integer", "minimum": 1},
                 "layers": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                 "bubble_fraction": {"type": "number"},
@@ -139,27 +129,20 @@ class Plan:
         return self.data["model"]["fingerprint"]
 
     @property
+    def config(self) -> ParallelConfig:
+        """The :class:`ParallelConfig` this plan records, its precision resolved
+        to the plan's (plans written before pipelines have no ``chunks``, those
+        before the memory options none of them: they take their defaults).
+        Raises :class:`StrategyError` for a value the strategy keys refuse
+        (never for a plan that passed the schema)."""
+        precision = self.parallel.get("precision") or self.data.get("precision", "fp32")
+        return ParallelConfig.from_dict({**self.parallel, "precision": precision})
+
+    @property
     def strategy(self) -> str:
-        p = self.parallel
-        pipe = ""
-        if p["pp"] > 1:
-            chunks = p.get("chunks", 1)
-            pipe = f",schedule={p['schedule']}" + (f",chunks={chunks}" if chunks > 1 else "")
-        extra = ""   # the memory and communication options, when not at their defaults (as ParallelConfig)
-        if p.get("sequence_parallel"):
-            extra += ",sequence_parallel=true"
-        if p.get("offload", "none") != "none":
-            extra += f",offload={p['offload']}"
-        if p.get("precision"):
-            extra += f",precision={p['precision']}"
-        if p.get("reduce_dtype"):
-            extra += f",reduce_dtype={p['reduce_dtype']}"
-        if not p.get("overlap", True):
-            extra += ",overlap=false"
-        if p.get("bucket_mb", 25.0) != 25.0:
-            extra += f",bucket_mb={p['bucket_mb']:g}"
-        return (f"dp={p['dp']},tp={p['tp']},pp={p['pp']},microbatches={p['microbatches']}{pipe},"
-                f"recompute={p['recompute']},zero={p['zero']}{extra}")
+        """The canonical strategy string (as :meth:`ParallelConfig.to_string`;
+        the precision only when the plan's ``parallel`` section names one)."""
+        return ParallelConfig.from_dict(self.parallel).to_string()
 
     # -- serialisation --------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -30,55 +30,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
+from . import ops
 from .errors import TraceError
-from .graph import DTYPE_BYTES, Graph, LayerGroup, Node, ParamInfo, TensorInfo
+from .graph import DTYPE_BYTES, NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
 
 # --------------------------------------------------------------------------
-# Op families. One table: a new op is one line here (and, if it needs its own
-# sharding behaviour, one rule in autopar/strategies).
+# Op kinds come from the op registry (autopar/ops): a new op is one record there.
 # --------------------------------------------------------------------------
-KINDS: dict[str, tuple[str, ...]] = {
-    "linear": ("linear", "addmm"),
-    "matmul": ("matmul", "bmm", "mm", "baddbmm"),
-    "sdpa": ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"),
-    "embedding": ("embedding",),
-    "layernorm": ("layer_norm", "native_layer_norm"),
-    "rmsnorm": ("rms_norm",),
-    "softmax": ("softmax", "log_softmax", "_softmax", "_log_softmax"),
-    "cross_entropy": ("cross_entropy", "cross_entropy_loss"),
-    "conv": ("conv1d", "conv2d", "conv3d", "convolution"),
-    "batchnorm": ("batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
-                  "native_batch_norm"),
-    "pool": ("max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d",
-             "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool2d_with_indices", "_adaptive_avg_pool2d"),
-    "reduction": ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod"),
-    "view": ("view", "reshape", "flatten", "unflatten", "view_as", "contiguous", "_unsafe_view",
-             "clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "to", "type", "type_as",
-             "float", "half", "bfloat16", "double"),
-    "transpose": ("transpose", "permute", "t"),
-    "expand": ("expand", "unsqueeze", "squeeze", "expand_as", "repeat_interleave", "repeat"),
-    "index": ("getitem", "narrow", "select", "slice"),
-    "split": ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"),
-    "cat": ("cat", "stack", "concat", "concatenate"),
-    "elementwise": ("add", "sub", "mul", "truediv", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log",
-                    "gelu", "relu", "silu", "sigmoid", "tanh", "dropout", "masked_fill", "where",
-                    "clamp", "abs", "cos", "sin", "erf", "floordiv", "reciprocal", "square", "iadd",
-                    "imul", "add_", "mul_", "relu_", "native_dropout", "gelu_", "leaky_relu", "softplus",
-                    "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "bitwise_not", "maximum", "minimum",
-                    "mish", "hardtanh", "elu", "rsub", "radd", "rmul", "lerp", "addcmul", "addcdiv",
-                    "masked_fill_", "fill_", "copy_", "zeros_like", "ones_like", "full_like", "tril", "triu"),
-    "factory": ("arange", "zeros", "ones", "full", "empty", "randn", "rand", "tensor", "scalar_tensor",
-                "new_zeros", "new_ones", "new_empty", "new_full", "linspace", "eye"),
-    "shape": ("size", "dim", "numel", "sym_size", "getattr", "len"),
-}
+#: kind -> the op names filed under it (a view of the registry, for readers of the old table)
+KINDS: dict[str, tuple[str, ...]] = ops.kinds()
 _KIND_OF = {name: kind for kind, names in KINDS.items() for name in names}
-_FAMILY = {"linear": "matmul", "matmul": "matmul", "sdpa": "matmul", "conv": "matmul"}
 
 
 def op_family(kind: str) -> str:
     """The cost-model family of a node kind: ``matmul`` (compute bound) or ``other``."""
-    return _FAMILY.get(kind, "other")
+    return ops.family(kind)
 
 
 def _target_name(node: fx.Node) -> str:
@@ -744,11 +710,11 @@ def _plain(x: Any) -> Any:
 
 def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
     """Forward FLOPs and bytes moved for one node at the traced batch size."""
-    if nd.out is None or nd.kind in ("input", "param", "buffer", "constant", "output", "shape", "factory"):
+    if nd.out is None or nd.kind in NO_DISPATCH or nd.kind == "factory":
         return
     ins = [by_name[i] for i in nd.inputs]
-    act = [i.out for i in ins if i.out is not None and i.kind not in ("param", "buffer")]
-    par = [i.out for i in ins if i.out is not None and i.kind in ("param", "buffer")]
+    act = [i.out for i in ins if i.out is not None and not i.is_state]
+    par = [i.out for i in ins if i.out is not None and i.is_state]
     out_numel = nd.out.numel
     k = nd.kind
     flops = 0.0

@@ -64,10 +64,10 @@ def time_plan(spec: str, cluster: str, devices: int, batch: int) -> dict[str, An
         t0 = time.perf_counter()
         graph = autopar.api.as_graph(spec)
         t1 = time.perf_counter()
-        p = autopar.plan(graph, cluster=cluster, devices=devices, global_batch=batch)
+        p, record = autopar.api.plan_and_record(graph, cluster=cluster, devices=devices, global_batch=batch)
         p.save(Path(tmp) / "plan.json")
         t2 = time.perf_counter()
-    res = p.search_result
+    res = record.result
     ilp = p.data["search"].get("ilp", {})
     return {"total_s": t2 - t0, "trace_s": t1 - t0, "search_s": t2 - t1, "strategy": p.strategy,
             "step_time_s": p.predicted["step_time_s"], "configs": res.candidates if res else None,

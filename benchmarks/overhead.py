@@ -358,7 +358,7 @@ def _measure(rank: int, family: str, spec: str, strategy: str, cfg: dict) -> dic
 
     import autopar
     import autopar.zoo as zoo
-    from autopar.search.space import parse_strategy
+    from autopar.spec import parse_strategy
 
     par = parse_strategy(strategy, WORLD)
     z_a = zoo.build(spec, device="cpu", batch=BATCH, seed=0)

@@ -29,7 +29,7 @@ from autopar.cost import tp_valid_sizes
 from autopar.errors import StrategyError
 from autopar.pipeline.partition import units
 from autopar.pipeline.schedule import build_schedule, simulate
-from autopar.search.space import RECOMPUTE, divisors
+from autopar.spec import RECOMPUTE, divisors
 
 from .common import timed_run
 from .ilp_search import GPT3
@@ -104,11 +104,11 @@ def run(quick: bool) -> dict[str, Any]:
     for label, spec, cluster, devices, batch in CASES:
         t0 = time.perf_counter()
         graph = autopar.api.as_graph(spec)
-        p = autopar.plan(graph, cluster=cluster, devices=devices, global_batch=batch)
+        p, record = autopar.api.plan_and_record(graph, cluster=cluster, devices=devices, global_batch=batch)
         plan_s = time.perf_counter() - t0
         grid = best_manual(graph, cluster, devices, batch, quick)
         g = grid["best"]
-        auto = p.search_result.best
+        auto = record.result.best
         rec = {"label": label, "spec": spec, "cluster": cluster, "devices": devices, "global_batch": batch,
                "plan_s": plan_s, "auto_strategy": p.strategy, "auto_step_s": auto.step_time_s,
                "auto_layers": (p.data.get("pipeline") or {}).get("layers"),

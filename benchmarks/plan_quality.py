@@ -22,7 +22,7 @@ import autopar
 from autopar.cost import tp_valid_sizes
 from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
-from autopar.search.space import KEYS, RECOMPUTE, divisors
+from autopar.spec import KEYS, RECOMPUTE, divisors
 
 from .common import timed_run
 from .pipeline_plan import manual_grid
@@ -109,14 +109,14 @@ def auto_plan(graph: Graph, cluster: str, devices: int, batch: int, executable_o
     """(exact Estimate of the planned strategy, search record, plan seconds) or (None, None, s) when nothing fits."""
     t0 = time.perf_counter()
     try:
-        p = autopar.plan(graph, cluster=cluster, devices=devices, global_batch=batch,
-                         executable_only=executable_only)
+        p, record = autopar.api.plan_and_record(graph, cluster=cluster, devices=devices, global_batch=batch,
+                                                executable_only=executable_only)
     except NoFeasibleStrategyError:
         return None, None, time.perf_counter() - t0
     took = time.perf_counter() - t0
     # the plan's predictions are rounded to 6 digits: the search's own estimate is exact
     # (re-evaluating the strategy string would give the Megatron placements, not the ILP's)
-    est = p.search_result.best
+    est = record.result.best
     assert math.isclose(est.step_time_s, p.predicted["step_time_s"], rel_tol=1e-5), (est, p.predicted)
     return est, p.data["search"], took
 

@@ -31,6 +31,28 @@ def test_planner_scaling_structure(tmp_path):
     assert r["summary"]["cases"] == 1 and r["notes"]
 
 
+def test_planner_targets_structure():
+    from benchmarks.planner_scaling import Goal, Target
+    spec = "gpt:layers={},hidden=64,heads=4,seq=16,vocab=128"
+    targets = {"deep": Target("deep", spec.format(4), "cpu", 4, 8),
+               "shallow": Target("shallow", spec.format(1), "cpu", 4, 8)}
+    goals = [Goal("deep time", ("deep",), 1e3), Goal("depth ratio", ("deep", "shallow"), 1e3),
+             Goal("impossible", ("shallow",), 0.0)]
+    r = planner_scaling.run_targets(targets=targets, goals=goals, log=lambda s: None)
+    deep, shallow = r["records"]
+    assert deep["nodes"] > shallow["nodes"] and deep["strategy"] and deep["error"] is None
+    assert deep["total_s"] == pytest.approx(deep["trace_s"] + deep["plan_s"] + deep["save_s"])
+    met = {g["goal"]: g["met"] for g in r["goals"]}
+    assert met == {"deep time": True, "depth ratio": True, "impossible": False}
+    ratio = next(g["value"] for g in r["goals"] if g["goal"] == "depth ratio")
+    assert ratio == pytest.approx(deep["total_s"] / shallow["total_s"])
+    assert r["summary"]["targets met"] == "2 of 3" and r["summary"]["depth ratio (x)"] == ratio
+    assert len(r["table"]["rows"]) == 2 and all(len(row) == len(r["table"]["columns"]) for row in r["table"]["rows"])
+    # the four goals, each over targets that exist
+    assert len(planner_scaling.GOALS) == 4 and all(k in planner_scaling.TARGETS
+                                                   for g in planner_scaling.GOALS for k in g.keys)
+
+
 def test_plan_quality_structure():
     r = plan_quality.run(CASES, models=TINY, log=lambda s: None)
     rec = r["records"][0]

@@ -1,4 +1,4 @@
-"""The cost model (autopar.cost.Evaluator) and the placements a manual / auto plan records."""
+"""The cost model (autopar.cost.CostModel, driven by a planner) and the placements a manual / auto plan records."""
 from __future__ import annotations
 
 import math
@@ -7,8 +7,9 @@ import pytest
 
 import autopar
 from autopar.api import as_graph
-from autopar.cost import Evaluator
-from autopar.search.space import parse_strategy
+from autopar.cost import CostModel
+from autopar.search.planner import Planner
+from autopar.spec import parse_strategy
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
@@ -27,8 +28,8 @@ def graph(spec: str) -> autopar.Graph:
 
 
 def est(spec: str, cluster: str, strategy: str, devices: int = 4, global_batch: int = 8, **kw):
-    ev = Evaluator(graph(spec), cluster, **kw)
-    return ev.evaluate(parse_strategy(strategy, devices), global_batch, devices)
+    planner = Planner(graph(spec), cluster, devices=devices, global_batch=global_batch, **kw)
+    return planner.evaluate(parse_strategy(strategy, devices))
 
 
 # ------------------------------------------------------------------ the estimate itself
@@ -118,7 +119,7 @@ def test_mixed_precision_halves_activations(spec):
 
 def test_bad_precision():
     with pytest.raises(autopar.StrategyError, match="precision 'fp8' is invalid"):
-        Evaluator(graph(GPT), "cpu", precision="fp8")
+        CostModel(graph(GPT), "cpu", precision="fp8")
 
 
 @pytest.mark.parametrize("spec", [GPT, MLP])
@@ -171,7 +172,7 @@ def test_gpt3_auto_plan_on_1024_a100():
 # ------------------------------------------------------------------ the batch dimension
 def test_batch_dims_skip_positional_embedding():
     """wpe(arange(T)) has no batch dim: its (T, C) output must not scale with the batch."""
-    from autopar.search.propagate import batch_dims, scaled_shapes
+    from autopar.sharding import batch_dims, scaled_shapes
     g = graph(GPT)
     pos = [n for n in g.nodes if n.kind == "embedding" and n.out.shape == (16, 64)]
     assert len(pos) == 1
@@ -191,7 +192,7 @@ def test_export_graph_tracks_batch_through_addmm():
     (B*T, C) rows, which must carry the batch, so compute grows with it."""
     transformers = pytest.importorskip("transformers")
     import torch
-    from autopar.search.propagate import batch_dims
+    from autopar.sharding import batch_dims
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
                                   use_cache=False)
@@ -257,3 +258,49 @@ def test_llama_gqa_tp2_shards_kv():
         for lin in ("attn.o", "mlp.w2"):
             assert _tp(p, pre + lin + ".weight") == "S(1)", lin
     assert _tp(p, "model.lm_head.weight") != "R"
+
+
+# ------------------------------------------------------------------ a pure model, state declared
+@pytest.mark.parametrize("strategy,devices", [("dp=2,tp=2,microbatches=2,recompute=selective", 4),
+                                              ("tp=2,pp=2,microbatches=4,zero=1", 4)])
+def test_estimate_prices_given_decisions(strategy, devices):
+    """``CostModel.estimate`` is a function of its inputs: the planner's
+    estimate equals a fresh model's (empty cache) on the same decisions, and
+    pricing leaves the decisions unchanged."""
+    import copy
+
+    g = graph(GPT)
+    planner = Planner(g, "dgx-a100-80g", devices=devices, global_batch=8)
+    cfg = parse_strategy(strategy, devices)
+    want = planner.evaluate(cfg, layers="even")
+    sh, shapes = planner.sharding(cfg)
+    before = copy.deepcopy((sh.out, sh.strategy, shapes))
+    fresh = CostModel(g, "dgx-a100-80g")
+    assert fresh.estimate(cfg, sh, shapes, 8, devices) == want
+    assert fresh.estimate(cfg, sh, shapes, 8, devices) == want      # from its cache now
+    assert (sh.out, sh.strategy, shapes) == before
+    with pytest.raises(autopar.StrategyError, match="this cost model prices bf16"):
+        fresh.estimate(parse_strategy(strategy + ",precision=fp32", devices), sh, shapes, 8, devices)
+
+
+def test_no_state_hung_on_graph_or_plan():
+    """Planning keeps its caches in the planner state (api.WARM), graph-only
+    analyses in the graph's one declared memo, and returns the search record
+    beside the plan: no undeclared attribute appears on either."""
+    import dataclasses
+
+    from autopar.api import WARM, plan_and_record
+    from autopar.graph import Graph
+    from autopar.plan import Plan
+
+    g = as_graph(GPT)
+    declared = {f.name for f in dataclasses.fields(Graph)} | {"_fingerprint", "_consumers"}
+    p, record = plan_and_record(g, cluster="cpu", devices=4, global_batch=8)
+    autopar.evaluate(g, cluster="cpu", devices=4, global_batch=8, strategy="tp=2,pp=2,microbatches=2")
+    assert set(vars(g)) <= declared
+    assert {k[0] for k in g._memo} >= {"needs_grad", "track_batch", "pipeline_units", "ilp_structure"}
+    assert set(vars(p)) == {f.name for f in dataclasses.fields(Plan)}
+    assert record.graph is g and record.result is not None and record.result.best_config.to_string() in p.strategy
+    # the warm state is api's, per graph; a cold plan is the same plan
+    WARM.clear(g)
+    assert autopar.plan(g, cluster="cpu", devices=4, global_batch=8).to_json() == p.to_json()

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 import autopar
-from autopar.api import _evaluator, as_graph
-from autopar.cost import MANUAL, Sharder
-from autopar.search.grid import _Chooser, grid_configs, search_grid
+from autopar.api import as_graph, planner_for
+from autopar.search.grid import grid_configs, search_grid
+from autopar.search.planner import MANUAL, Planner, Sharder
 from autopar.search.ilp import InfeasiblePins, find_conflict
-from autopar.search.space import ParallelConfig
+from autopar.spec import ParallelConfig
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
@@ -37,34 +38,34 @@ def test_ilp_never_slower_than_megatron_on_any_config(spec, cluster):
     """The manual (Megatron-style) placements are one point of the ILP, so its
     optimum, evaluated by the same cost model, is never slower."""
     g = graph(spec)
-    ev = _evaluator(g, cluster, "adamw", None)
-    for line in grid_configs(ev, 4, 8):
+    ev = planner_for(g, cluster, "adamw", None, devices=4, global_batch=8)
+    for line in grid_configs(g, 4, 8):
         for cfg in line:
             if cfg.sequence_parallel:
                 # the ILP's edge costs do not know a gathered shard feeds split work, so it
                 # charges sequence parallelism's backward an all-reduce where the compiled
                 # program reduce-scatters: the search keeps the manual plan where it is better
                 continue
-            a = ev.evaluate(cfg, 8, 4, ILP).step_time_s
-            b = ev.evaluate(cfg, 8, 4, MANUAL).step_time_s
+            a = ev.evaluate(cfg, ILP).step_time_s
+            b = ev.evaluate(cfg, MANUAL).step_time_s
             assert a <= b * (1 + 1e-6), (cfg.to_string(), a, b)
 
 
 def test_ilp_strictly_better_where_per_op_freedom_helps():
     # a tiny GPT on 4 CPU processes: tp=4 Megatron pays a collective per block for
     # matmuls too small to be worth splitting; the ILP replicates most of them
-    ev = _evaluator(graph(GPT), "cpu", "adamw", None)
+    ev = planner_for(graph(GPT), "cpu", "adamw", None, devices=4, global_batch=8)
     cfg = ParallelConfig(tp=4)
-    a, b = ev.evaluate(cfg, 8, 4, ILP), ev.evaluate(cfg, 8, 4, MANUAL)
+    a, b = ev.evaluate(cfg, ILP), ev.evaluate(cfg, MANUAL)
     assert a.step_time_s < 0.95 * b.step_time_s
     assert a.tp_comm_time_s < b.tp_comm_time_s
 
 
 def test_gpt3_ilp_on_the_chosen_mesh_is_megatron():
     # for GPT-3 on A100 nodes the Megatron pattern is optimal: the ILP finds it
-    ev = _evaluator(graph(GPT3), "dgx-a100-80g", "adamw", None)
+    ev = planner_for(graph(GPT3), "dgx-a100-80g", "adamw", None, devices=1024, global_batch=1536)
     cfg = ParallelConfig(dp=128, tp=8, microbatches=12, zero=1)
-    sh, _ = ev.sharding(cfg, 1536, ILP)
+    sh, _ = ev.sharding(cfg, ILP)
     names = {nd.module.removeprefix("model."): sh.strategy[nd.name].name
              for nd in ev.graph.nodes if nd.kind == "linear" and nd.group == "model.blocks.5"}
     assert names == {"blocks.5.attn.q": "colwise", "blocks.5.attn.k": "colwise", "blocks.5.attn.v": "colwise",
@@ -75,8 +76,8 @@ def test_repeated_layers_share_variables():
     sizes = {}
     for layers in (4, 24):
         g = as_graph(f"gpt:layers={layers},hidden=256,heads=8,seq=64,vocab=512")
-        ev = _evaluator(g, "dgx-a100-80g", "adamw", None)
-        sh, _ = ev.sharding(ParallelConfig(dp=2, tp=4), 8, ILP)
+        ev = planner_for(g, "dgx-a100-80g", "adamw", None, devices=8, global_batch=8)
+        sh, _ = ev.sharding(ParallelConfig(dp=2, tp=4), ILP)
         sizes[layers] = (sh.ilp.decisions, sh.ilp.variables, sh.ilp.constraints)
         assert sh.ilp.nodes > sh.ilp.decisions
         # every instance got the decisions of the first one
@@ -88,18 +89,18 @@ def test_repeated_layers_share_variables():
 
 def test_memory_bound_trades_time_for_memory():
     g = graph(GPT)
-    ev0 = _evaluator(g, "cpu", "adamw", None)
+    ev0 = planner_for(g, "cpu", "adamw", None, devices=4, global_batch=8)
     cfg = ParallelConfig(tp=4)
-    fast, megatron = ev0.evaluate(cfg, 8, 4, ILP), ev0.evaluate(cfg, 8, 4, MANUAL)
+    fast, megatron = ev0.evaluate(cfg, ILP), ev0.evaluate(cfg, MANUAL)
     assert fast.peak_memory_bytes > megatron.peak_memory_bytes
     # a device whose memory holds the Megatron plan but not the time-optimal one
     spec = ev0.cluster
     cap = (fast.peak_memory_bytes + megatron.peak_memory_bytes) / 2 / 0.9
     small = dataclasses.replace(spec, name="cpu-small", device=dataclasses.replace(spec.device, memory_bytes=int(cap)))
-    ev = _evaluator(g, small, "adamw", None)
-    est, sharder = _Chooser(ev, "ilp", ()).best(cfg, 8, 4, float("inf"))
+    ev = planner_for(g, small, "adamw", None, devices=4, global_batch=8, mode="ilp")
+    est, sharder = ev.choose(cfg, float("inf"))
     assert est.fits
-    assert est.step_time_s <= ev.evaluate(cfg, 8, 4, MANUAL).step_time_s * (1 + 1e-6)
+    assert est.step_time_s <= ev.evaluate(cfg, MANUAL).step_time_s * (1 + 1e-6)
     assert sharder.mode in ("ilp", "manual")
     if sharder.mode == "ilp":
         assert sharder.memory_limit is not None
@@ -109,13 +110,13 @@ def test_search_modes_and_never_worse_than_grid():
     g = graph(LLAMA)
     times = {}
     for mode in ("grid", "ilp", "greedy"):
-        ev = _evaluator(g, "cpu", "adamw", None)
-        res = search_grid(ev, 4, 8, mode=mode)
+        ev = planner_for(g, "cpu", "adamw", None, devices=4, global_batch=8, mode=mode)
+        res = search_grid(ev)
         times[mode] = res.best.step_time_s
     assert times["ilp"] <= times["grid"] * (1 + 1e-9)
     assert times["greedy"] <= times["grid"] * (1 + 1e-9)
     with pytest.raises(autopar.StrategyError, match="search mode"):
-        search_grid(_evaluator(g, "cpu", "adamw", None), 4, 8, mode="simulated_annealing")
+        Planner(g, "cpu", devices=4, global_batch=8, mode="simulated_annealing")
 
 
 def test_plan_search_mode_names():
@@ -188,22 +189,22 @@ def test_contradicting_pins_on_a_tied_weight_name_both():
 
 def test_find_conflict_names_the_pair():
     g = graph(GPT)
-    ev = _evaluator(g, "cpu", "adamw", None)
-    _, shapes = ev.sharding(ParallelConfig(dp=2, tp=2), 8)
+    ev = planner_for(g, "cpu", "adamw", None, devices=4, global_batch=8)
+    _, shapes = ev.sharding(ParallelConfig(dp=2, tp=2))
     # the sum of the two embeddings is a partial sum only if both lookups are
     # (vocabulary-parallel); pinning one replicated contradicts that
     pins = {"linear_3": "R", "embedding": "R", "add": "P"}
     assert find_conflict(g, 2, shapes, pins) == ("embedding", "add")
     with pytest.raises(InfeasiblePins, match="contradict") as e:
-        ev.sharding(ParallelConfig(dp=2, tp=2), 8, Sharder("ilp", tuple(pins.items())))
+        ev.sharding(ParallelConfig(dp=2, tp=2), Sharder("ilp", tuple(pins.items())))
     assert e.value.nodes == ("embedding", "add")
 
 
 def test_explain_lists_groups_and_runners_up():
     from autopar.explain import explain
-    p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
-                     search_mode="dynamic_programming")
-    e = explain(p)
+    p, rec = autopar.api.plan_and_record(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
+                                         search_mode="dynamic_programming")
+    e = explain(p, rec)
     assert e["ilp"]["variables"] > 0 and e["ilp"]["status"] == "Optimal"
     groups = e["groups"]
     assert "outside repeated layers" in groups and any(k.startswith("model.blocks.*") for k in groups)
@@ -211,4 +212,96 @@ def test_explain_lists_groups_and_runners_up():
     assert any(r["kind"] == "linear" and r["runners_up"] for r in rows)
     assert all(a["extra_s_per_step"] >= -1e-12 for r in rows for a in r.get("runners_up", []))
     with pytest.raises(autopar.PlanError, match="made in this process"):
-        explain(autopar.Plan.from_dict(p.to_dict()))
+        explain(autopar.Plan.from_dict(p.to_dict()), None)
+
+
+def test_explain_takes_the_record_of_its_plan():
+    """The search record comes beside the plan, not on it; a record of another
+    model's plan is refused, and the ILP's structures live in the planner's
+    state, not on the graph."""
+    from autopar.api import WARM, plan_and_record
+    from autopar.explain import explain
+    g = graph(GPT)
+    p, rec = plan_and_record(g, cluster="cpu", devices=4, global_batch=8)
+    e = explain(p, rec)
+    assert e["search"]["ilp_solves"] == rec.result.ilp_solves > 0 and e["configs"]
+    assert not hasattr(p, "search_result") and not hasattr(p, "tp_sharding")
+    _, other = plan_and_record(graph(LLAMA), cluster="cpu", devices=4, global_batch=8)
+    with pytest.raises(autopar.PlanError, match="record is of model"):
+        explain(p, other)
+    states = WARM._by_graph[id(g)]
+    assert any(s.ilp for s in states.values())
+    assert "_ilp_structures" not in vars(g) and "_evaluators" not in vars(g)
+
+
+# ------------------------------------------------------------------ solvers
+def _objectives(spec: str, solver: str) -> list[float]:
+    """The ILP's objective on a few programs of ``spec``: free, under a
+    binding memory bound, with pins against the free choice, with a pipeline."""
+    g = graph(spec)
+    pl = Planner(g, "cpu", devices=4, global_batch=8, solver=solver)
+    cfg = ParallelConfig(tp=4)
+    free, _ = pl.sharding(cfg, ILP)
+    peak = pl.evaluate(cfg, ILP).peak_memory_bytes
+    bounded, _ = pl.sharding(cfg, Sharder("ilp", (), 0.5 * peak))
+    # two 2-D weights of the second block pinned away from what the ILP chose
+    weights = [nd for nd in g.nodes if nd.kind == "param" and re.search(r"\.(blocks|layers)\.1\.", nd.param)
+               and len(nd.out.shape) == 2]
+    pins = tuple((nd.name, "S(0)" if free.out[nd.name] == "R" else "R") for nd in weights[:2])
+    pinned, _ = pl.sharding(cfg, Sharder("ilp", pins))
+    piped, _ = pl.sharding(ParallelConfig(tp=2, pp=2, microbatches=2), ILP)
+    objs = [free.ilp.objective_s, bounded.ilp.objective_s, pinned.ilp.objective_s, piped.ilp.objective_s]
+    assert objs[1] > objs[0] * (1 + 1e-3) and objs[2] > objs[0] * (1 + 1e-6)   # the bound and the pins bite
+    return objs
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA])
+def test_pulp_cbc_and_highs_agree(spec):
+    """The PuLP backend gets the same arrays as HiGHS: the same optimum."""
+    assert _objectives(spec, "pulp:CBC") == pytest.approx(_objectives(spec, "highs"), rel=1e-6)
+
+
+def test_plan_with_pulp_solver_and_conflicts():
+    def plan(**kw):
+        # the mesh fixed to tp=4 (the search prefers dp here), its placements searched
+        return autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
+                            search_mode="dynamic_programming", **kw)
+
+    h, c = plan(), plan(solver="pulp:CBC")
+    assert c.data["search"]["ilp"]["solver"] == "pulp:CBC" and "solver" not in h.data["search"]["ilp"]
+    assert c.predicted["step_time_s"] == pytest.approx(h.predicted["step_time_s"], rel=1e-6)
+    # the feasibility programs that name contradicting pins go through the same backend
+    g = graph(GPT)
+    _, shapes = planner_for(g, "cpu", "adamw", None, devices=4, global_batch=8).sharding(ParallelConfig(dp=2, tp=2))
+    pins = {"linear_3": "R", "embedding": "R", "add": "P"}
+    assert find_conflict(g, 2, shapes, pins, solver="pulp:CBC") == ("embedding", "add")
+
+
+def test_bad_solver_is_named(monkeypatch):
+    from autopar.search import solvers
+    for bad in ("cbc", "pulp:SCIP", "gurobi"):
+        with pytest.raises(autopar.StrategyError, match=rf"solver '{bad}' is unknown; valid: highs, pulp:CBC"):
+            autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, solver=bad)
+    solvers.backend.cache_clear()
+    try:
+        # PuLP present, the named solver not
+        monkeypatch.setitem(solvers.PULP_SOLVERS, "GLPK", ("NO_SUCH_SOLVER_CMD",))
+        with pytest.raises(autopar.StrategyError, match=r"'pulp:GLPK': PuLP finds none of NO_SUCH_SOLVER_CMD"):
+            Planner(graph(GPT), "cpu", devices=4, global_batch=8, solver="pulp:GLPK")
+        # PuLP not installed
+        monkeypatch.setitem(__import__("sys").modules, "pulp", None)
+        with pytest.raises(autopar.StrategyError, match=r"needs PuLP, which is not installed"):
+            solvers.backend("pulp:CBC")
+    finally:
+        solvers.backend.cache_clear()
+
+
+def test_cli_solver_option():
+    from typer.testing import CliRunner
+    from autopar.cli import app
+    args = ["plan", GPT, "-c", "cpu", "-n", "4", "-b", "8", "-s", "tp=4", "-m", "dynamic_programming", "--json"]
+    r = CliRunner().invoke(app, args + ["--solver", "pulp:CBC"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["search"]["ilp"]["solver"] == "pulp:CBC"
+    r = CliRunner().invoke(app, args + ["--solver", "glpk"])
+    assert r.exit_code != 0 and "solver 'glpk' is unknown; valid: highs, pulp:CBC" in " ".join(r.output.split())

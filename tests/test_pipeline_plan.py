@@ -1,5 +1,5 @@
 """Pipeline planning: stage units, the balanced partition, the schedules'
-memory multipliers, the pipelined Evaluator and the search."""
+memory multipliers, the pipelined cost model and the search."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +13,7 @@ from autopar.errors import StrategyError
 from autopar.pipeline import partition as pipe
 from autopar.pipeline.schedule import build_schedule, simulate
 from autopar.search.grid import pipeline_configs, search_grid
-from autopar.search.space import parse_strategy
+from autopar.spec import parse_strategy
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=128,seq=16"
 HEAVY_HEAD = "gpt:layers=8,hidden=128,heads=4,vocab=65536,seq=64"
@@ -98,9 +98,9 @@ def test_in_flight_matches_the_simulated_peak(schedule, pp, m, chunks):
 def test_pipeline_work_is_the_unpipelined_work(gpt):
     """The stages split the same nodes: their busy time adds up to the
     unpipelined compute and tp comm of the same microbatches."""
-    ev = api._evaluator(gpt, "dgx-a100-80g", "adamw", None)
-    flat = ev.evaluate(parse_strategy("tp=2,microbatches=4", 2), 8, 2)
-    piped = ev.evaluate(parse_strategy("tp=2,pp=2,microbatches=4", 4), 8, 4)
+    ev = api.planner_for(gpt, "dgx-a100-80g", "adamw", None, devices=4, global_batch=8)
+    flat = ev.evaluate(parse_strategy("tp=2,microbatches=4", 2), devices=2)
+    piped = ev.evaluate(parse_strategy("tp=2,pp=2,microbatches=4", 4))
     p = piped.pipeline
     busy = 4 * (sum(p["forward_s"]) + sum(p["backward_s"]))
     assert busy == pytest.approx(flat.compute_time_s + flat.tp_comm_time_s, rel=1e-6)
@@ -111,15 +111,21 @@ def test_pipeline_work_is_the_unpipelined_work(gpt):
 
 def test_balanced_stages_beat_even_ones_with_a_heavy_head():
     g = api.as_graph(HEAVY_HEAD)
-    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
+    ev = api.planner_for(g, "dgx-a100-80g", "adamw", None, devices=4, global_batch=64)
     cfg = parse_strategy("pp=4,microbatches=16", 4)
-    even = ev.evaluate(cfg, 64, 4, layers="even")
-    bal = ev.evaluate(cfg, 64, 4)
+    even = ev.evaluate(cfg, layers="even")
+    bal = ev.evaluate(cfg)
     assert even.pipeline["layers"] == [2, 2, 2, 2]
     assert bal.pipeline["layers"][-1] < 2, bal.pipeline["layers"]
     assert bal.step_time_s < even.step_time_s
-    fixed = ev.evaluate(cfg, 64, 4, layers=[3, 2, 2, 1])
+    fixed = ev.evaluate(cfg, layers=[3, 2, 2, 1])
     assert fixed.pipeline["layers"] == [3, 2, 2, 1]
+    # the pure cost model takes the split as an input: the planner's balanced one prices the same
+    sh, shapes = ev.sharding(cfg)
+    assert ev.model.estimate(cfg, sh, shapes, 64, 4, bal.pipeline["layers"]) == bal
+    assert ev.model.estimate(cfg, sh, shapes, 64, 4).pipeline["layers"] == [2, 2, 2, 2]
+    with pytest.raises(StrategyError):
+        ev.model.estimate(cfg, sh, shapes, 64, 4, [3, 2, 2])
 
 
 def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
@@ -129,7 +135,7 @@ def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
     assert p.parallel["chunks"] == 1
     assert "schedule=1f1b" in p.strategy
     loaded = autopar.Plan.load(p.save(tmp_path / "p.json"))
-    assert api.config_from_plan(loaded) == parse_strategy("pp=2,tp=2,microbatches=4,precision=fp32", 4)
+    assert loaded.config == parse_strategy("pp=2,tp=2,microbatches=4,precision=fp32", 4)
     with pytest.raises(StrategyError, match="5 pipeline stages need at least 5"):
         autopar.plan(gpt, cluster="cpu", devices=5, global_batch=5, strategy="pp=5")
 
@@ -139,23 +145,27 @@ def test_search_finds_pipelines_where_they_pay():
     many small-memory devices is pipelined, and the pipelined configuration
     space respects the seeds' rules."""
     g = api.as_graph("gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048")
-    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
-    cfgs = pipeline_configs(ev, 64, 512)
+    cfgs = pipeline_configs(g, 64, 512)
     assert cfgs and all(c.microbatches >= c.pp for c in cfgs)
     assert all(c.microbatches % c.pp == 0 for c in cfgs if c.schedule == "interleaved")
-    res = search_grid(ev, 64, 512, mode="ilp")
-    grid = search_grid(ev, 64, 512, mode="grid")
+
+    def planner(mode: str):
+        return api.planner_for(g, "dgx-a100-80g", "adamw", None, devices=64, global_batch=512, mode=mode)
+
+    res = search_grid(planner("ilp"))
+    grid = search_grid(planner("grid"))
     assert res.best.step_time_s <= grid.best.step_time_s * (1 + 1e-9)
-    flat = search_grid(ev, 64, 512, mode="ilp", pipeline=False)
+    flat = search_grid(planner("ilp"), pipeline=False)
     assert res.best.step_time_s <= flat.best.step_time_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
-    """The Evaluator extrapolates the steady state of long pipelines; on
+    """The cost model extrapolates the steady state of long pipelines; on
     uneven stages with transfers it must equal simulating every microbatch."""
-    from autopar.search.space import ParallelConfig
-    ev = api._evaluator(api.as_graph(GPT), "cpu", "adamw", None)
+    from autopar.cost import CostModel
+    from autopar.spec import ParallelConfig
+    ev = CostModel(api.as_graph(GPT), "cpu")
     rng = random.Random(3)
     for pp in (2, 4, 8):
         v = pp * chunks
@@ -172,13 +182,14 @@ def test_extrapolated_timeline_equals_the_full_simulation(schedule, chunks):
 
 
 def test_tied_weights_across_stages_cost_an_all_reduce():
-    ev_tied = api._evaluator(api.as_graph(GPT + ",tie=1"), "dgx-a100-80g", "adamw", None)
-    ev = api._evaluator(api.as_graph(GPT), "dgx-a100-80g", "adamw", None)
+    ev_tied = api.planner_for(api.as_graph(GPT + ",tie=1"), "dgx-a100-80g", "adamw", None, devices=2,
+                              global_batch=8)
+    ev = api.planner_for(api.as_graph(GPT), "dgx-a100-80g", "adamw", None, devices=2, global_batch=8)
     cfg = parse_strategy("pp=2,microbatches=4", 2)
-    tied, untied = ev_tied.evaluate(cfg, 8, 2), ev.evaluate(cfg, 8, 2)
+    tied, untied = ev_tied.evaluate(cfg), ev.evaluate(cfg)
     # both ranks hold a copy of the tied weight, and pay for summing its gradients
     assert tied.dp_comm_time_s > 0 == untied.dp_comm_time_s
-    flat = ev_tied.evaluate(parse_strategy("microbatches=4", 1), 8, 1)
+    flat = ev_tied.evaluate(parse_strategy("microbatches=4", 1), devices=1)
     assert flat.dp_comm_time_s == 0
 
 
@@ -188,19 +199,18 @@ def test_memory_bounded_ilp_on_a_pipeline():
     the search keeps that plan where it fits and beats the Megatron one."""
     import dataclasses
 
-    from autopar.cost import Evaluator, Sharder
-    from autopar.search.grid import _Chooser
+    from autopar.search.planner import Planner, Sharder
     g = api.as_graph("gpt:layers=8,hidden=512,heads=8,vocab=8192,seq=256")
-    ev = api._evaluator(g, "dgx-a100-80g", "adamw", None)
+    ev = api.planner_for(g, "dgx-a100-80g", "adamw", None, devices=8, global_batch=32)
     cfg = parse_strategy("pp=2,tp=4,microbatches=8", 8)
-    manual, free = ev.evaluate(cfg, 32, 8), ev.evaluate(cfg, 32, 8, Sharder("ilp"))
+    manual, free = ev.evaluate(cfg), ev.evaluate(cfg, Sharder("ilp"))
     assert free.step_time_s < manual.step_time_s and free.peak_memory_bytes > manual.peak_memory_bytes
     limit = (manual.peak_memory_bytes + free.peak_memory_bytes) / 2
-    bounded = ev.evaluate(cfg, 32, 8, Sharder("ilp", (), limit - free.memory["transient"]))
+    bounded = ev.evaluate(cfg, Sharder("ilp", (), limit - free.memory["transient"]))
     assert bounded.peak_memory_bytes <= limit
     assert free.step_time_s <= bounded.step_time_s <= manual.step_time_s
     # the search does the same on a device with that much memory
     small = dataclasses.replace(ev.cluster, device=dataclasses.replace(ev.cluster.device,
                                                                        memory_bytes=int(limit / 0.9)))
-    est, sh = _Chooser(Evaluator(g, small), "ilp", ()).best(cfg, 32, 8, float("inf"))
+    est, sh = Planner(g, small, devices=8, global_batch=32, mode="ilp").choose(cfg, float("inf"))
     assert est.fits and sh.memory_limit is not None and est.step_time_s < manual.step_time_s

@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, str]], refused: di
 
 def _check(runs, results_per_rank) -> None:
     from autopar.pipeline.schedule import build_schedule
-    from autopar.search.space import parse_strategy
+    from autopar.spec import parse_strategy
 
     for spec, strategy, opt in runs:
         ref_losses, ref_state = _single_run(spec, opt)
@@ -106,7 +106,7 @@ def _compiled(spec: str, tp: int):
     with ``tp > 1`` the collectives are only placed, not run)."""
     from autopar import api
     from autopar.compile.rewrite import compile_local
-    from autopar.search.propagate import scaled_shapes
+    from autopar.sharding import scaled_shapes
     from autopar.trace import trace
 
     z, x, y = _data(spec)
@@ -121,7 +121,7 @@ def _compiled(spec: str, tp: int):
 @pytest.mark.parametrize("spec,stages", [(GPT4, 4), (LLAMA, 2)])
 def test_split_stages_chained_equal_whole_program(spec, stages):
     from autopar.pipeline.partition import assign, even_layers, units
-    from autopar.runtime.pipeline import split_stages
+    from autopar.compile.stages import split_stages
 
     graph, gm, x, y = _compiled(spec, 1)
     stage_of = assign(graph, even_layers(units(graph).layers, stages))
@@ -150,7 +150,7 @@ def test_split_stages_chained_equal_whole_program(spec, stages):
 
 def test_split_stages_places_inserted_collectives_with_their_users():
     from autopar.pipeline.partition import assign, even_layers, units
-    from autopar.runtime.pipeline import split_stages
+    from autopar.compile.stages import split_stages
 
     graph, gm, _, _ = _compiled(LLAMA, 2)
     stage_of = assign(graph, even_layers(units(graph).layers, 2))

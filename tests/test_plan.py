@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 
 import autopar
-from autopar import Plan, PlanError
+from autopar import ParallelConfig, Plan, PlanError
 from autopar.api import as_graph, sharding_from_plan
-from autopar.plan import PLAN_VERSION
+from autopar.plan import PLAN_SCHEMA, PLAN_VERSION
+from autopar.spec import FIELDS
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=16,vocab=128"
@@ -106,6 +108,41 @@ def test_unknown_key_and_bad_values(gpt_plan):
     assert "at 'devices'" in str(_bad(gpt_plan, lambda d: d.__setitem__("devices", 0)))
 
 
+def test_parallel_schema_is_generated_from_the_strategy_keys(gpt_plan):
+    schema = PLAN_SCHEMA["properties"]["parallel"]
+    assert list(schema["properties"]) == [k.name for k in FIELDS] == list(ParallelConfig().as_dict())
+    assert schema["properties"] == {k.name: k.schema() for k in FIELDS}
+    # the keys of the first plans stay required; the later ones are optional for the plans written before them
+    assert schema["required"] == ["dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"]
+    assert "'bogus'" in str(_bad(gpt_plan, lambda d: d["parallel"].__setitem__("bogus", 1)))
+    for k in FIELDS:
+        if k.choices:
+            good, bad = k.choices[-1], "bogus" if k.type is str else max(k.choices) + 1
+        elif k.type is bool:
+            good, bad = not k.default, "true"
+        else:
+            good, bad = k.minimum + 1, k.minimum - (1 if k.type is int else 0)
+        d = copy.deepcopy(gpt_plan.to_dict())
+        d["parallel"][k.name] = good
+        assert Plan.from_dict(d).parallel[k.name] == good
+        e = _bad(gpt_plan, lambda d: d["parallel"].__setitem__(k.name, bad))
+        assert f"at 'parallel/{k.name}'" in str(e), (k.name, bad)
+
+
+def test_config_of_a_plan(gpt_plan, tmp_path):
+    cfg = gpt_plan.config
+    assert cfg == dataclasses.replace(autopar.parse_strategy("dp=2,tp=2", 4), precision=gpt_plan.data["precision"])
+    assert cfg.to_string() == gpt_plan.strategy
+    assert Plan.load(gpt_plan.save(tmp_path / "p.json")).config == cfg
+    # a plan written before the memory options: their defaults, the precision the plan's
+    d = copy.deepcopy(gpt_plan.to_dict())
+    d["parallel"] = {k: d["parallel"][k] for k in ("dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero")}
+    d["precision"] = "mixed"
+    old = Plan.from_dict(d)
+    assert old.config == ParallelConfig(dp=2, tp=2, precision="bf16")
+    assert old.strategy == "dp=2,tp=2,pp=1,microbatches=1,recompute=none,zero=0"
+
+
 def test_not_an_object():
     with pytest.raises(PlanError, match="JSON object"):
         Plan.from_dict([1, 2])
@@ -158,10 +195,10 @@ def test_summary_auto_search():
 def test_sharding_from_plan(spec, strategy, devices):
     g = as_graph(spec)
     p = autopar.plan(g, cluster="cpu", devices=devices, global_batch=8, strategy=strategy)
-    from autopar.api import _evaluator
-    ev = _evaluator(g, "cpu", "adamw", None)
+    from autopar.api import planner_for
+    ev = planner_for(g, "cpu", "adamw", None, devices=devices, global_batch=8)
     cfg = autopar.parse_strategy(strategy, devices)
-    want, _ = ev.sharding(cfg, 8)
+    want, _ = ev.sharding(cfg)
     got = sharding_from_plan(g, p)
     assert got is not None
     assert got.n == cfg.tp

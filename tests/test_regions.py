@@ -1,4 +1,5 @@
-"""Layer regions (:mod:`autopar.runtime.regions`): recompute and ZeRO-3 (FSDP2).
+"""Layer regions (:mod:`autopar.compile.regions` cuts them, :mod:`autopar.runtime.regions` runs them):
+recompute and ZeRO-3 (FSDP2).
 
 In this process: the region module of a compiled GPT (tied head) / Llama, and
 of two pipeline stages, computes the same loss and gradients as the flat
@@ -28,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar import ops
+
 from distributed import run_distributed
 
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
@@ -53,15 +56,16 @@ def _program(spec: str, strategy: str = "tp=1", devices: int = 1, batch: int = B
     """(zoo model, tokens, targets, traced graph, LocalProgram) for ``strategy``
     (the program runs one of ``micro`` microbatches of this rank's part of the batch)."""
     from autopar import api
-    from autopar.compile.rewrite import _get_attr, compile_local
-    from autopar.search.propagate import scaled_shapes
+    from autopar.compile.fx_utils import get_attr
+    from autopar.compile.rewrite import compile_local
+    from autopar.sharding import scaled_shapes
     from autopar.trace import trace
 
     z, x, y = _data(spec, batch)
     graph = trace(z.model, (x,), loss_fn=z.loss_fn, target=y)
     plan = api.plan(graph, cluster="cpu", devices=devices, global_batch=batch, strategy=strategy)
-    cfg = api.config_from_plan(plan)
-    full = {n.target: _get_attr(graph.gm, n.target) for n in graph.gm.graph.nodes if n.op == "get_attr"}
+    cfg = plan.config
+    full = {n.target: get_attr(graph.gm, n.target) for n in graph.gm.graph.nodes if n.op == "get_attr"}
     prog = compile_local(graph, api.sharding_from_plan(graph, plan), scaled_shapes(graph, batch // micro, cfg.dp),
                          tp_rank=tp_rank, tp_group=tp_group, params=full)
     return z, x, y, graph, prog
@@ -75,7 +79,8 @@ def _grads(module: nn.Module, names: dict[str, str] | None = None) -> dict[str, 
 # ------------------------------------------------------------------------------- one process
 @pytest.mark.parametrize("spec", [GPT_TIED, LLAMA])
 def test_regions_match_flat_program_with_every_recompute_mode(spec):
-    from autopar.runtime.regions import Region, apply_recompute, layer_regions, regions
+    from autopar.compile.regions import layer_regions
+    from autopar.runtime.regions import Region, apply_recompute, regions
 
     z, x, y, graph, prog = _program(spec)
     gm = prog.module
@@ -97,7 +102,7 @@ def test_regions_match_flat_program_with_every_recompute_mode(spec):
     parent = {n for n in rm.param_names if not any(n.startswith(p + ".") for p in found)}
     assert parent == {n for n in want if ".blocks." not in n and ".layers." not in n}
     for mode in ["none", "full", "selective"]:
-        apply_recompute(rm, mode)
+        apply_recompute(rm, mode, ops.save_ops())
         gm.zero_grad(set_to_none=True)
         loss = rm(x, y)
         loss.backward()
@@ -113,8 +118,9 @@ def test_regions_match_flat_program_with_every_recompute_mode(spec):
 
 def test_regions_of_pipeline_stages():
     from autopar.pipeline.partition import assign, even_layers, units
-    from autopar.runtime.pipeline import split_stages
-    from autopar.runtime.regions import apply_recompute, layer_regions, regions
+    from autopar.compile.regions import layer_regions
+    from autopar.compile.stages import split_stages
+    from autopar.runtime.regions import apply_recompute, regions
 
     z, x, y, graph, prog = _program("gpt:layers=4,hidden=32,heads=4,seq=8,vocab=64")
     gm = prog.module
@@ -127,7 +133,7 @@ def test_regions_of_pipeline_stages():
     assert [list(regions(m)) for m in mods] == [["model.blocks.0", "model.blocks.1"],
                                                 ["model.blocks.2", "model.blocks.3"]]
     for m, mode in zip(mods, ["full", "selective"]):
-        apply_recompute(m, mode)
+        apply_recompute(m, mode, ops.save_ops())
     env = {"input_0": x, "target": y}
     for st, m in zip(stages, mods):
         out = m(*[env[n] for n in st.args])
@@ -174,7 +180,8 @@ class _DropNet(nn.Module):
 
 @pytest.mark.parametrize("share", ["scale", "ln"])
 def test_dropout_and_shared_weight_under_recompute(share):
-    from autopar.runtime.regions import apply_recompute, layer_regions, regions
+    from autopar.compile.regions import layer_regions
+    from autopar.runtime.regions import apply_recompute, regions
     from autopar.trace import trace
 
     torch.manual_seed(0)
@@ -193,7 +200,7 @@ def test_dropout_and_shared_weight_under_recompute(share):
     results = {}
     for mode in ["flat", "none", "full", "selective"]:
         if mode != "flat":
-            apply_recompute(rm, mode)
+            apply_recompute(rm, mode, ops.save_ops())
         gm.zero_grad(set_to_none=True)
         torch.manual_seed(123)
         loss = (gm if mode == "flat" else rm)(x, y)
@@ -212,7 +219,8 @@ def test_dropout_and_shared_weight_under_recompute(share):
 
 
 def test_batchnorm_running_stats_are_updated_once_under_recompute():
-    from autopar.runtime.regions import apply_recompute, layer_regions, regions
+    from autopar.compile.regions import layer_regions
+    from autopar.runtime.regions import apply_recompute, regions
     from autopar.trace import trace
 
     z = __import__("autopar.zoo", fromlist=["build"]).build("cnn:layers=3,channels=8,image=8,classes=4",
@@ -227,7 +235,7 @@ def test_batchnorm_running_stats_are_updated_once_under_recompute():
         rm = layer_regions(gm, graph)
         assert list(regions(rm)) == ["model.blocks.1", "model.blocks.2"]     # block 0 has other shapes
         assert all(r.mutated_buffers == ["bn.running_mean", "bn.running_var"] for r in regions(rm).values())
-        apply_recompute(rm, mode)
+        apply_recompute(rm, mode, ops.save_ops())
         loss = rm(x, y)
         loss.backward()
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
@@ -272,14 +280,15 @@ class _LiveStorage:
 
 
 def test_recompute_saves_activation_memory():
-    from autopar.runtime.regions import apply_recompute, layer_regions
+    from autopar.compile.regions import layer_regions
+    from autopar.runtime.regions import apply_recompute
 
     z, x, y, graph, prog = _program("gpt:layers=4,hidden=64,heads=4,seq=32,vocab=64")
     gm = prog.module
     rm = layer_regions(gm, graph)
     kept, hooked = {}, {}
     for mode in ["none", "selective", "full"]:
-        apply_recompute(rm, mode)
+        apply_recompute(rm, mode, ops.save_ops())
         gm.zero_grad(set_to_none=True)
         nbytes = [0]
 
@@ -377,7 +386,8 @@ def _zero3_worker(rank: int, world: int, runs) -> dict:
 
     from autopar.runtime import collectives as C
     from autopar.runtime.dist import Mesh
-    from autopar.runtime.regions import apply_recompute, full_tensor, fully_shard_regions, layer_regions, regions
+    from autopar.compile.regions import layer_regions
+    from autopar.runtime.regions import apply_recompute, full_tensor, fully_shard_regions, regions
     from autopar.strategies import is_shard, shard_dim
 
     results = {}
@@ -387,7 +397,7 @@ def _zero3_worker(rank: int, world: int, runs) -> dict:
         dp_rank, tp_rank, tp_group = mesh.coord("dp"), mesh.coord("tp"), mesh.group("tp")
         z, x, y, graph, prog = _program(spec, f"dp={dp},tp={tp}", world, BATCH, tp_rank, tp_group, micro)
         rm = layer_regions(prog.module, graph)
-        apply_recompute(rm, mode)
+        apply_recompute(rm, mode, ops.save_ops())
         fully_shard_regions(rm, mesh.device_mesh["dp"], param_dtype=dtype,
                             reduce_dtype=torch.float32 if dtype is not None else None, offload=offload)
         opt = torch.optim.AdamW(rm.parameters(), lr=LR)

@@ -7,7 +7,7 @@ import pytest
 
 from autopar.graph import Node, TensorInfo
 from autopar.strategies import R, P, S, candidates, has_rule, is_shard, shard_dim
-from autopar.strategies.placement import valid
+from autopar.spec.placement import valid
 from autopar.strategies.rules import Ctx, view_map
 
 
@@ -140,6 +140,41 @@ def test_elementwise_nonlinear_has_no_partial():
     c = by_name(candidates(ctx(nd, [(4, 8)], 2)))
     assert "partial" not in c
     assert c["dim0"].ins == (S(0),) and c["dim1"].ins == (S(1),)
+
+
+def test_elementwise_partial_only_for_sums_of_tensors():
+    # x + 1.0 on summands would add 1.0 once per rank; neg is linear in its one operand
+    assert "partial" not in by_name(candidates(ctx(node("elementwise", "add", 1, out=(4, 8)), [(4, 8)], 2)))
+    assert "partial" not in by_name(candidates(ctx(node("elementwise", "rsub", 1, out=(4, 8)), [(4, 8)], 2)))
+    assert by_name(candidates(ctx(node("elementwise", "neg", 1, out=(4, 8)), [(4, 8)], 2)))["partial"].ins == (P,)
+    assert by_name(candidates(ctx(node("elementwise", "sub", 2, out=(4, 8)), [(4, 8), (4, 8)], 2)))[
+        "partial"].ins == (P, P)
+
+
+def test_tril_keeps_its_matrix_dims_whole():
+    # the diagonal counts from the global row and column: only leading (batch) dims split
+    names = set(by_name(candidates(ctx(node("elementwise", "tril", 1, out=(4, 8, 8)), [(4, 8, 8)], 2))))
+    assert names == {"replicate", "dim0"}
+
+
+def test_functional_bias_goes_with_the_output_channels():
+    nd = node("linear", "linear", 3, out=(2, 8, 16))
+    c = by_name(candidates(ctx(nd, [(2, 8, 32), (16, 32), (16,)], 2, ["input", "param", "param"])))
+    assert c["colwise"].ins == (R, S(0), S(0)) and c["batch0"].ins == (S(0), R, R)
+    assert "rowwise" not in c                  # each partial sum would add the bias
+    nd = node("conv", "conv2d", 3, out=(4, 8, 6, 6), groups=1)
+    c = by_name(candidates(ctx(nd, [(4, 4, 6, 6), (8, 4, 3, 3), (8,)], 2, ["input", "param", "param"])))
+    assert c["out_channels"].ins == (R, S(0), S(0)) and c["batch"].ins == (S(0), R, R)
+    assert "in_channels" not in c
+
+
+def test_baddbmm_places_the_added_term_like_the_output():
+    nd = node("matmul", "baddbmm", 3, out=(4, 8, 6))
+    c = by_name(candidates(ctx(nd, [(4, 1, 6), (4, 8, 10), (4, 10, 6)], 2)))
+    assert c["batch0"].ins == (S(0), S(0), S(0))
+    assert c["rows"].ins == (R, S(1), R)       # c broadcast along the rows
+    assert c["cols"].ins == (S(2), R, S(2))
+    assert "contract" not in c                 # each partial sum would add c
 
 
 # ------------------------------------------------------------------ others

@@ -1,10 +1,14 @@
 """Manual strategies: the grammar of parse_strategy and the checks of check_config / evaluate."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 import autopar
 from autopar import ParallelConfig, StrategyError, parse_strategy
+from autopar.spec import ALIASES, FIELDS, KEYS, Key, describe, key
 from autopar.api import as_graph
 from autopar.cost import check_config, tp_valid_sizes
 
@@ -187,6 +191,108 @@ def test_memory_option_keys_and_aliases():
 def test_strategy_error_is_value_error():
     with pytest.raises(ValueError):
         parse_strategy("dp=x")
+
+
+# ------------------------------------------------------------------ the per-key descriptions
+PIPE = ParallelConfig(dp=1, tp=2, pp=2, microbatches=4, schedule="1f1b", precision="bf16")
+FLAT = ParallelConfig(dp=2, tp=2, precision="bf16")
+
+
+def _values(k: Key) -> list:
+    """Every allowed value of key ``k`` (a few for numbers)."""
+    if k.type is bool:
+        return [True, False]
+    if k.choices:
+        return [k.default, *k.choices] if k.default not in k.choices else list(k.choices)
+    if k.type is int:
+        return [k.minimum, k.minimum + 1, k.minimum + 3]
+    return [k.minimum + 0.5, 10.0, k.default, 100.25]
+
+
+def _configs(k: Key):
+    """Configs with key ``k`` at each of its values and valid for the grammar (on a pipeline or not)."""
+    for value in _values(k):
+        ok = []
+        for base in (PIPE, FLAT):
+            if k.pipeline and base.pp == 1 and value != k.default:
+                continue            # pipeline keys are meaningless (and not written) without one
+            extra = {"chunks": 2} if (k.name, value) == ("schedule", "interleaved") else \
+                {"schedule": "interleaved"} if k.name == "chunks" and value > 1 else \
+                {"schedule": "1f1b" if value > 1 else "none"} if k.name == "pp" else {}
+            cfg = dataclasses.replace(base, **extra, **{k.name: value})
+            try:
+                parse_strategy(cfg.to_string())
+            except StrategyError:
+                continue
+            ok.append(cfg)
+        assert ok, f"{k.name}={value!r} fits no strategy"
+        yield from ok
+
+
+@pytest.mark.parametrize("k", FIELDS, ids=lambda k: k.name)
+def test_every_key_round_trips(k):
+    seen = set()
+    for cfg in _configs(k):
+        assert parse_strategy(cfg.to_string()) == cfg, cfg.to_string()
+        assert ParallelConfig.from_dict(cfg.as_dict()) == cfg
+        assert ParallelConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
+        seen.add(getattr(cfg, k.name))
+        if getattr(cfg, k.name) != k.default and (cfg.pp > 1 or not k.pipeline):
+            assert f"{k.name}={k.format(getattr(cfg, k.name))}" in cfg.to_string().split(",")
+    assert seen == set(_values(k))
+
+
+def test_to_string_of_the_defaults():
+    assert ParallelConfig().to_string() == "dp=1,tp=1,pp=1,microbatches=1,recompute=none,zero=0"
+    assert PIPE.to_string() == "dp=1,tp=2,pp=2,microbatches=4,schedule=1f1b,recompute=none,zero=0,precision=bf16"
+    full = ParallelConfig(dp=1, tp=2, pp=2, microbatches=4, schedule="interleaved", chunks=2, recompute="full",
+                          zero=1, sequence_parallel=True, offload="optimizer", precision="fp16",
+                          reduce_dtype="fp32", overlap=False, bucket_mb=12.5)
+    assert full.to_string() == ("dp=1,tp=2,pp=2,microbatches=4,schedule=interleaved,chunks=2,recompute=full,zero=1,"
+                                "sequence_parallel=true,offload=optimizer,precision=fp16,reduce_dtype=fp32,"
+                                "overlap=false,bucket_mb=12.5")
+
+
+def test_keys_and_aliases_come_from_the_fields():
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
+    assert [k.name for k in FIELDS] == names
+    assert KEYS == tuple(names[:4]) + ("accumulate",) + tuple(names[4:])
+    assert set(ALIASES.values()) <= set(KEYS) and not set(ALIASES) & set(KEYS)
+    for k in FIELDS:
+        assert k.doc and k.type is type(k.default)
+        for alias in k.aliases:
+            assert parse_strategy(f"{alias}={k.format(getattr(FLAT, k.name))}") is not None
+    assert "bucket_mb" in describe() and "gradient_accumulation_steps" in describe()
+
+
+def test_from_dict_defaults_and_aliases():
+    assert ParallelConfig.from_dict({}) == ParallelConfig()
+    assert ParallelConfig.from_dict({"dp": 4, "precision": "mixed"}) == ParallelConfig(dp=4, precision="bf16")
+    assert ParallelConfig.from_dict({"dp": 2.0, "bucket_mb": 10}) == ParallelConfig(dp=2, bucket_mb=10.0)
+
+
+@pytest.mark.parametrize("d,words", [
+    ({"dq": 2}, "unknown strategy key 'dq'; valid keys: dp, tp"),
+    ({"dp": 0}, "'dp' must be >= 1, got 0"),
+    ({"dp": "2"}, "'dp' needs an integer, got '2'"),
+    ({"tp": True}, "'tp' needs an integer, got True"),
+    ({"zero": 4}, "zero=4 is invalid; valid stages: 0, 1, 2, 3"),
+    ({"recompute": "partial"}, "recompute='partial' is invalid; valid: none, selective, full"),
+    ({"schedule": "zb"}, "schedule='zb' is invalid; valid: gpipe, 1f1b, interleaved"),
+    ({"precision": "fp8"}, r"precision='fp8' is invalid; valid: fp32, bf16, fp16 \(mixed = bf16\)"),
+    ({"sequence_parallel": "yes"}, "'sequence_parallel' needs true or false, got 'yes'"),
+    ({"bucket_mb": 0}, "bucket_mb must be > 0, got 0"),
+    ({"bucket_mb": "big"}, "bucket_mb needs a number of MiB, got 'big'"),
+])
+def test_from_dict_errors(d, words):
+    with pytest.raises(StrategyError, match=words):
+        ParallelConfig.from_dict(d)
+
+
+def test_key_lookup():
+    assert key("zero").choices == (0, 1, 2, 3) and key("bucket_mb").default == 25.0
+    with pytest.raises(StrategyError, match="unknown strategy key 'tensor'"):
+        key("tensor")
 
 
 # ------------------------------------------------------------------ checks against a model

@@ -34,13 +34,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .. import ops
 from ..errors import CompileError
 from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
-from ..search.propagate import AxisSharding, needs_grad
+from ..sharding import AxisSharding, needs_grad
+from ..spec.placement import P, R
 from ..strategies import is_shard, shard_dim
-from ..strategies.placement import P, R
+from ..strategies.redistribute import transition_steps
+from .fx_utils import get_attr
 
 
 class Comm(nn.Module):
@@ -102,7 +105,6 @@ class LocalProgram:
     comms: int                           # collectives inserted
 
 
-_SHAPE_ARG_OPS = {"view", "reshape", "expand", "_unsafe_view"}
 
 
 def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, ...]:
@@ -145,30 +147,21 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
         return new.call_module(add_module(kind, Comm(kind, tp_group, dim, dim2)), (x,))
 
     def reshard(name: str, want: str, into_split: bool) -> fx.Node:
+        """``name``'s value as the consumer reads it: the steps of the
+        redistribution table, one Comm module each (shared by the consumers
+        that read it alike)."""
         have = tp.out.get(name, R)
-        g = grad.get(name, False) and into_split and want == R
+        g = grad.get(name, False) and into_split and want == R and n > 1
         key = (name, want, g)
         if key in reshard_cache:
             return reshard_cache[key]
+        try:
+            steps = transition_steps(have, want, grad.get(name, False) and n > 1, into_split)
+        except CompileError as e:
+            raise CompileError(f"{name}: {e}") from None
         x = env[name]
-        if have != want:
-            if want == P:
-                raise CompileError(f"cannot turn {have} into a partial value for {name}")
-            if have == P and want == R:
-                x = comm(x, "all_reduce")
-            elif have == P:
-                x = comm(x, "reduce_scatter", shard_dim(want))
-            elif have == R:
-                x = comm(x, "split", shard_dim(want))
-            elif want == R and g:   # sequence parallel's entry: the backward reduce-scatters
-                x = comm(x, "all_gather_reduce_grad", shard_dim(have))
-                g = False
-            elif want == R:
-                x = comm(x, "all_gather", shard_dim(have))
-            else:
-                x = comm(x, "all_to_all", shard_dim(have), shard_dim(want))
-        if g and n > 1:
-            x = comm(x, "reduce_grad")
+        for step in steps:
+            x = comm(x, step.kind, *step.dims)
         reshard_cache[key] = x
         return x
 
@@ -181,7 +174,7 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
         if fnode.op == "get_attr":
             t = params.get(fnode.target)
             if t is None:   # a constant tensor the tracer kept
-                t = _get_attr(graph.gm, fnode.target)
+                t = get_attr(graph.gm, fnode.target)
             p = tp.out.get(fnode.name, R) if n > 1 else R
             local = t.detach()
             if is_shard(p) and isinstance(t, torch.Tensor):
@@ -231,11 +224,14 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
                 str(nd.attrs.get("reduction", "mean"))))
             env[fnode.name] = new.call_module(mod, (remap[nd.inputs[0]], remap[nd.inputs[1]]))
             continue
-        if nd is not None and nd.out is not None and _target_name(fnode) in _SHAPE_ARG_OPS:
+        info = ops.op_info(fnode.target if op == "call_function" else str(fnode.target)) \
+            if op in ("call_function", "call_method") and nd is not None and nd.out is not None else None
+        if info is not None and info.shape_arg is not None:
             shape = shapes.get(fnode.name)
             if shape is not None:
+                # the traced sizes (symbolic ones included) become this rank's local sizes
                 local = _local_shape(tuple(shape), tp.out.get(fnode.name, R) if n > 1 else R, n)
-                args = (args[0], tuple(local))
+                args = (*args[:info.shape_arg], tuple(local))
                 kwargs = {}
         if op == "call_module":
             root[target] = graph.gm.get_submodule(target)
@@ -248,16 +244,3 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     gm.recompile()
     del fx_nodes
     return LocalProgram(module=gm, param_placement=param_placement, comms=counter["comm"])
-
-
-def _target_name(n: fx.Node) -> str:
-    if n.op == "call_method":
-        return str(n.target)
-    return getattr(n.target, "__name__", str(n.target))
-
-
-def _get_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

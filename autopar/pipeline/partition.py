@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import StrategyError
-from ..graph import Graph
+from ..graph import STATE_KINDS, Graph
 
-_NOT_UNITS = ("param", "buffer")
+_NOT_UNITS = STATE_KINDS
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,15 @@ class Units:
 
 
 def units(graph: Graph) -> Units:
-    """The pipeline units of ``graph`` (cached on it). The layers are the
+    """The pipeline units of ``graph`` (memoised on it). The layers are the
     instances of the largest repeated-layer group whose instances run one
     after the other (each reads what the one before produced: transformer
     blocks, not the parallel q/k/v projections inside one). Raises
     :class:`StrategyError` for a graph without such layers."""
-    cached = getattr(graph, "_pipeline_units", None)
-    if cached is not None:
-        return cached
+    return graph.memo(("pipeline_units",), lambda: _units(graph))
+
+
+def _units(graph: Graph) -> Units:
     pos = {nd.name: k for k, nd in enumerate(graph.nodes)}
     group = _sequential_group(graph, pos)
     if group is None:
@@ -66,9 +67,7 @@ def units(graph: Graph) -> Units:
         elif k > last_layer_pos:
             cur = tail
         of_node[nd.name] = cur
-    out = Units(labels=("<embed>", *order, "<head>"), of_node=of_node)
-    graph._pipeline_units = out
-    return out
+    return Units(labels=("<embed>", *order, "<head>"), of_node=of_node)
 
 
 def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:

@@ -27,9 +27,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from ..errors import StrategyError
+from ..spec import PIPELINE_SCHEDULES as SCHEDULES, check_schedule   # the rules live with the strategy keys
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 KINDS = ("F", "B")
 _HOLDS = {"F": 1, "B": -1}  # change in activations held when an action of each kind finishes
 
@@ -49,37 +48,6 @@ class Action:
     def stage(self, rank: int, pp: int) -> int:
         """The virtual stage this action runs on when executed by ``rank`` of ``pp``."""
         return self.chunk * pp + rank
-
-
-def check_schedule(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> None:
-    """Raise :class:`StrategyError` unless ``schedule`` can run ``microbatches`` over ``pp`` ranks.
-
-    The message names the offending value and what would be valid.
-    """
-    if schedule not in SCHEDULES:
-        raise StrategyError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    for key, value in (("pp", pp), ("microbatches", microbatches), ("chunks", chunks)):
-        if not isinstance(value, int) or value < 1:
-            raise StrategyError(f"{key}={value!r} is invalid; it must be an integer >= 1")
-    if pp > 1 and microbatches < pp:
-        raise StrategyError(
-            f"microbatches={microbatches} < pp={pp}: every pipeline stage needs a microbatch to work on "
-            f"(MindFormers' rule micro_batch_num >= pipeline_stage); use microbatches >= {pp}")
-    if schedule == "interleaved":
-        if chunks < 2:
-            raise StrategyError(
-                f"schedule=interleaved needs chunks >= 2 model chunks per rank, got chunks={chunks}; "
-                f"use chunks >= 2, or schedule=1f1b for one chunk per rank")
-        if microbatches % pp:
-            lower, upper = microbatches // pp * pp, (microbatches // pp + 1) * pp
-            raise StrategyError(
-                f"schedule=interleaved needs microbatches to be a multiple of pp (Megatron's and "
-                f"Colossal-AI's rule for interleaved schedules), got microbatches={microbatches}, pp={pp}; "
-                f"use microbatches={lower} or {upper}")
-    elif chunks != 1:
-        raise StrategyError(
-            f"chunks={chunks} > 1 needs schedule=interleaved; schedule={schedule} runs one model chunk "
-            f"per rank (chunks=1)")
 
 
 def build_schedule(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:

@@ -1,303 +1,150 @@
-"""``autopar.parallelize``: plan (or take a plan), compile this rank's program, train.
+"""``ParallelModule``: this rank's parallelized model, and its training step.
 
-Every rank runs the same script (under ``torchrun``, or in any process group
-the user created). The returned :class:`ParallelModule` holds this rank's
-shards as its parameters and runs a whole training step with
-:meth:`ParallelModule.train_step`.
+The module executes what :func:`autopar.parallelize` built (this rank's
+compiled program, or its pipeline stages and their executor; the optimizer)
+and knows nothing of how it was planned or compiled: the plan is kept as an
+opaque record, the strategy as a :class:`~autopar.spec.ParallelConfig`.
+:meth:`ParallelModule.train_step` runs forward, backward and the optimizer
+step over the microbatches and returns the global mean loss.
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import api
-from ..compile.rewrite import LocalProgram, _get_attr, compile_local
-from ..errors import PlanError, StrategyError, UnsupportedError
-from ..pipeline.partition import assign, even_layers, units
+from ..errors import StrategyError, UnsupportedError
 from ..pipeline.schedule import Timeline
-from ..plan import Plan
-from ..search.propagate import scaled_shapes
-from ..search.space import ParallelConfig
-from ..strategies import is_shard, shard_dim
-from ..trace import trace, with_loss
+from ..spec import ParallelConfig, is_shard, shard_dim
 from . import collectives as C
-from . import regions as R_
-from .dist import Mesh, init_process_group, local_device
+from .dist import Mesh, local_device
 from .optim import DistributedOptimizer
-from .pipeline import PipelineExecutor, split_stages, tied_params
+from .pipeline import PipelineExecutor
+from .regions import full_tensor
 
-_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["ParallelModule", "StateNames", "LOW_PRECISION", "local_tensors", "as_tuple"]
 
-
-def default_cluster() -> str:
-    """The preset matching the machine this runs on (``cpu`` without CUDA)."""
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower()
-        if "h100" in name or "h200" in name:
-            return "dgx-h100"
-        if "a100" in name:
-            return "dgx-a100-80g"
-        return "dgx-a100-80g"
-    return "cpu"
+#: the compute dtype of each low-precision setting (fp32 computes in fp32)
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _as_tuple(x: Any) -> tuple:
+def as_tuple(x: Any) -> tuple:
+    """``x`` as a tuple of inputs (a single tensor becomes a 1-tuple)."""
     if isinstance(x, torch.Tensor):
         return (x,)
     return tuple(x)
 
 
-def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, example_target: Any = None,
-                optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-                strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
-                full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
-                seed_broadcast: bool = True, search_mode: str | None = None,
-                shardings: dict[str, Any] | None = None) -> "ParallelModule":
-    """Parallelize ``model`` over the current process group and return a
-    :class:`ParallelModule`.
+@dataclass(frozen=True)
+class StateNames:
+    """How this rank's tensor names (those of the traced program) map to the
+    keys of the user's ``model.state_dict()``.
 
-    * ``example_inputs``: one batch of inputs as every rank would pass it to
-      ``train_step`` (the global batch when ``full_batch=True``, this rank's
-      data-parallel shard when ``False``). ``example_target`` defaults to a
-      zero tensor shaped like the first input, enough for tracing most losses.
-    * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
-    * ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default SGD lr 0.01).
-    * ``strategy``: ``"auto"`` (search the strategies this release can run),
-      a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
-    * ``cluster``: preset name or cluster file for the predictions (default:
-      the machine this runs on).
-    * ``search_mode`` and ``shardings`` (pins; :func:`autopar.shard`
-      annotations on ``model`` count too): as for :func:`autopar.plan`. With a
-      manual strategy and a ``search_mode``, the per-op placements on that
-      mesh are searched.
-
-    The process group is created from the torchrun environment when none
-    exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
-    that do not fit this world or model, :class:`UnsupportedError` for valid
-    strategies this release cannot run (pipelines, recompute or ZeRO-3 over a
-    torch.export graph; fp16 with ZeRO-3).
+    ``prefix``: the path the loss wrapper put before the model's names
+    (stripped); ``aliases``: a tied tensor's name -> its other names (each
+    also gets the tensor); ``keys``: the model's ``state_dict`` keys
+    (non-persistent buffers are left out of the result).
     """
-    rank, world = init_process_group(backend)
-    inputs = _as_tuple(example_inputs)
-    if example_target is None:
-        # integer inputs: a language model, targets shaped like the tokens;
-        # float inputs: a classifier, one class id per sample
-        first = inputs[0]
-        shape = first.shape if not first.is_floating_point() else first.shape[:1]
-        example_target = torch.zeros(shape, dtype=torch.long)
-    cluster = cluster or default_cluster()
-    plan_obj: Plan | None = None
-    if isinstance(strategy, (str, os.PathLike)) and str(strategy).endswith(".json") or \
-            isinstance(strategy, Path):
-        plan_obj = Plan.load(strategy)
-    elif isinstance(strategy, Plan):
-        plan_obj = strategy
-    # Trace model + loss. With full_batch=False, the inputs are this rank's
-    # shard: the global batch is that times dp, known once dp is.
-    graph = trace(model, inputs, loss_fn=loss_fn, target=example_target)
-    batch = graph.batch_size
-    from ..search import pins as _pins
-    pins = {**_pins.annotations(model), **(shardings or {})}
-    if plan_obj is not None:
-        plan_obj.check_model(graph.fingerprint, type(model).__name__)
-        cfg = api.config_from_plan(plan_obj)
-        if cfg.devices != world:
-            raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}), "
-                            f"but this job has {world} processes")
-        gbatch = plan_obj.data["global_batch"]
-    else:
-        gbatch = global_batch or batch
-        if strategy == "auto":
-            if not full_batch and global_batch is None:
-                raise StrategyError("strategy='auto' with full_batch=False needs global_batch=")
-            plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch,
-                                executable_only=True, search_mode=search_mode, shardings=pins)
-        else:
-            plan_obj = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch
-                                if full_batch else batch * _dp_of(str(strategy), world),
-                                strategy=str(strategy), search_mode=search_mode, shardings=pins)
-        cfg = api.config_from_plan(plan_obj)
-        gbatch = plan_obj.data["global_batch"]
-    if graph.frontend != "fx" and (cfg.recompute != "none" or cfg.zero == 3):
-        raise UnsupportedError(f"recompute={cfg.recompute},zero={cfg.zero} needs a model traced by torch.fx (its "
-                               "layers become regions to recompute or shard); this one was traced with torch.export: "
-                               "use recompute=none and zero<=2")
-    if cfg.zero == 3 and cfg.precision == "fp16":
-        raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
-                               "(same exponent range as fp32, no scaling needed) or zero<=2")
-    return ParallelModule(model, graph, plan_obj, cfg, loss_fn=loss_fn, optimizer=optimizer,
-                          full_batch=full_batch, global_batch=gbatch, rank=rank, world=world,
-                          seed_broadcast=seed_broadcast)
+
+    prefix: str = ""
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    keys: frozenset[str] = frozenset()
+
+    def keys_of(self, name: str) -> list[str]:
+        """The ``state_dict`` keys tensor ``name`` is saved under (none for a
+        non-persistent buffer or a constant)."""
+        out = []
+        for full in [name] + self.aliases.get(name, []):
+            key = full[len(self.prefix):] if self.prefix and full.startswith(self.prefix) else full
+            if key in self.keys:
+                out.append(key)
+        return out
 
 
-def _dp_of(strategy: str, world: int) -> int:
-    from ..search.space import parse_strategy
-    return parse_strategy(strategy, world).dp
+def local_tensors(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters, then buffers, of ``modules`` (this rank's program or
+    pipeline stages) by their names in the compiled program: each tensor
+    once; names inside layer regions mapped back through the modules'
+    ``param_names`` / ``buffer_names``."""
+    out: dict[str, torch.Tensor] = {}
+    for mod in modules:
+        names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
+        out.update((names.get(k, k), v) for k, v in mod.named_parameters())
+    for mod in modules:
+        names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
+        out.update((names.get(k, k), v) for k, v in mod.named_buffers())
+    return out
 
 
 class ParallelModule(nn.Module):
     """This rank's part of a parallelized model.
 
-    ``parameters()`` are this rank's shards (plain tensors; with a pipeline,
-    only those of the stages this rank holds); ``plan`` is the Plan with its
-    predictions; ``train_step(inputs, target)`` runs forward, backward and the
-    optimizer step and returns the global mean loss (the same float on every
-    rank); ``full_state_dict()`` gathers unsharded weights.
+    ``parameters()`` are this rank's shards (plain tensors, or FSDP2
+    ``DTensor`` s with ``zero=3``; with a pipeline, only those of the stages
+    this rank holds); ``plan`` is the Plan with its predictions;
+    ``train_step(inputs, target)`` runs forward, backward and the optimizer
+    step and returns the global mean loss (the same float on every rank);
+    ``full_state_dict()`` gathers unsharded weights.
 
     With ``pp > 1`` the ranks form a ``(pp, dp, tp)`` mesh (pp outermost, tp
     fastest, as Megatron lays it out); pipeline rank ``r`` holds virtual stages
     ``r, r + pp, ...`` and runs them with a :class:`PipelineExecutor`.
+
+    Built by :func:`autopar.parallelize` from: ``modules`` (the program, or
+    with ``pipeline`` the modules of the stages this rank holds, in stage
+    order), the ``plan`` record and its ``config``, the ``mesh``, the
+    ``optimizer`` (and the ``dist_optimizer`` wrapping it, None under FSDP2),
+    ``state_names`` for the state dict, the ``global_batch`` and whether
+    ``train_step`` receives it whole (``full_batch``) or this rank's
+    data-parallel part, ``param_placement`` (program name -> tensor-parallel
+    placement), the number of collectives in the program (``comms``), and
+    ``draw_timeline(path, measured) -> Path`` for :meth:`plot_timeline`.
     """
 
-    def __init__(self, model: nn.Module, graph, plan: Plan, cfg: ParallelConfig, *, loss_fn: Callable,
-                 optimizer: Callable | None, full_batch: bool, global_batch: int, rank: int, world: int,
-                 seed_broadcast: bool) -> None:
+    def __init__(self, modules: Sequence[nn.Module], *, plan: Any, config: ParallelConfig, mesh: Mesh,
+                 optimizer: torch.optim.Optimizer, dist_optimizer: DistributedOptimizer | None,
+                 state_names: StateNames, global_batch: int, full_batch: bool, param_placement: dict[str, str],
+                 comms: int, pipeline: PipelineExecutor | None = None,
+                 draw_timeline: Callable[[str | os.PathLike, Timeline], Path] | None = None) -> None:
         super().__init__()
         self.plan = plan
-        self.config = cfg
+        self.config = cfg = config
         self.full_batch = full_batch
         self.global_batch = global_batch
-        self.rank, self.world = rank, world
-        if cfg.pp > 1:
-            self.mesh = Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"))
-        else:
-            self.mesh = Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
-        self.dp_group, self.tp_group = self.mesh.group("dp"), self.mesh.group("tp")
-        self.dp_rank, self.tp_rank = self.mesh.coord("dp"), self.mesh.coord("tp")
-        self.pp_group = self.mesh.group("pp") if cfg.pp > 1 else None
-        self.pp_rank = self.mesh.coord("pp") if cfg.pp > 1 else 0
+        self.mesh = mesh
+        self.rank, self.world = mesh.rank, dist.get_world_size() if dist.is_initialized() else 1
+        self.dp_group, self.tp_group = mesh.group("dp"), mesh.group("tp")
+        self.dp_rank, self.tp_rank = mesh.coord("dp"), mesh.coord("tp")
+        self.pp_group = mesh.group("pp") if cfg.pp > 1 else None
+        self.pp_rank = mesh.coord("pp") if cfg.pp > 1 else 0
         self.device = local_device()
-        self._prefix = graph.loss_prefix
-        self._tied: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
-        for alias, canon in graph.aliases.items():
-            self._tied.setdefault(canon, []).append(alias)
-        self._state_keys = set(model.state_dict().keys())   # non-persistent buffers are left out
+        self.state_names = state_names
         self.step_times: list[float] = []
         self.skipped_steps = 0     # fp16: steps skipped on a gradient overflow
-        self.pipeline: PipelineExecutor | None = None
-        self._tie_groups: list[tuple[torch.Tensor, Any]] = []
-        self.stages_held: list[int] = []
-        if seed_broadcast and world > 1:
-            # every rank must start from the same weights (as DDP does)
-            C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
-        if cfg.pp > 1:
-            self._build_pipeline(graph, plan, global_batch)
-        elif cfg.tp == 1 and graph.frontend != "fx":
-            self.program = with_loss(model, loss_fn, len(graph.inputs) - 1).to(self.device)
-            self.param_placement = {n: "R" for n, _ in self.program.named_parameters()}
-            self.comms = 0
+        self.pipeline = pipeline
+        self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
+        if pipeline is not None:
+            self.program = None
+            self.stage_modules = nn.ModuleList(modules)
         else:
-            prog = self._compile(graph, plan, global_batch)
-            self.program = prog.module.to(self.device)
-            self.param_placement = prog.param_placement
-            self.comms = prog.comms
-            if cfg.recompute != "none" or cfg.zero == 3:
-                self.program = R_.apply_recompute(R_.layer_regions(self.program, graph), cfg.recompute)
-        self.compute_dtype = _LOW.get(cfg.precision, torch.float32)
-        factory = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01))
+            (self.program,) = modules
+        self.param_placement = param_placement
+        self.comms = comms
+        self.compute_dtype = LOW_PRECISION.get(cfg.precision, torch.float32)
         self.fsdp = cfg.zero == 3
-        if self.fsdp:
-            if self.mesh.device_mesh is None:
-                raise UnsupportedError("zero=3 runs on torch FSDP2, which needs a torch DeviceMesh; "
-                                       "init_device_mesh failed on this process group")
-            R_.fully_shard_regions(self.program, self.mesh.device_mesh["dp"],
-                                   param_dtype=_LOW.get(cfg.precision),
-                                   reduce_dtype=_LOW.get(cfg.reduce_dtype) if cfg.reduce_dtype else
-                                   (torch.float32 if cfg.precision in _LOW else None),
-                                   offload=cfg.offload == "optimizer")
-            params = [p for p in self.parameters() if p.requires_grad]
-            self.dist_optimizer = None
-            self.optimizer = factory(params)
-        else:
-            if self.compute_dtype != torch.float32:
-                for mod in ([self.program] if self.program is not None else list(self.stage_modules)):
-                    for b in mod.buffers():   # rotary tables, masks: in the compute dtype too
-                        if b.is_floating_point():
-                            b.data = b.data.to(self.compute_dtype)
-            params = [p for p in self.parameters() if p.requires_grad]
-            self.dist_optimizer = DistributedOptimizer(
-                params, factory, self.dp_group, zero=cfg.zero, precision=cfg.precision or "fp32",
-                reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
-                offload=cfg.offload == "optimizer", tied=self._tie_groups)
-            self.optimizer = self.dist_optimizer.optimizer
-
-    def _compile(self, graph, plan: Plan, global_batch: int) -> LocalProgram:
-        """This tensor-parallel rank's program of the whole model."""
-        cfg = self.config
-        tp_sh = api.sharding_from_plan(graph, plan)
-        if tp_sh is None:  # the plan was made with another loss: derive the same strategy here
-            ev = api._evaluator(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
-                                plan.data["precision"])
-            tp_sh, _ = ev.sharding(cfg, global_batch)
-        shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
-        gm = graph.gm
-        full = {n.target: _get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-        return compile_local(graph, tp_sh, shapes, tp_rank=self.tp_rank, tp_group=self.tp_group, params=full)
-
-    def _build_pipeline(self, graph, plan: Plan, global_batch: int) -> None:
-        """Compile the whole program, keep the stages of this pipeline rank and
-        their executor; only those stages' parameters stay on this rank."""
-        cfg = self.config
-        if graph.frontend != "fx":
-            raise UnsupportedError(f"pipeline parallelism (pp={cfg.pp}) needs a model traced by torch.fx; this one "
-                                   "was traced with torch.export, which this release runs data-parallel only: "
-                                   "use pp=1,tp=1")
-        layers = (plan.data.get("pipeline") or {}).get("layers") or even_layers(units(graph).layers, cfg.stages)
-        if len(layers) != cfg.stages:
-            raise PlanError(f"the plan's pipeline gives layer counts {list(layers)} for {len(layers)} stages, but "
-                            f"pp={cfg.pp} x chunks={cfg.chunks} needs {cfg.stages}")
-        stage_of = assign(graph, layers)
-        prog = self._compile(graph, plan, global_batch)
-        self.stages_held = list(range(self.pp_rank, cfg.stages, cfg.pp))
-        stages = split_stages(prog.module.to(self.device), graph, stage_of, self.stages_held)
-        if cfg.recompute != "none":
-            for s in stages:
-                s.module = R_.apply_recompute(R_.layer_regions(s.module, graph), cfg.recompute)
-        self.program = None
-        self.stage_modules = nn.ModuleList(s.module for s in stages)
-        local = self._local_tensors()
-        self.param_placement = {k: v for k, v in prog.param_placement.items() if k in local}
-        self.comms = sum(s.comms for s in stages)
-        self._tie_groups = self._tie(tied_params(graph, stage_of, cfg.pp), local)
-        self.pipeline = PipelineExecutor(
-            stages, schedule=cfg.schedule, pp=cfg.pp, pp_rank=self.pp_rank, microbatches=cfg.microbatches,
-            chunks=cfg.chunks, ranks=self.mesh.group_ranks("pp"), group=self.pp_group, device=self.device,
-            input_names=[n.name for n in prog.module.graph.nodes if n.op == "placeholder"])
-
-    def _tie(self, tied: dict[str, list[int]], local: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
-        """A group per tied weight and (dp, tp) coordinate over the pipeline
-        ranks holding a copy (every rank creates every group, in the same
-        order); returns this rank's (copy, group) pairs. The copies start equal
-        and get the same summed gradient, so they stay equal."""
-        cfg = self.config
-        out = []
-        for name, pp_ranks in tied.items():
-            for d in range(cfg.dp):
-                for t in range(cfg.tp):
-                    members = [(p * cfg.dp + d) * cfg.tp + t for p in pp_ranks]
-                    group = dist.new_group(members)
-                    if self.rank in members:
-                        out.append((local[name], group))
-        return out
+        self.optimizer = optimizer
+        self.dist_optimizer = dist_optimizer
+        self._draw_timeline = draw_timeline
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters, then buffers, by their names in the program
-        (each once; names inside layer regions mapped back)."""
-        mods = [self.program] if self.program is not None else list(self.stage_modules)
-        out: dict[str, torch.Tensor] = {}
-        for mod in mods:
-            names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
-            out.update((names.get(k, k), v) for k, v in mod.named_parameters())
-        for mod in mods:
-            names = {**getattr(mod, "param_names", {}), **getattr(mod, "buffer_names", {})}
-            out.update((names.get(k, k), v) for k, v in mod.named_buffers())
-        return out
+        """This rank's parameters, then buffers, by their names in the program."""
+        return local_tensors([self.program] if self.program is not None else list(self.stage_modules))
 
     # -- training -------------------------------------------------------------
     def _local_batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -317,9 +164,10 @@ class ParallelModule(nn.Module):
 
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
         """Forward, backward and optimizer step on this rank; returns the
-        global mean loss as a Python float, equal on every rank."""
+        global mean loss as a Python float, equal on every rank. Raises
+        :class:`StrategyError` for a batch of another size than the plan's."""
         t0 = time.perf_counter()
-        inputs = tuple(self._local_batch(x).to(self.device) for x in _as_tuple(inputs))
+        inputs = tuple(self._local_batch(x).to(self.device) for x in as_tuple(inputs))
         target = self._local_batch(target).to(self.device)
         m = self.config.microbatches
         expected = self.global_batch // self.config.dp
@@ -367,24 +215,17 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights, keyed like the original model's ``state_dict()``
         (collective: every rank of the tensor-parallel group must call it;
-        with a pipeline, every rank)."""
+        with a pipeline or FSDP2, every rank)."""
         out: dict[str, torch.Tensor] = {}
-        pre = self._prefix
-
-        def strip(name: str) -> str:
-            return name[len(pre):] if pre and name.startswith(pre) else name
-
         for name, t in self._local_tensors().items():
             p = self.param_placement.get(name, "R")
-            full = R_.full_tensor(t) if self.fsdp else t.detach()
+            full = full_tensor(t) if self.fsdp else t.detach()
             if full.is_floating_point() and full.dtype != torch.float32:
                 full = full.float()    # bf16/fp16 weights (rounded copies of the fp32 master)
             if is_shard(p) and self.config.tp > 1:
                 full = C.all_gather(full, shard_dim(p), self.tp_group)
-            for full_name in [name] + self._tied.get(name, []):
-                key = strip(full_name)
-                if key in self._state_keys:
-                    out[key] = full.cpu()
+            for key in self.state_names.keys_of(name):
+                out[key] = full.cpu()
         if self.pipeline is not None:
             parts: list[Any] = [None] * self.config.pp
             dist.all_gather_object(parts, out, group=self.pp_group)
@@ -394,7 +235,8 @@ class ParallelModule(nn.Module):
     def measured_timeline(self) -> Timeline:
         """The last step's pipeline actions as they ran on every pipeline rank,
         times relative to each rank's step start (collective over the pipeline
-        group), to compare with the schedule's simulated timeline."""
+        group), to compare with the schedule's simulated timeline. Raises
+        :class:`StrategyError` without a pipeline."""
         if self.pipeline is None:
             raise StrategyError(f"measured_timeline() needs a pipeline (pp > 1); this module runs "
                                 f"{self.config.to_string()}")
@@ -405,10 +247,14 @@ class ParallelModule(nn.Module):
     def plot_timeline(self, path: str | os.PathLike, measured: Timeline | None = None) -> Path:
         """Draw the plan's predicted schedule above a measured one (default:
         the last step's, from :meth:`measured_timeline`, which makes this a
-        collective over the pipeline group) into the PNG ``path``."""
-        from ..pipeline.timeline import plot_timeline, predicted_timeline
+        collective over the pipeline group) into the PNG ``path``; returns its
+        path. Raises :class:`StrategyError` when this module was built without
+        a way to draw (or, from :meth:`measured_timeline`, without a pipeline)."""
         measured = measured if measured is not None else self.measured_timeline()
-        return plot_timeline(predicted_timeline(self.plan), path, title=self.plan.strategy, measured=measured)
+        if self._draw_timeline is None:
+            raise StrategyError("this ParallelModule was built without draw_timeline: it cannot draw the "
+                                "plan's predicted schedule")
+        return self._draw_timeline(path, measured)
 
     def describe(self) -> str:
         """Where each parameter lives on this rank."""

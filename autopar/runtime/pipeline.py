@@ -1,27 +1,16 @@
-"""Pipeline execution: cut this rank's compiled program into stages, run a schedule.
+"""Pipeline execution: run one schedule over this rank's pipeline stages.
 
-:func:`split_stages` cuts the program :func:`autopar.compile.rewrite.compile_local`
-built for this tensor-parallel rank (the whole model) into one ``GraphModule``
-per virtual stage this pipeline rank holds. :class:`PipelineExecutor` runs the
-rank's actions of :func:`autopar.pipeline.schedule.build_schedule` in exactly
-that order (the order the cost model simulates): a forward receives its
-boundary inputs with blocking receives and sends its outputs with
-non-blocking sends; a backward receives the gradients of its outputs and sends
-back the gradients of its inputs. Our own executor rather than
+:class:`PipelineExecutor` runs the rank's actions of
+:func:`autopar.pipeline.schedule.build_schedule` in exactly that order (the
+order the cost model simulates) on :class:`StageModule` s (the compiler's
+:func:`autopar.compile.stages.split_stages` cuts them): a forward receives
+its boundary inputs with blocking receives and sends its outputs with
+non-blocking sends; a backward receives the gradients of its outputs and
+sends back the gradients of its inputs. Our own executor rather than
 ``torch.distributed.pipelining``: stages may exchange several tensors, skip a
-stage, and contain tensor-parallel collectives.
-
-Which node runs where:
-
-* original nodes: the stage :func:`autopar.pipeline.partition.assign` gave them;
-* collectives the compiler inserted: the stage of their first user;
-* *free* nodes (computed from graph inputs, buffers and constants only, such as
-  ``x.size()``, positions, masks, rotary tables) are recomputed in every stage
-  that reads them instead of being sent, as are ``get_attr`` reads; graph
-  inputs (tokens, targets) are given to every stage.
-
-Every other value read by a later stage is a *boundary* value: its producer
-sends it to each consumer stage once per microbatch.
+stage, and contain tensor-parallel collectives. :func:`tie_groups` creates
+the process groups over which the copies of a weight that several pipeline
+ranks hold sum their gradients.
 """
 from __future__ import annotations
 
@@ -32,15 +21,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.nn as nn
 
-from ..compile.rewrite import _get_attr
-from ..errors import CompileError, UnsupportedError
-from ..graph import Graph
-from ..pipeline.partition import param_stages
+from ..errors import UnsupportedError
 from ..pipeline.schedule import Action, Event, build_schedule
 
-__all__ = ["StageModule", "split_stages", "tied_params", "PipelineExecutor"]
+__all__ = ["StageModule", "PipelineExecutor", "tie_groups"]
 
 #: dtypes a boundary tensor may have, by the code its header carries
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -69,141 +54,6 @@ class StageModule:
     ids: dict[str, int]
     last: bool
     comms: int = 0
-
-
-def _free_nodes(gm: fx.GraphModule) -> set[str]:
-    """Names of the nodes computed from graph inputs, buffers and constants
-    only (not from parameters), which every stage can recompute."""
-    free: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            if not isinstance(_get_attr(gm, n.target), nn.Parameter):
-                free.add(n.name)
-        elif n.op in ("call_function", "call_method") or (
-                n.op == "call_module" and next(gm.get_submodule(n.target).parameters(), None) is None):
-            if all(i.op == "placeholder" or i.name in free for i in n.all_input_nodes):
-                free.add(n.name)
-    return free
-
-
-def _node_stages(gm: fx.GraphModule, graph: Graph, stage_of: dict[str, int], free: set[str]) -> dict[str, int]:
-    """The stage of every node that runs in exactly one stage (not placeholders,
-    ``get_attr`` reads or free nodes). Nodes the compiler inserted take the
-    stage of their first user, or without users the latest stage of their inputs."""
-    last = max(stage_of.values())
-    fixed = {n.name: n for n in graph.gm.graph.nodes} if graph.gm is not None else {}
-    stage: dict[str, int] = {}
-    pending: list[fx.Node] = []
-    for n in reversed(gm.graph.nodes):
-        if n.op in ("placeholder", "get_attr") or n.name in free:
-            continue
-        if n.op == "output":
-            stage[n.name] = last
-        elif n.name in stage_of:
-            src = fixed.get(n.name)
-            if src is not None and (src.op, src.target) != (n.op, n.target):
-                raise CompileError(f"node {n.name!r} of the compiled program is not the traced node of that "
-                                   f"name ({n.op} {n.target} vs {src.op} {src.target}); cannot place it on a stage")
-            stage[n.name] = stage_of[n.name]
-        else:
-            users = [stage[u.name] for u in n.users if u.name in stage]
-            if users:
-                stage[n.name] = min(users)
-            else:
-                pending.append(n)
-    for n in reversed(pending):
-        stage[n.name] = max((stage[i.name] for i in n.all_input_nodes if i.name in stage), default=0)
-    return stage
-
-
-def _boundary(gm: fx.GraphModule, graph: Graph, stage: dict[str, int]) -> dict[str, list[int]]:
-    """Every value read by another stage than its producer's -> the sorted
-    consumer stages, in program order. Raises for a value that would flow to
-    an earlier stage or that is not a tensor."""
-    out: dict[str, list[int]] = {}
-    for n in gm.graph.nodes:
-        if n.name not in stage:
-            continue
-        consumers = sorted({stage[u.name] for u in n.users if u.name in stage and stage[u.name] != stage[n.name]})
-        if not consumers:
-            continue
-        if consumers[0] < stage[n.name]:
-            raise CompileError(f"{n.name!r} is computed on pipeline stage {stage[n.name]} but read on the earlier "
-                               f"stage {consumers[0]}; stages must follow the program order")
-        nd = graph[n.name] if n.name in graph else None
-        if nd is not None and nd.out is None:
-            raise UnsupportedError(f"{n.name!r} ({nd.kind}), computed on pipeline stage {stage[n.name]} and read on "
-                                   f"stage {consumers[0]}, is not a tensor; pipeline stages exchange tensors only. "
-                                   "Compute such values from the inputs (e.g. the input's size) or move the cut")
-        out[n.name] = consumers
-    return out
-
-
-def split_stages(gm: fx.GraphModule, graph: Graph, stage_of: dict[str, int], stages: list[int]) -> list[StageModule]:
-    """Cut ``gm`` (this rank's whole compiled program) into one module per
-    virtual stage in ``stages``.
-
-    ``stage_of`` is :func:`autopar.pipeline.partition.assign`'s stage of every
-    traced node. The stage modules share ``gm``'s parameters and submodules.
-    """
-    free = _free_nodes(gm)
-    stage = _node_stages(gm, graph, stage_of, free)
-    boundary = _boundary(gm, graph, stage)
-    ids = {name: k for k, name in enumerate(boundary)}
-    last = max(stage_of.values())
-    return [_stage_module(gm, v, stage, boundary, ids, v == last) for v in stages]
-
-
-def _stage_module(gm: fx.GraphModule, v: int, stage: dict[str, int], boundary: dict[str, list[int]],
-                  ids: dict[str, int], last: bool) -> StageModule:
-    """The module of stage ``v``: its nodes, the free / get_attr nodes they
-    read, its boundary inputs as placeholders, its boundary outputs as result."""
-    nodes = list(gm.graph.nodes)
-    own = [n for n in nodes if stage.get(n.name) == v]
-    shared: set[str] = set()     # placeholders, get_attr and free nodes this stage reads
-    inputs: dict[str, int] = {}
-    todo = list(own)
-    while todo:
-        for i in todo.pop().all_input_nodes:
-            if i.name in stage:
-                if stage[i.name] != v:
-                    inputs[i.name] = stage[i.name]
-            elif i.name not in shared:
-                shared.add(i.name)
-                todo.append(i)
-    g = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    args = [n.name for n in nodes if n.op == "placeholder" and n.name in shared]
-    inputs = {name: inputs[name] for name in boundary if name in inputs}    # program order
-    for name in args + list(inputs):
-        env[name] = g.placeholder(name)
-    for n in nodes:
-        if n.op not in ("placeholder", "output") and (stage.get(n.name) == v or n.name in shared):
-            env[n.name] = g.node_copy(n, lambda a: env[a.name])
-    outputs = {name: [c for c in cs if c != v] for name, cs in boundary.items() if stage[name] == v}
-    if last:
-        g.node_copy(nodes[-1], lambda a: env[a.name])
-    else:
-        g.output(tuple(env[name] for name in outputs))
-    module = fx.GraphModule(gm, g, class_name=f"AutoparStage{v}")
-    comms = sum(1 for n in g.nodes if n.op == "call_module" and str(n.target).startswith("_autopar_"))
-    mine = {name: ids[name] for name in [*inputs, *outputs]}
-    return StageModule(stage=v, module=module, args=args + list(inputs), inputs=inputs, outputs=outputs,
-                       ids=mine, last=last, comms=comms)
-
-
-def tied_params(graph: Graph, stage_of: dict[str, int], pp: int) -> dict[str, list[int]]:
-    """Trainable parameters read by stages on different pipeline ranks (a
-    tied embedding and head), by their ``get_attr`` target, with those
-    pipeline ranks: each rank holds a copy, and their gradients must be
-    summed across them (Megatron's embedding group)."""
-    out: dict[str, list[int]] = {}
-    for node, stages in param_stages(graph, stage_of).items():
-        nd = graph[node]
-        ranks = sorted({s % pp for s in stages})
-        if nd.kind == "param" and len(ranks) > 1 and graph.params[nd.param].requires_grad:
-            out[nd.param] = ranks
-    return dict(sorted(out.items()))
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -346,3 +196,26 @@ class PipelineExecutor:
                 dist.recv(g, self._owner(c), group=self.group, tag=self._tag(*key, 1))
             total = g if total is None else total + g
         return total
+
+
+def tie_groups(tied: dict[str, list[int]], local: dict[str, torch.Tensor], *, dp: int, tp: int,
+               rank: int) -> list[tuple[torch.Tensor, Any]]:
+    """Process groups for weights several pipeline ranks hold a copy of (a
+    tied embedding and head: Megatron's embedding group).
+
+    ``tied``: weight name -> the pipeline ranks holding a copy (the compiler's
+    :func:`autopar.compile.stages.tied_params`); ``local``: this rank's tensors
+    by name; ranks form a ``(pp, dp, tp)`` mesh, tp fastest. One group per
+    tied weight and (dp, tp) coordinate, over the pipeline ranks holding it;
+    every rank creates every group, in the same order (``dist.new_group`` is
+    collective). Returns this rank's (copy, group) pairs: the copies start
+    equal and get the same summed gradient, so they stay equal."""
+    out = []
+    for name, pp_ranks in tied.items():
+        for d in range(dp):
+            for t in range(tp):
+                members = [(p * dp + d) * tp + t for p in pp_ranks]
+                group = dist.new_group(members)
+                if rank in members:
+                    out.append((local[name], group))
+    return out

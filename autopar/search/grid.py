@@ -7,7 +7,9 @@ the mesh out), the fewest microbatches that fit are kept for each
 (recompute, zero) choice: more microbatches only lower activation memory
 and add per-microbatch overheads in this cost model, so the count is found
 by bisection on the Megatron placements, and the per-op search runs at that
-count and one below. Per configuration, the tensor-parallel axis is decided by:
+count and one below. Per configuration, the request's
+:class:`~autopar.search.planner.Planner` decides the tensor-parallel axis
+(:meth:`~autopar.search.planner.Planner.choose`) by its mode:
 
 * ``mode="grid"``: the Megatron-style manual sharding only (the exhaustive
   manual grid);
@@ -47,14 +49,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..cost import MANUAL, MEMORY_HEADROOM, Estimate, Evaluator, Sharder, tp_valid_sizes
+from ..cost import Estimate, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
+from ..graph import Graph
 from ..pipeline.partition import units
+from ..spec import ParallelConfig, divisors
 from .ilp import InfeasiblePins
-from .space import ParallelConfig, divisors
+from .planner import MANUAL, Planner, Sharder, Tally
 
-MODES = ("grid", "ilp", "greedy")
-NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded ILP may still fit it
 PIPE_SCHEDULES = ("1f1b", "interleaved")
 PIPE_MARGIN = 1.10     # pipelined configurations this close to the best time get the per-op search
 PIPE_SEARCHED = 8      # and at most this many of them
@@ -63,6 +65,11 @@ PIPE_PROGRESS = 10     # progress steps the pipelined configurations count for
 
 @dataclass
 class SearchResult:
+    """The outcome of :func:`search_grid`: the best strategy, its
+    configuration and sharder, how many were evaluated and fit, the five
+    best, and what the per-op search did (``won``: per sharder label, the
+    configurations whose best placements it gave)."""
+
     best: Estimate
     best_config: ParallelConfig
     candidates: int
@@ -76,23 +83,22 @@ class SearchResult:
     ilp_time_s: float = 0.0
 
 
-def _sp_choices(ev: Evaluator, tp: int, options: bool = True) -> tuple[bool, ...]:
+def _sp_choices(graph: Graph, tp: int, options: bool = True) -> tuple[bool, ...]:
     """Sequence parallelism where it applies: tp > 1 and norms on (batch, sequence, hidden) values."""
     if tp == 1 or not options:
         return (False,)
-    if not hasattr(ev, "_sp_ok"):
-        ev._sp_ok = any(nd.kind in ("layernorm", "rmsnorm") and nd.out is not None and len(nd.out.shape) >= 3
-                        for nd in ev.graph.nodes)
-    return (False, True) if ev._sp_ok else (False,)
+    ok = graph.memo(("sequence_norms",), lambda: any(
+        nd.kind in ("layernorm", "rmsnorm") and nd.out is not None and len(nd.out.shape) >= 3 for nd in graph.nodes))
+    return (False, True) if ok else (False,)
 
 
-def grid_configs(ev: Evaluator, devices: int, global_batch: int, *,
+def grid_configs(graph: Graph, devices: int, global_batch: int, *,
                  offload: str = "none", memory_options: bool = True) -> list[list[ParallelConfig]]:
     """The grid, as lists of configs ordered by increasing microbatches (one
     list per tp x sequence parallel x recompute x zero choice; with
     ``memory_options=False`` only the plain ones: no recompute, ZeRO or
     sequence parallelism)."""
-    tps = [t for t in tp_valid_sizes(ev.graph) if devices % t == 0]
+    tps = [t for t in tp_valid_sizes(graph) if devices % t == 0]
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2, 3) if memory_options else (0,)
     out = []
@@ -101,7 +107,7 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *,
         if global_batch % dp:
             continue
         mbs = divisors(global_batch // dp)
-        for sp in _sp_choices(ev, tp, memory_options):
+        for sp in _sp_choices(graph, tp, memory_options):
             for rc in recomputes:
                 for z in zeros:
                     if z and dp == 1:
@@ -111,7 +117,7 @@ def grid_configs(ev: Evaluator, devices: int, global_batch: int, *,
     return out
 
 
-def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *,
+def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
                      memory_options: bool = True) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
@@ -119,13 +125,13 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *,
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
     multiple of ``pp`` when interleaved)."""
     try:
-        n_layers = units(ev.graph).layers
+        n_layers = units(graph).layers
     except StrategyError:   # no repeated layers in sequence: nothing to pipeline
         return []
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1) if memory_options else (0,)
     out = []
-    for tp in [t for t in tp_valid_sizes(ev.graph) if devices % t == 0]:
+    for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
         for pp in divisors(devices // tp):
             if pp == 1 or pp > n_layers:
                 continue
@@ -138,7 +144,7 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *,
                 chunks = 2 if sched == "interleaved" else 1
                 if pp * chunks > n_layers:
                     continue
-                for sp in _sp_choices(ev, tp, memory_options):
+                for sp in _sp_choices(graph, tp, memory_options):
                     for rc in recomputes:
                         for z in zeros:
                             if z and dp == 1:
@@ -150,97 +156,35 @@ def pipeline_configs(ev: Evaluator, devices: int, global_batch: int, *,
     return out
 
 
-class _Chooser:
-    """Evaluates one configuration under the sharders of a mode."""
-
-    def __init__(self, ev: Evaluator, mode: str, pins: tuple[tuple[str, str], ...]) -> None:
-        self.ev, self.mode, self.pins = ev, mode, pins
-        self.won: dict[str, int] = {}
-        self.solves = 0
-        self.solve_s = 0.0
-        self._seen: set[int] = set()
-
-    def _count(self, cfg: ParallelConfig, gb: int, sh: Sharder) -> None:
-        axis, _ = self.ev.sharding(cfg, gb, sh)
-        info = getattr(axis, "ilp", None)
-        if info is not None and id(axis) not in self._seen:
-            self._seen.add(id(axis))
-            self.solves += 1
-            self.solve_s += info.build_s + info.solve_s
-
-    def best(self, cfg: ParallelConfig, gb: int, devices: int, bound: float) -> tuple[Estimate, Sharder]:
-        """The best estimate of ``cfg`` (fitting first, then fastest), and the
-        sharder that gave it. ``bound``: the best fitting time found so far
-        (a memory-bounded ILP that cannot beat it is not solved)."""
-        manual = Sharder("manual", self.pins)
-        if self.mode == "grid":
-            return self.ev.evaluate(cfg, gb, devices, manual), manual
-        ref = self.ev.evaluate(cfg, gb, devices, manual)
-        first = Sharder(self.mode, self.pins)
-        cap = ref.device_memory_bytes * MEMORY_HEADROOM
-        if not ref.fits and ref.peak_memory_bytes > NEAR_FIT * cap and not self.pins:
-            # Megatron placements shard every weight they can: when they are far from
-            # fitting, the per-op search (which only moves towards time) will not fit either
-            return ref, manual
-        tries = [(self.ev.evaluate(cfg, gb, devices, first), first), (ref, manual)]
-        self._count(cfg, gb, first)
-        est = tries[0][0]
-        best_so_far = min(bound, ref.step_time_s) if ref.fits else bound
-        if self.mode == "ilp" and not (cfg.pp > 1 and cfg.recompute == "full") and not est.fits and \
-                est.step_time_s < best_so_far and (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
-            # the time-optimal choice does not fit; the memory-bounded one lies
-            # between it and the manual sharding (with a pipeline, bounded on the
-            # pipeline rank that needs the most memory)
-            limit = cap - est.memory["transient"]
-            for _ in range(2):
-                sh = Sharder("ilp", self.pins, limit)
-                try:
-                    e = self.ev.evaluate(cfg, gb, devices, sh)
-                except StrategyError:
-                    break
-                self._count(cfg, gb, sh)
-                tries.append((e, sh))
-                if e.fits:
-                    break
-                limit -= e.peak_memory_bytes - cap
-        tries.sort(key=lambda t: (not t[0].fits, t[0].step_time_s, t[1].mode != self.mode))
-        e, sh = tries[0]
-        self.won[sh.label] = self.won.get(sh.label, 0) + 1
-        return e, sh
-
-
-def search_grid(ev: Evaluator, devices: int, global_batch: int, *,
-                progress: Callable[[int, int], None] | None = None, mode: str = "grid",
-                pins: tuple[tuple[str, str], ...] = (), pipeline: bool = True,
-                schedules: tuple[str, ...] = PIPE_SCHEDULES, memory_options: bool = True) -> SearchResult:
-    """Best fitting strategy (lowest predicted step time; ties go to the
-    smaller pp, then smaller tp, then fewer microbatches; ``pipeline=False``
-    leaves pipelines out), the tensor-parallel axis decided as
-    ``mode`` says (see the module docstring). ``memory_options=False``
-    searches the plain strategies only (no recompute, ZeRO, sequence
-    parallelism or offload). Raises :class:`NoFeasibleStrategyError` when
-    nothing fits, naming the closest and the fewest devices that would fit."""
-    if mode not in MODES:
-        raise StrategyError(f"search mode {mode!r} is invalid; valid: {', '.join(MODES)}")
+def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None = None,
+                pipeline: bool = True, schedules: tuple[str, ...] = PIPE_SCHEDULES,
+                memory_options: bool = True) -> SearchResult:
+    """Best fitting strategy of ``planner``'s request (lowest predicted step
+    time; ties go to the smaller pp, then smaller tp, then fewer
+    microbatches; ``pipeline=False`` leaves pipelines out), the
+    tensor-parallel axis decided as the planner's mode says (see the module
+    docstring). ``memory_options=False`` searches the plain strategies only
+    (no recompute, ZeRO, sequence parallelism or offload). Raises
+    :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
+    and the fewest devices that would fit."""
     t0 = time.perf_counter()
+    cluster, global_batch = planner.cluster, planner.global_batch
     try:
-        return _search(ev, devices, global_batch, progress, mode, pins, pipeline, schedules, "none", t0,
-                       memory_options)
+        return _search(planner, progress, pipeline, schedules, "none", t0, memory_options)
     except NoFeasibleStrategyError as first:
         if not memory_options:
             raise
-        if ev.cluster.host is None:
+        if cluster.host is None:
             raise
         try:   # the last resort: the optimizer state in host memory
-            return _search(ev, devices, global_batch, progress, mode, pins, pipeline, schedules, "optimizer", t0,
-                           True)
+            return _search(planner, progress, pipeline, schedules, "optimizer", t0, True)
         except NoFeasibleStrategyError:
             pass
-        need = smallest_fitting_devices(ev, global_batch, devices)
-        hint = (f"; the smallest number of {ev.cluster.device.name} devices on which {ev.graph.name} fits at "
+        need = smallest_fitting_devices(planner)
+        hint = (f"; the smallest number of {cluster.device.name} devices on which {planner.graph.name} fits at "
                 f"global batch {global_batch} is {need[0]} ({need[1].strategy}, "
                 f"{need[1].peak_memory_bytes / 2**30:.3g} GiB per device)" if need else
-                f"; it does not fit on any number of {ev.cluster.device.name} devices up to {MAX_DEVICES} at "
+                f"; it does not fit on any number of {cluster.device.name} devices up to {MAX_DEVICES} at "
                 f"global batch {global_batch} either")
         raise NoFeasibleStrategyError(str(first) + " (also with recompute, every ZeRO stage, sequence parallelism "
                                       "and the optimizer state offloaded to the host)" + hint) from None
@@ -249,27 +193,28 @@ def search_grid(ev: Evaluator, devices: int, global_batch: int, *,
 MAX_DEVICES = 1 << 17
 
 
-def smallest_fitting_devices(ev: Evaluator, global_batch: int, devices: int) -> tuple[int, Estimate] | None:
-    """The fewest devices (a power of two above ``devices`` the cluster can
+def smallest_fitting_devices(planner: Planner) -> tuple[int, Estimate] | None:
+    """The fewest devices (a power of two above the request's the cluster can
     have) on which a strategy fits, with that strategy: per count, the
     configurations that save the most memory (the largest tensor-parallel
     size with sequence parallelism, full recompute, microbatches of one
     sample, optimizer state offloaded, ZeRO-3 without a pipeline or ZeRO-1
     with the deepest one). None when none fits up to ``MAX_DEVICES``."""
+    graph, cluster, global_batch, devices = planner.graph, planner.cluster, planner.global_batch, planner.devices
     try:
-        n_layers = units(ev.graph).layers
+        n_layers = units(graph).layers
     except StrategyError:
         n_layers = 1
-    offload = "optimizer" if ev.cluster.host is not None else "none"
+    offload = "optimizer" if cluster.host is not None else "none"
     n = 1
     while n <= devices:
         n *= 2
     while n <= MAX_DEVICES:
         try:
-            ev.cluster.check_devices(n)
+            cluster.check_devices(n)
         except Exception:   # more nodes than the cluster has
             return None
-        tps = [t for t in tp_valid_sizes(ev.graph) if n % t == 0]
+        tps = [t for t in tp_valid_sizes(graph) if n % t == 0]
         for tp in sorted(tps, reverse=True)[:2]:
             for pp in sorted({1, max(d for d in divisors(n // tp) if d <= n_layers)}):
                 dp = n // (tp * pp)
@@ -278,9 +223,9 @@ def smallest_fitting_devices(ev: Evaluator, global_batch: int, devices: int) -> 
                 m = global_batch // dp
                 cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule="1f1b" if pp > 1 else "none",
                                      recompute="full", zero=3 if pp == 1 else 1,
-                                     sequence_parallel=True in _sp_choices(ev, tp), offload=offload)
+                                     sequence_parallel=True in _sp_choices(graph, tp), offload=offload)
                 try:
-                    est = ev.evaluate(cfg, global_batch, n, MANUAL, simulate_schedule=False)
+                    est = planner.evaluate(cfg, MANUAL, devices=n, simulate_schedule=False)
                 except (StrategyError, InfeasiblePins):
                     continue
                 if est.fits:
@@ -289,21 +234,23 @@ def smallest_fitting_devices(ev: Evaluator, global_batch: int, devices: int) -> 
     return None
 
 
-def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str, pins, pipeline: bool,
-            schedules: tuple[str, ...], offload: str, t0: float, memory_options: bool) -> SearchResult:
-    chooser = _Chooser(ev, mode, tuple(pins))
-    lines = grid_configs(ev, devices, global_batch, offload=offload, memory_options=memory_options)
-    piped = pipeline_configs(ev, devices, global_batch, schedules=schedules, offload=offload,
+def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ...], offload: str, t0: float,
+            memory_options: bool) -> SearchResult:
+    """One pass of :func:`search_grid` with ``offload`` (see its docstring)."""
+    graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
+    planner.tally = Tally()
+    lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
+    piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
                              memory_options=memory_options) if pipeline else []
     steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
-                            f"valid tp sizes for this model: {tp_valid_sizes(ev.graph)}")
+                            f"valid tp sizes for this model: {tp_valid_sizes(graph)}")
     evaluated, feasible = 0, []
     closest: Estimate | None = None
     bound = float("inf")
     pin_error: InfeasiblePins | None = None
-    manual = Sharder("manual", tuple(pins))
+    manual = Sharder("manual", planner.pins)
     for k, line in enumerate(lines):
         try:
             # Memory falls as microbatches grow (activations are per microbatch), so the
@@ -314,7 +261,7 @@ def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str,
 
             def ref(i: int) -> Estimate:
                 if i not in memo:
-                    memo[i] = ev.evaluate(line[i], global_batch, devices, manual)
+                    memo[i] = planner.evaluate(line[i], manual)
                 return memo[i]
 
             lo, hi = 0, len(line)
@@ -329,7 +276,7 @@ def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str,
             evaluated += len(set(memo) | set(tries))
             for i in tries:
                 cfg = line[i]
-                est, sh = chooser.best(cfg, global_batch, devices, bound) if mode != "grid" else (ref(i), manual)
+                est, sh = planner.choose(cfg, bound) if mode != "grid" else (ref(i), manual)
                 if est.fits:
                     feasible.append((est, cfg, sh))
                     bound = min(bound, est.step_time_s)
@@ -345,8 +292,8 @@ def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str,
             if progress:
                 progress(len(lines) + round(fraction * PIPE_PROGRESS), steps)
 
-        evaluated, closest, pin_error = _search_pipelines(ev, piped, global_batch, devices, chooser, mode, manual,
-                                                          feasible, evaluated, closest, pin_error, tick)
+        evaluated, closest, pin_error = _search_pipelines(planner, piped, manual, feasible, evaluated, closest,
+                                                          pin_error, tick)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
     if not feasible:
@@ -359,13 +306,12 @@ def _search(ev: Evaluator, devices: int, global_batch: int, progress, mode: str,
     best, cfg, sh = feasible[0]
     return SearchResult(best=best, best_config=cfg, candidates=evaluated, feasible=len(feasible),
                         time_s=time.perf_counter() - t0, top=[e for e, _, _ in feasible[:5]],
-                        best_sharder=sh, mode=mode, won=chooser.won, ilp_solves=chooser.solves,
-                        ilp_time_s=chooser.solve_s)
+                        best_sharder=sh, mode=mode, won=planner.tally.won, ilp_solves=planner.tally.ilp_solves,
+                        ilp_time_s=planner.tally.ilp_time_s)
 
 
-def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch: int, devices: int,
-                      chooser: _Chooser, mode: str, manual: Sharder, feasible: list, evaluated: int,
-                      closest: Estimate | None, pin_error: InfeasiblePins | None,
+def _search_pipelines(planner: Planner, configs: list[ParallelConfig], manual: Sharder, feasible: list,
+                      evaluated: int, closest: Estimate | None, pin_error: InfeasiblePins | None,
                       tick: Callable[[float], None]):
     """Evaluate the pipelined ``configs`` with the Megatron placements (the
     schedule simulated only where its lower bound can still beat the best),
@@ -373,6 +319,7 @@ def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch
     ``PIPE_MARGIN`` of the best time so far. Appends to ``feasible``; returns the updated
     count, closest misfit and first pin error; ``tick(fraction done)``
     reports progress."""
+    mode = planner.mode
     # Bound first (memory is exact, the makespan a lower bound), then simulate the
     # fitting ones in bound order until the bound passes the best simulated time.
     bounded: list[tuple[Estimate, ParallelConfig]] = []
@@ -381,7 +328,7 @@ def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch
         if k % every == 0:
             tick(0.8 * k / len(configs))   # bounding is most of the work
         try:
-            est = ev.evaluate(cfg, global_batch, devices, manual, simulate_schedule=False)
+            est = planner.evaluate(cfg, manual, simulate_schedule=False)
         except InfeasiblePins as e:
             pin_error = pin_error or e
             continue
@@ -397,7 +344,7 @@ def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch
     for bound, cfg in bounded:
         if bound.step_time_s > margin * best:
             break
-        est = ev.evaluate(cfg, global_batch, devices, manual)
+        est = planner.evaluate(cfg, manual)
         fitting.append((est, cfg))
         best = min(best, est.step_time_s)
     fitting.sort(key=lambda ec: ec[0].step_time_s)
@@ -405,7 +352,7 @@ def _search_pipelines(ev: Evaluator, configs: list[ParallelConfig], global_batch
         if mode == "grid" or k >= PIPE_SEARCHED or est.step_time_s > PIPE_MARGIN * best:
             feasible.append((est, cfg, manual))
             continue
-        e, sh = chooser.best(cfg, global_batch, devices, best)
+        e, sh = planner.choose(cfg, best)
         feasible.append((e, cfg, sh) if e.fits else (est, cfg, manual))
     tick(1.0)
     return evaluated, closest, pin_error

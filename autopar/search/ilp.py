@@ -3,16 +3,22 @@
 Every node that carries a placement gets a one-hot choice among the
 candidates of :func:`autopar.strategies.candidates` (parameters: among the
 placements their consumers can read). The objective is the time of one
-microbatch on this axis, as :class:`autopar.cost.Evaluator` counts it:
+microbatch on this axis, as :class:`autopar.cost.CostModel` counts it:
 
-* per node: forward + backward compute of its local share, the collectives
-  inside the op, and the backward all-reduce of replicated inputs that feed
-  split work;
-* per edge: the forward + backward resharding between what the producer
-  gives and what the consumer reads (:func:`reshard_time`), linearised with
-  one continuous variable per (producer placement, consumer placement) pair
-  whose row and column sums equal the two one-hot choices (the tight
-  "transportation" form Alpa uses).
+* per node: forward + backward compute of its local share and the
+  collectives inside the op
+  (:func:`~autopar.strategies.axis_cost.op_local_time`);
+* per edge: the forward + backward transition between what the producer
+  gives and how the consumer reads it, from the redistribution table
+  (:func:`~autopar.strategies.redistribute.transition_time`). How it reads
+  is the placement plus Megatron's f (a replicated value with a gradient
+  feeding split work, whose backward sums the gradient: an all-reduce, or a
+  reduce-scatter when the producer gives a shard, as under sequence
+  parallelism), so the sum of both is
+  :func:`~autopar.strategies.axis_cost.op_axis_time` over the graph. Edges
+  are linearised with one continuous variable per (producer placement,
+  consumer read) pair whose row and column sums equal the two one-hot
+  choices (the tight "transportation" form Alpa uses).
 
 An optional linear memory constraint bounds the model states of the local
 parameter shards plus the activations saved for backward.
@@ -32,17 +38,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
-
-import highspy
-import numpy as np
+from typing import Callable, Sequence
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
+from ..spec.placement import P, R
 from ..strategies import Strategy, candidates
-from ..strategies.placement import P, R
 from ..strategies.rules import Ctx
-from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature, reshard_time
+from ..strategies.axis_cost import op_local_time
+from ..strategies.redistribute import output_time, transition_time
+from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature
+from .solvers import DEFAULT, Backend, Model, backend
 
 Shape = tuple[int, ...]
 SCALE = 1e6          # the objective is in microseconds: HiGHS' tolerances suit numbers near 1
@@ -97,8 +103,9 @@ class IlpInfo:
 def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
                comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
                param_time: Callable[[Node, str], float] | None = None,
-               pins: dict[str, str] | None = None, memory: MemoryTerms | None = None,
-               time_limit_s: float = 60.0) -> AxisSharding:
+               pins: dict[str, str] | None = None,
+               memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0, cache: dict | None = None,
+               solver: str = DEFAULT) -> AxisSharding:
     """Optimal placements of an axis of size ``n`` (see the module docstring).
 
     ``shapes`` are node shapes local to the other axes; ``comm(kind, nbytes)``
@@ -108,15 +115,21 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     per microbatch a parameter costs in that placement outside this axis (its
     share of the data-parallel gradient reduction and of the optimizer step:
     a replicated weight has more to reduce and update); ``pins`` fixes the output placement of
-    nodes (parameters included). Raises :class:`InfeasiblePins` when the pins
-    leave no valid assignment, :class:`StrategyError` when the memory bound
-    does.
+    nodes (parameters included). ``memory``: one linear memory row, or one
+    per device kind that must fit (a pipeline's ranks). ``cache``: a dict the caller keeps across
+    solves (the planner's), where the problem's structure is kept per shapes
+    and pins. ``solver``: the MILP backend, one of
+    :data:`autopar.search.solvers.SOLVERS` (HiGHS by default). Raises
+    :class:`InfeasiblePins` when the pins leave no valid assignment,
+    :class:`StrategyError` when the memory bound does or ``solver`` is not
+    valid or not installed.
     """
+    mip = backend(solver)
     t0 = time.perf_counter()
     pins = dict(pins or {})
     # the structure (decisions, candidates, edges) depends on the shapes and
     # the pins only: the search re-solves it under many cost models
-    cache = graph.__dict__.setdefault("_ilp_structures", {})
+    cache = {} if cache is None else cache
     skey = (n, id(shapes), tuple(sorted(pins.items())))
     try:
         prob = cache.get(skey)
@@ -125,9 +138,9 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
         prob.comm, prob.compute = comm, compute
         prob.param_time = param_time or (lambda nd, p: 0.0)
         build = time.perf_counter() - t0
-        res = prob.solve(memory, time_limit_s)
+        res = prob.solve(memory, time_limit_s, mip)
     except InfeasiblePins:
-        pair = find_conflict(graph, n, shapes, pins) if len(pins) > 1 else None
+        pair = find_conflict(graph, n, shapes, pins, solver) if len(pins) > 1 else None
         if pair is None:
             raise
         a, b = pair
@@ -140,14 +153,35 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     return res
 
 
-def find_conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> tuple[str, str] | None:
+def coefficients(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
+                 comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
+                 param_time: Callable[[Node, str], float] | None = None) -> "_Problem":
+    """The cost coefficients :func:`solve_axis` builds its program from, for
+    the same arguments, without solving: ``node_cost(name, strategy)``,
+    ``edge_cost(producer, placement, read(producer, strategy, slot))``,
+    ``charge(node, strategy, input placements)`` (a node's cost with the
+    edges into it) and ``param_cost(name, placement)``. The objective of a
+    set of decisions is the sum of ``charge`` over the decided nodes plus
+    ``param_cost`` over the parameters (used to check that the ILP, the
+    greedy search and the cost model charge the same time)."""
+    prob = _Problem(graph, n, shapes, {})
+    prob.comm, prob.compute = comm, compute
+    prob.param_time = param_time or (lambda nd, p: 0.0)
+    return prob
+
+
+def find_conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str],
+                  solver: str = DEFAULT) -> tuple[str, str] | None:
     """Two pins that cannot hold together (the first such pair in pin order),
-    or None. Each check is a feasibility ILP with all costs zero."""
+    or None. Each check is a feasibility ILP with all costs zero, solved by
+    ``solver`` (as :func:`solve_axis`'s)."""
+    mip = backend(solver)
+
     def feasible(sub: dict[str, str]) -> bool:
         try:
             prob = _Problem(graph, n, shapes, sub)
             prob.comm, prob.compute, prob.param_time = (lambda k, b: 0.0), (lambda nd, f: 0.0), (lambda nd, p: 0.0)
-            prob.solve(None, 30.0)
+            prob.solve(None, 30.0, mip)
             return True
         except InfeasiblePins:
             return False
@@ -169,14 +203,15 @@ class _Problem:
         self.grad = needs_grad(graph)
         # which nodes share a decision, and the edges between decisions, do not
         # depend on the shapes: computed once per graph and pins
-        structs = graph.__dict__.setdefault("_ilp_keys", {})
-        skey = tuple(sorted(pins.items()))
-        if skey not in structs:
-            self._keys()
-            self._edges()
-            structs[skey] = (self.key, self.mult, self.copied_from, self.edges)
-        self.key, self.mult, self.copied_from, self.edges = structs[skey]
+        self.key, self.mult, self.copied_from, self.edges = graph.memo(
+            ("ilp_structure", tuple(sorted(pins.items()))), self._structure)
         self._choices()
+
+    def _structure(self) -> tuple:
+        """(decision key per node, multiplicities, copied instances, edges)."""
+        self._keys()
+        self._edges()
+        return self.key, self.mult, self.copied_from, self.edges
 
     # -- which nodes share a decision ----------------------------------------
     def _keys(self) -> None:
@@ -210,7 +245,7 @@ class _Problem:
 
     def _decides(self, nd: Node) -> bool:
         """Whether ``nd`` is an op with a strategy choice (not a parameter or input)."""
-        return self._placed(nd) and nd.kind not in ("param", "buffer", "input")
+        return self._placed(nd) and not nd.is_state and nd.kind != "input"
 
     def _placed(self, nd: Node) -> bool:
         return not (nd.kind in _SKIP or (nd.out is None and nd.kind not in ("split", "input")))
@@ -241,7 +276,7 @@ class _Problem:
                 for i, w in zip(nd.inputs, st.ins):
                     wants.setdefault(self.key[i], set()).add(w)
         for nd in g.nodes:
-            if nd.kind in ("param", "buffer") and self.key[nd.name] == nd.name:
+            if nd.is_state and self.key[nd.name] == nd.name:
                 opts = sorted(({R} | wants.get(nd.name, set())) - {P})
                 pin = self.pins.get(nd.name)
                 if pin is not None:
@@ -272,7 +307,7 @@ class _Problem:
                     bad = False
                     for i, w in zip(nd.inputs, st.ins):
                         src = self.by_name[i]
-                        if w == P and (src.kind in ("param", "buffer") or
+                        if w == P and (src.is_state or
                                        (self._placed(src) and P not in self.outs(self.key[i]))):
                             bad = True
                             break
@@ -292,15 +327,14 @@ class _Problem:
         return _numel(self.shapes.get(name)) * 4.0
 
     def node_cost(self, k: str, st: Strategy) -> float:
+        """The time of ``k`` as ``st`` that does not depend on its neighbours
+        (:func:`~autopar.strategies.axis_cost.op_local_time`; the graph's
+        output also pays for being made whole). The input transitions,
+        Megatron's f included, are on the edges."""
         nd = self.by_name[k]
-        c = 3.0 * self.compute(nd, 1.0 / self.n if st.split else 1.0)
-        for kind, nb in st.comm:
-            c += self.comm(kind, nb)
-        for i, w in zip(nd.inputs, st.ins):
-            if w == R and st.split and self.grad.get(i, False):
-                c += self.comm("all_reduce", self.nbytes(i))   # backward of reduce_grad
-        if nd.name == self.graph.output and st.out == P:
-            c += self.comm("all_reduce", 4)
+        c = op_local_time(nd, st, self.n, self.compute, self.comm)
+        if nd.name == self.graph.output:
+            c += output_time(st.out, self.nbytes(k), self.comm)
         return c
 
     def param_cost(self, k: str, p: str) -> float:
@@ -319,14 +353,60 @@ class _Problem:
                 e = (self.key[i], kv, slot)
                 self.edges[e] = self.edges.get(e, 0) + 1
 
-    def edge_cost(self, u: str, have: str, want: str) -> float:
-        return reshard_time(have, want, self.nbytes(u), self.grad.get(u, False), self.comm)
+    def read(self, u: str, st: Strategy, slot: int) -> tuple[str, bool]:
+        """How a consumer running ``st`` reads its input ``slot`` (produced by
+        ``u``): the placement, and whether it is Megatron's f (a replicated
+        value with a gradient feeding split work), whose backward depends on
+        the producer's placement (all-reduce, or reduce-scatter from a shard)."""
+        w = st.ins[slot]
+        return w, w == R and st.split and self.grad.get(u, False)
 
+    def edge_cost(self, u: str, have: str, read: tuple[str, bool]) -> float:
+        """Forward + backward time of moving ``u``'s value from ``have`` to
+        ``read`` (see :meth:`read`), from the redistribution table."""
+        want, into_split = read
+        return transition_time(have, want, self.nbytes(u), self.grad.get(u, False), into_split, self.comm)
+
+    def charge(self, nd: Node, st: Strategy, have: dict[str, str]) -> float:
+        """What the program charges ``nd`` run as ``st`` when its inputs are
+        placed as ``have`` (graph inputs: R): its node cost and the edges into it."""
+        c = self.node_cost(nd.name, st)
+        for slot, i in enumerate(nd.inputs):
+            if self._placed(self.by_name[i]):
+                c += self.edge_cost(i, have.get(i, R), self.read(i, st, slot))
+        return c
 
     # -- the program --------------------------------------------------------------
-    def solve(self, memory: MemoryTerms | None, time_limit_s: float) -> AxisSharding:
+    def _memory_row(self, mdl, memory: MemoryTerms, x: dict, xp: dict) -> None:
+        """Add ``memory``'s row: model states of the parameter choices plus the
+        activations each strategy saves, within ``memory.limit``."""
+        row: dict[int, float] = {}
+        fixed = 0.0
+        mib = 2.0 ** 20
+
+        def put(v: int | None, b: float) -> None:
+            nonlocal fixed
+            if v is None:
+                fixed += b / mib
+            else:
+                row[v] = row.get(v, 0.0) + b / mib
+
+        for k in self.pplace:
+            for p, v in xp[k].items():
+                put(v, memory.param(self.by_name[k], p) * self.mult[k])
+        for k, cs in self.cands.items():
+            nd = self.by_name[k]
+            f = memory.group_factor(self.mult[k]) if nd.group is not None else self.mult[k]
+            for st, v in zip(cs, x[k]):
+                put(v, memory.saved(nd, st) * f)
+        mdl.row(row, -INF, memory.limit / mib - fixed)
+
+    def solve(self, memory: MemoryTerms | Sequence[MemoryTerms] | None, time_limit_s: float,
+              mip: Backend) -> AxisSharding:
+        """Build the program (see the module docstring) and solve it with the
+        backend ``mip``."""
         t0 = time.perf_counter()
-        mdl = _Model()
+        mdl = Model()
         ONE = None                        # a decision with a single choice: the constant 1
         x: dict[str, list] = {}           # op decision -> one binary per candidate (or [ONE])
         xp: dict[str, dict[str, int | None]] = {}   # param decision -> placement -> binary (or ONE)
@@ -364,9 +444,9 @@ class _Problem:
         n_edge_vars = 0
         for (u, v, slot), m in self.edges.items():
             have = out_terms(u)
-            want: dict[str, list] = {}
+            want: dict[tuple[str, bool], list] = {}     # consumer side: how it reads the value
             for st, xv in zip(self.cands[v], x[v]):
-                want.setdefault(st.ins[slot], []).append(xv)
+                want.setdefault(self.read(u, st, slot), []).append(xv)
             cost = {(p, q): self.edge_cost(u, p, q) for p in have for q in want}
             if all(c == 0 for c in cost.values()):
                 continue
@@ -379,7 +459,7 @@ class _Problem:
                         elif t is not None:
                             mdl.row({t: 1.0}, 0.0, 0.0)
                         else:
-                            raise InfeasiblePins(f"no placement of {u} can be read as {q}")
+                            raise InfeasiblePins(f"no placement of {u} can be read as {q[0]}")
                 continue
             ev = {}
             for (p, q), c in cost.items():
@@ -396,35 +476,17 @@ class _Problem:
                         row[vv] = row.get(vv, 0.0) - 1.0
                     mdl.row(row, const, const)
 
-        if memory is not None:
-            row: dict[int, float] = {}
-            fixed = 0.0
-            mib = 2.0 ** 20
-
-            def put(v: int | None, b: float) -> None:
-                nonlocal fixed
-                if v is None:
-                    fixed += b / mib
-                else:
-                    row[v] = row.get(v, 0.0) + b / mib
-
-            for k, opts in self.pplace.items():
-                for p, v in xp[k].items():
-                    put(v, memory.param(self.by_name[k], p) * self.mult[k])
-            for k, cs in self.cands.items():
-                nd = self.by_name[k]
-                f = memory.group_factor(self.mult[k]) if nd.group is not None else self.mult[k]
-                for st, v in zip(cs, x[k]):
-                    put(v, memory.saved(nd, st) * f)
-            mdl.row(row, -INF, memory.limit / mib - fixed)
-
+        rows = [] if memory is None else [memory] if isinstance(memory, MemoryTerms) else list(memory)
+        for terms in rows:
+            self._memory_row(mdl, terms, x, xp)
         self.build_s = time.perf_counter() - t0
-        status, values, objective = mdl.solve(time_limit_s)
+        sol = mip.solve(mdl, time_limit_s)
+        status, values, objective = sol.status, sol.values, sol.objective
         if status != "Optimal":
             if self.pins and memory is None:
                 raise InfeasiblePins(f"the pinned placements admit no sharding ({status})")
             raise StrategyError(f"no sharding on this axis satisfies the memory bound of "
-                                f"{memory.limit / 2**30:.3g} GiB ({status})" if memory else
+                                f"{rows[0].limit / 2**30:.3g} GiB ({status})" if rows else
                                 f"the sharding program could not be solved ({status})")
 
         def val(v: int | None) -> float:
@@ -453,7 +515,7 @@ class _Problem:
                           constraints=len(mdl.rows), build_s=0.0, solve_s=0.0, status=status,
                           objective_s=objective, shared_instances=sum(1 for nd in self.graph.nodes
                                                                       if self.key[nd.name] != nd.name),
-                          memory_limited=memory is not None)
+                          memory_limited=bool(rows))
         # the runners-up are for --explain: computed when asked for
         comm, compute, param_time = self.comm, self.compute, self.param_time
 
@@ -479,9 +541,9 @@ class _Problem:
         def local(k: str, st: Strategy) -> float:
             c = self.mult[k] * self.node_cost(k, st)
             for u, slot, m in ins_of.get(k, []):
-                c += m * self.edge_cost(u, place.get(u, R), st.ins[slot])
+                c += m * self.edge_cost(u, place.get(u, R), self.read(u, st, slot))
             for v, slot, m in outs_of.get(k, []):
-                c += m * self.edge_cost(k, st.out, self.cands[v][pick[v]].ins[slot])
+                c += m * self.edge_cost(k, st.out, self.read(k, self.cands[v][pick[v]], slot))
             return c
 
         out: dict[str, list[tuple[str, str, float]]] = {}
@@ -498,74 +560,6 @@ class _Problem:
             alts.sort(key=lambda a: a[2])
             out[k] = alts[:3]
         return out
-
-
-class _Model:
-    """A minimisation MILP handed to HiGHS in one piece.
-
-    Built as plain lists and passed with ``passModel`` (row-wise matrix,
-    integrality in one array): PuLP's HiGHS interface adds columns and sets
-    their integrality one call at a time, which took most of the time of
-    these small programs (measured: 46 solves for GPT-3 175B took 4.0 s
-    through PuLP)."""
-
-    def __init__(self) -> None:
-        self.costs: list[float] = []
-        self.upper: list[float] = []
-        self.integer: list[bool] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-        self.constant = 0.0
-
-    def var(self, integer: bool = False) -> int:
-        self.costs.append(0.0)
-        self.upper.append(1.0)
-        self.integer.append(integer)
-        return len(self.costs) - 1
-
-    def cost(self, v: int | None, c: float) -> None:
-        if v is None:
-            self.constant += c
-        else:
-            self.costs[v] += c
-
-    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
-        self.rows.append((coefs, lo, hi))
-
-    def solve(self, time_limit_s: float) -> tuple[str, list[float], float]:
-        """(status, variable values, objective without the constant)."""
-        n = len(self.costs)
-        if n == 0:
-            return "Optimal", [], 0.0
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = n, len(self.rows)
-        lp.col_cost_ = np.array(self.costs)
-        lp.col_lower_ = np.zeros(n)
-        lp.col_upper_ = np.array(self.upper)
-        inf = highspy.kHighsInf
-        lp.row_lower_ = np.array([max(lo, -inf) for _, lo, _ in self.rows])
-        lp.row_upper_ = np.array([min(hi, inf) for _, _, hi in self.rows])
-        start, index, value = [0], [], []
-        for coefs, _, _ in self.rows:
-            index.extend(coefs)
-            value.extend(coefs.values())
-            start.append(len(index))
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
-        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-        lp.a_matrix_.value_ = np.array(value, dtype=float)
-        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
-                           for i in self.integer]
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", float(time_limit_s))
-        h.setOptionValue("mip_rel_gap", 1e-7)
-        h.setOptionValue("threads", 1)
-        h.passModel(lp)
-        h.run()
-        st = h.getModelStatus()
-        if st != highspy.HighsModelStatus.kOptimal:
-            return h.modelStatusToString(st), [], 0.0
-        return "Optimal", list(h.getSolution().col_value), h.getInfo().objective_function_value
 
 
 def _label(nd: Node) -> str:

@@ -19,8 +19,8 @@ import re
 from typing import Any
 
 from ..errors import StrategyError
-from ..graph import Graph, Node
-from ..strategies.placement import R, S
+from ..graph import NO_DISPATCH, Graph, Node
+from ..spec.placement import R, S
 
 _ATTR = "_autopar_shard"
 
@@ -106,7 +106,7 @@ def _resolve(graph: Graph, shardings: dict[str, Any] | None, dp_placement: dict[
     by_param = {nd.param: nd for nd in graph.nodes if nd.param}
     by_module: dict[str, Node] = {}
     for nd in graph.nodes:   # a module's output: its last op in program order
-        if nd.kind in ("param", "buffer", "shape", "constant", "input", "output") or nd.out is None:
+        if nd.kind in NO_DISPATCH or nd.out is None:
             continue
         parts = nd.module.split(".") if nd.module else []
         for i in range(1, len(parts) + 1):

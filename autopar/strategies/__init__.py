@@ -12,7 +12,7 @@ any communication the op needs inside (vocabulary-parallel cross-entropy).
 The rules live in :mod:`autopar.strategies.rules`, one small function per op
 family; an op without a rule is replicated (with a warning naming it).
 """
-from .placement import P, R, S, is_shard, shard_dim
+from ..spec.placement import P, R, S, is_shard, shard_dim
 from .rules import Strategy, candidates, has_rule
 
 __all__ = ["Strategy", "candidates", "has_rule", "R", "P", "S", "is_shard", "shard_dim"]

@@ -3,8 +3,10 @@
 Each rule gets a :class:`Ctx` (the node, the shapes of its tensor inputs and
 output on this axis, the axis size ``n``) and returns the valid strategies.
 Shapes are *local to the other mesh axes* already, so divisibility is checked
-against what this axis will actually split. A new op is one function plus one
-line in :data:`RULES`.
+against what this axis will actually split. Each rule registers itself for
+its kinds with :func:`autopar.ops.register_rule`, next to its code (the kinds
+and their ops are records of :mod:`autopar.ops`): a new op of a known kind is
+one record there, a new kind one record there plus one rule here.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..graph import Node
-from .placement import P, R, S, is_shard, shard_dim
+from .. import ops
+from ..graph import STATE_KINDS, Node
+from ..spec.placement import P, R, S, is_shard, shard_dim
 
 Shape = tuple[int, ...]
 
@@ -63,8 +66,11 @@ def _replicated(ctx: Ctx) -> list[Strategy]:
 
 
 # ---------------------------------------------------------------- matmuls
+@ops.register_rule("linear")
 def _linear(ctx: Ctx) -> list[Strategy]:
-    """F.linear(x, W[out, in]) (bias is a separate add after tracing)."""
+    """F.linear(x, W[out, in][, b]) (the tracer makes a module's bias a separate add;
+    a functional bias is split with the weight's rows, and rules out rowwise,
+    whose partial sums would each add it)."""
     x, w = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
     out = _replicated(ctx)
     if ctx.node.target == "addmm" and len(ctx.ins) == 3:
@@ -77,16 +83,20 @@ def _linear(ctx: Ctx) -> list[Strategy]:
     last = len(x) - 1
     extra = (R,) * (len(ctx.ins) - 2)
     if ctx.div(w, 0):
-        out.append(Strategy("colwise", (R, S(0)) + extra, S(last), True))
-    if ctx.div(w, 1) and ctx.div(x, last):
-        out.append(Strategy("rowwise", (S(last), S(1)) + extra, P, True))
+        out.append(Strategy("colwise", (R, S(0)) + (S(0),) * (len(ctx.ins) - 2), S(last), True))
+    if ctx.div(w, 1) and ctx.div(x, last) and not extra:
+        out.append(Strategy("rowwise", (S(last), S(1)), P, True))
     for d in range(last):
         if ctx.div(x, d):
             out.append(Strategy(f"batch{d}", (S(d), R) + extra, S(d), True))
     return out
 
 
+@ops.register_rule("matmul")
 def _matmul(ctx: Ctx) -> list[Strategy]:
+    """matmul / mm / bmm(a, b), and baddbmm(c, a, b) = c + a @ b."""
+    if len(ctx.ins) == 3:
+        return _plus_product(ctx)
     a, b = ctx.ins[0], ctx.ins[1]
     o = ctx.out
     if a is None or b is None or o is None or len(a) < 2 or len(b) < 2:
@@ -108,6 +118,25 @@ def _matmul(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+def _plus_product(ctx: Ctx) -> list[Strategy]:
+    """baddbmm(c, a, b): the strategies of a @ b but the contraction split
+    (whose partial sums would each add c), with c placed like the output
+    (its broadcast dims replicated)."""
+    c, o = ctx.ins[0], ctx.out
+    sub = Ctx(ctx.node, ctx.ins[1:], ctx.in_kinds[1:], o, ctx.n, ctx.itemsize, ctx.batch_axis)
+    out = []
+    for st in _matmul(sub):
+        if st.out == P:
+            continue
+        pc = R
+        if is_shard(st.out) and c is not None and o is not None:
+            d = shard_dim(st.out) - (len(o) - len(c))
+            pc = S(d) if d >= 0 and c[d] == o[shard_dim(st.out)] else R
+        out.append(Strategy(st.name, (pc,) + st.ins, st.out, st.split, st.comm, st.scale, st.kernel))
+    return out
+
+
+@ops.register_rule("sdpa")
 def _sdpa(ctx: Ctx) -> list[Strategy]:
     """scaled_dot_product_attention(q, k, v[, mask]) on [B, H, T, D]: batch or heads."""
     out = _replicated(ctx)
@@ -121,23 +150,28 @@ def _sdpa(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("conv")
 def _conv(ctx: Ctx) -> list[Strategy]:
+    """conv(x, W[, b]): a bias is split with the output channels and rules out
+    the input-channel split (whose partial sums would each add it)."""
     x, w = ctx.ins[0], ctx.ins[1]
     out = _replicated(ctx)
     groups = ctx.node.attrs.get("groups", 1)
+    bias = len(ctx.ins) - 2
     if ctx.div(x, 0):
-        out.append(Strategy("batch", (S(0), R), S(0), True))
+        out.append(Strategy("batch", (S(0), R) + (R,) * bias, S(0), True))
     if ctx.div(w, 0) and groups == 1:
-        out.append(Strategy("out_channels", (R, S(0)), S(1), True))
-    if ctx.div(w, 1) and ctx.div(x, 1) and groups == 1:
+        out.append(Strategy("out_channels", (R, S(0)) + (S(0),) * bias, S(1), True))
+    if ctx.div(w, 1) and ctx.div(x, 1) and groups == 1 and not bias:
         out.append(Strategy("in_channels", (S(1), S(1)), P, True))
     return out
 
 
 # ---------------------------------------------------------------- lookups and losses
+@ops.register_rule("embedding")
 def _embedding(ctx: Ctx) -> list[Strategy]:
     """F.embedding(ids, W[V, H]) (export puts the weight first)."""
-    wi = 0 if ctx.in_kinds and ctx.in_kinds[0] in ("param", "buffer") else 1
+    wi = 0 if ctx.in_kinds and ctx.in_kinds[0] in STATE_KINDS else 1
     ii = 1 - wi
     ids, w = ctx.ins[ii], ctx.ins[wi]
     out = _replicated(ctx)
@@ -157,6 +191,7 @@ def _embedding(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("cross_entropy")
 def _cross_entropy(ctx: Ctx) -> list[Strategy]:
     """F.cross_entropy(logits[N, C], target[N]) with mean reduction."""
     logits, target = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
@@ -176,6 +211,7 @@ def _cross_entropy(ctx: Ctx) -> list[Strategy]:
 
 
 # ---------------------------------------------------------------- normalisation, softmax, pooling
+@ops.register_rule("layernorm", "rmsnorm")
 def _norm(ctx: Ctx) -> list[Strategy]:
     """layer_norm / rms_norm over the trailing ``len(normalized_shape)`` dims."""
     x = ctx.ins[0]
@@ -189,6 +225,7 @@ def _norm(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("batchnorm")
 def _batchnorm(ctx: Ctx) -> list[Strategy]:
     """batch_norm(x, running_mean, running_var, weight, bias): channels exactly;
     batch only on the data-parallel axis, with per-replica statistics (what
@@ -203,6 +240,7 @@ def _batchnorm(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("softmax")
 def _softmax(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
     out = _replicated(ctx)
@@ -215,6 +253,7 @@ def _softmax(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("pool")
 def _pool(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
     out = _replicated(ctx)
@@ -224,6 +263,7 @@ def _pool(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("reduction")
 def _reduction(ctx: Ctx) -> list[Strategy]:
     x, o = ctx.ins[0], ctx.out
     out = _replicated(ctx)
@@ -248,17 +288,16 @@ def _reduction(ctx: Ctx) -> list[Strategy]:
 
 
 # ---------------------------------------------------------------- elementwise
-_LINEAR_ADD = ("add", "sub", "iadd", "add_", "neg", "radd", "rsub")
-_LINEAR_MUL = ("mul", "truediv", "div", "imul", "mul_", "rmul")
-
-
+@ops.register_rule("elementwise")
 def _elementwise(ctx: Ctx) -> list[Strategy]:
     o = ctx.out
     out = _replicated(ctx)
     if o is None:
         return out
     nd = len(o)
-    for d in range(nd):
+    info = ops.op_info(ctx.node.target)
+    whole = info.whole_dims if info is not None else 0
+    for d in range(nd - whole):
         req = []
         ok = o[d] % ctx.n == 0 and o[d] >= ctx.n
         for s in ctx.ins:
@@ -274,13 +313,12 @@ def _elementwise(ctx: Ctx) -> list[Strategy]:
                 ok = False
         if ok and any(is_shard(p) for p in req):
             out.append(Strategy(f"dim{d}", tuple(req), S(d), True))
-    t = ctx.node.target
-    if t in _LINEAR_ADD and ctx.ins:
+    linear_in = info.linear_in if info is not None else ""
+    if linear_in == "all" and len(ctx.ins) >= 2:
+        # a sum of tensors only: x + 1 on summands would add the 1 on every rank
         out.append(Strategy("partial", _all(ctx, P), P, False))
-    elif t in _LINEAR_MUL and ctx.ins:
-        # linear in the first operand only (x * scale, x / scale)
-        out.append(Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False))
-    elif t in ("dropout", "float", "to", "type_as", "contiguous", "clone"):
+    elif linear_in == "first" and ctx.ins:
+        # linear in the first operand only (x * scale, x / scale, dropout, casts)
         out.append(Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False))
     return out
 
@@ -332,6 +370,7 @@ def view_map(a: Shape, b: Shape, n: int) -> dict[int, int]:
     return m
 
 
+@ops.register_rule("view")
 def _view(ctx: Ctx) -> list[Strategy]:
     x, o = ctx.ins[0] if ctx.ins else None, ctx.out
     out = [Strategy("replicate", _all(ctx, R), R, False),
@@ -350,6 +389,7 @@ def _view(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("transpose")
 def _transpose(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
     out = [Strategy("replicate", (R,), R, False), Strategy("partial", (P,), P, False)]
@@ -362,6 +402,7 @@ def _transpose(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("expand")
 def _expand(ctx: Ctx) -> list[Strategy]:
     """unsqueeze / squeeze / expand / repeat_interleave / repeat."""
     x, o = ctx.ins[0], ctx.out
@@ -383,6 +424,7 @@ def _expand(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("index")
 def _index(ctx: Ctx) -> list[Strategy]:
     """getitem / narrow / select: a dim that is kept whole keeps its shard."""
     out = [Strategy("replicate", _all(ctx, R), R, False)]
@@ -397,6 +439,7 @@ def _index(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("split")
 def _split(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
     out = [Strategy("replicate", (R,), R, False)]
@@ -410,12 +453,14 @@ def _split(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("item")
 def _item(ctx: Ctx) -> list[Strategy]:
     """getitem on the tuple a split returned: the placement passes through."""
     return [Strategy("pass", (p,), p, False) for p in (R, P)] + [
         Strategy(f"dim{d}", (S(d),), S(d), False) for d in range(len(ctx.out or ())) if ctx.div(ctx.out, d)]
 
 
+@ops.register_rule("cat")
 def _cat(ctx: Ctx) -> list[Strategy]:
     o = ctx.out
     out = [Strategy("replicate", _all(ctx, R), R, False), Strategy("partial", _all(ctx, P), P, False)]
@@ -432,32 +477,24 @@ def _cat(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("factory")
 def _source(ctx: Ctx) -> list[Strategy]:
     return [Strategy("replicate", _all(ctx, R), R, False)]
 
-
-RULES: dict[str, Callable[[Ctx], list[Strategy]]] = {
-    "linear": _linear, "matmul": _matmul, "sdpa": _sdpa, "conv": _conv,
-    "embedding": _embedding, "cross_entropy": _cross_entropy,
-    "layernorm": _norm, "rmsnorm": _norm, "batchnorm": _batchnorm,
-    "softmax": _softmax, "pool": _pool, "reduction": _reduction,
-    "elementwise": _elementwise, "view": _view, "transpose": _transpose,
-    "expand": _expand, "index": _index, "split": _split, "item": _item, "cat": _cat,
-    "factory": _source,
-}
 
 _warned: set[str] = set()
 
 
 def has_rule(kind: str) -> bool:
-    return kind in RULES
+    """Whether ``kind`` has a sharding rule (else its nodes run replicated)."""
+    return ops.rule(kind) is not None
 
 
 def candidates(ctx: Ctx) -> list[Strategy]:
     """Valid strategies of ``ctx.node`` on an axis of size ``ctx.n`` (replicate first).
 
     A node without a rule is replicated, with one warning per op naming it."""
-    rule = RULES.get(ctx.node.kind)
+    rule: Callable[[Ctx], list[Strategy]] | None = ops.rule(ctx.node.kind)
     if rule is None:
         key = f"{ctx.node.kind}:{ctx.node.target}"
         if key not in _warned and ctx.n > 1:
@@ -469,4 +506,5 @@ def candidates(ctx: Ctx) -> list[Strategy]:
 
 
 def rule_names() -> Sequence[str]:
-    return sorted(RULES)
+    """The kinds that have a sharding rule, sorted."""
+    return sorted(ops.rules())

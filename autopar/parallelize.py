@@ -1,0 +1,338 @@
+"""``autopar.parallelize``: plan (or take a plan), compile this rank's program, train.
+
+Every rank runs the same script (under ``torchrun``, or in any process group
+the user created). :func:`parallelize` is a short driver over steps that each
+do one thing, in the manner of torchtitan's ``parallelize_llama``:
+
+1. :func:`resolve_plan`: the :class:`~autopar.plan.Plan` (searched, evaluated
+   from a manual strategy, or given) and its strategy;
+2. :func:`apply_tp`: this tensor-parallel rank's program of the whole model
+   (local shards and explicit collectives);
+3. :func:`apply_pipeline`: with ``pp > 1``, the stages this pipeline rank holds;
+4. :func:`apply_recompute`: layer regions that recompute their activations;
+5. :func:`apply_fsdp`: ZeRO-3 with torch FSDP2 over those regions;
+6. :func:`apply_optimizer`: the optimizer (ZeRO 1/2, mixed precision,
+   overlapped gradient reduction) over this rank's parameters.
+
+The result is a :class:`~autopar.runtime.parallel.ParallelModule`, which only
+executes: its :meth:`~autopar.runtime.parallel.ParallelModule.train_step`
+runs forward, backward and the optimizer step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import api, ops
+from .compile.fx_utils import get_attr
+from .compile.regions import layer_regions
+from .compile.rewrite import LocalProgram, compile_local
+from .compile.stages import split_stages, tied_params
+from .errors import PlanError, StrategyError, UnsupportedError
+from .graph import Graph
+from .pipeline.partition import assign, even_layers, units
+from .pipeline.schedule import Timeline
+from .plan import Plan
+from .runtime import collectives as C
+from .runtime import regions as R_
+from .runtime.dist import Mesh, init_process_group, local_device
+from .runtime.optim import DistributedOptimizer
+from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
+from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
+from .search import pins as _pins
+from .sharding import scaled_shapes
+from .spec import ParallelConfig, parse_strategy
+from .trace import trace, with_loss
+
+__all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_pipeline",
+           "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
+
+
+def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, example_target: Any = None,
+                optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+                strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
+                full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
+                seed_broadcast: bool = True, search_mode: str | None = None,
+                shardings: dict[str, Any] | None = None) -> ParallelModule:
+    """Parallelize ``model`` over the current process group and return a
+    :class:`~autopar.runtime.parallel.ParallelModule`.
+
+    * ``example_inputs``: one batch of inputs as every rank would pass it to
+      ``train_step`` (the global batch when ``full_batch=True``, this rank's
+      data-parallel shard when ``False``). ``example_target`` defaults to a
+      zero tensor shaped like the first input, enough for tracing most losses.
+    * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
+    * ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default SGD lr 0.01).
+    * ``strategy``: ``"auto"`` (search the strategies this release can run),
+      a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
+    * ``cluster``: preset name or cluster file for the predictions (default:
+      the machine this runs on).
+    * ``search_mode`` and ``shardings`` (pins; :func:`autopar.shard`
+      annotations on ``model`` count too): as for :func:`autopar.plan`. With a
+      manual strategy and a ``search_mode``, the per-op placements on that
+      mesh are searched.
+
+    The process group is created from the torchrun environment when none
+    exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
+    that do not fit this world or model, :class:`UnsupportedError` for valid
+    strategies this release cannot run (pipelines, recompute or ZeRO-3 over a
+    torch.export graph; fp16 with ZeRO-3).
+    """
+    rank, world = init_process_group(backend)
+    inputs = as_tuple(example_inputs)
+    graph = trace(model, inputs, loss_fn=loss_fn, target=_example_target(inputs, example_target))
+    plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
+                                     full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
+                                     shardings=shardings)
+    check_runnable(graph, cfg)
+    mesh = build_mesh(cfg)
+    if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
+        C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
+    prog = apply_tp(graph, plan, cfg, mesh, gbatch, model=model, loss_fn=loss_fn)
+    if cfg.pp > 1:
+        pipe = apply_pipeline(prog, graph, plan, cfg, mesh)
+        for st in pipe.stages:
+            st.module = apply_recompute(st.module, graph, cfg)
+        modules = [st.module for st in pipe.stages]
+        local = local_tensors(modules)
+        tied = tie_groups(pipe.tied, local, dp=cfg.dp, tp=cfg.tp, rank=rank)
+        placement = {k: v for k, v in prog.param_placement.items() if k in local}
+        comms = sum(st.comms for st in pipe.stages)
+    else:
+        pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
+        modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg), cfg, mesh)]
+    opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied)
+    aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
+    for alias, canon in graph.aliases.items():
+        aliases.setdefault(canon, []).append(alias)
+    return ParallelModule(
+        modules, plan=plan, config=cfg, mesh=mesh, optimizer=opt, dist_optimizer=dist_opt,
+        state_names=StateNames(graph.loss_prefix or "", aliases, frozenset(model.state_dict())),
+        global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
+        pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
+
+
+def default_cluster() -> str:
+    """The preset matching the machine this runs on (``cpu`` without CUDA)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        if "h100" in name or "h200" in name:
+            return "dgx-h100"
+        if "a100" in name:
+            return "dgx-a100-80g"
+        return "dgx-a100-80g"
+    return "cpu"
+
+
+def _example_target(inputs: tuple, target: Any) -> Any:
+    """``target``, or a stand-in to trace the loss with: integer inputs are a
+    language model's tokens (targets shaped like them), float inputs a
+    classifier's (one class id per sample)."""
+    if target is not None:
+        return target
+    first = inputs[0]
+    shape = first.shape if not first.is_floating_point() else first.shape[:1]
+    return torch.zeros(shape, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- the plan
+def resolve_plan(graph: Graph, model: nn.Module, strategy: str | Plan | os.PathLike | ParallelConfig, *,
+                 world: int, cluster: Any, full_batch: bool, global_batch: int | None, search_mode: str | None,
+                 shardings: dict[str, Any] | None) -> tuple[Plan, ParallelConfig, int]:
+    """The plan for ``graph`` on ``world`` processes, its strategy and its
+    global batch: loaded (a ``.json`` path), given (a :class:`Plan`),
+    searched (``"auto"``) or evaluated (a manual strategy).
+
+    With ``full_batch=False`` the traced batch is this rank's shard: the
+    global batch is that times dp. Raises :class:`PlanError` for a plan of
+    another model or world size, :class:`StrategyError` for ``"auto"`` with
+    ``full_batch=False`` and no ``global_batch``, and what :func:`autopar.plan`
+    raises.
+    """
+    plan: Plan | None = None
+    if isinstance(strategy, (str, os.PathLike)) and str(strategy).endswith(".json") or isinstance(strategy, Path):
+        plan = Plan.load(strategy)
+    elif isinstance(strategy, Plan):
+        plan = strategy
+    if plan is not None:
+        plan.check_model(graph.fingerprint, type(model).__name__)
+        cfg = plan.config
+        if cfg.devices != world:
+            raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}), "
+                            f"but this job has {world} processes")
+        return plan, cfg, plan.data["global_batch"]
+    batch = graph.batch_size
+    pins = {**_pins.annotations(model), **(shardings or {})}
+    if strategy == "auto":
+        if not full_batch and global_batch is None:
+            raise StrategyError("strategy='auto' with full_batch=False needs global_batch=")
+        plan = api.plan(graph, cluster=cluster, devices=world, global_batch=global_batch or batch,
+                        executable_only=True, search_mode=search_mode, shardings=pins)
+    else:
+        gbatch = (global_batch or batch) if full_batch else batch * parse_strategy(str(strategy), world).dp
+        plan = api.plan(graph, cluster=cluster, devices=world, global_batch=gbatch, strategy=str(strategy),
+                        search_mode=search_mode, shardings=pins)
+    return plan, plan.config, plan.data["global_batch"]
+
+
+def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
+    """Raise :class:`UnsupportedError` for a valid strategy this release
+    cannot run on ``graph``: recompute, ZeRO-3 or a pipeline over a
+    torch.export graph (they cut the fx program into layers or stages), and
+    fp16 with ZeRO-3."""
+    if graph.frontend != "fx" and (cfg.recompute != "none" or cfg.zero == 3):
+        raise UnsupportedError(f"recompute={cfg.recompute},zero={cfg.zero} needs a model traced by torch.fx (its "
+                               "layers become regions to recompute or shard); this one was traced with torch.export: "
+                               "use recompute=none and zero<=2")
+    if cfg.zero == 3 and cfg.precision == "fp16":
+        raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
+                               "(same exponent range as fp32, no scaling needed) or zero<=2")
+    if cfg.pp > 1 and graph.frontend != "fx":
+        raise UnsupportedError(f"pipeline parallelism (pp={cfg.pp}) needs a model traced by torch.fx; this one "
+                               "was traced with torch.export, which this release runs data-parallel only: "
+                               "use pp=1,tp=1")
+
+
+def build_mesh(cfg: ParallelConfig) -> Mesh:
+    """The ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` with a pipeline (pp
+    outermost, tp fastest, as Megatron lays it out); collective."""
+    if cfg.pp > 1:
+        return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"))
+    return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
+
+
+# ----------------------------------------------------------------------------- the steps
+def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_batch: int, *, model: nn.Module,
+             loss_fn: Callable) -> LocalProgram:
+    """This tensor-parallel rank's program of the whole model and loss, on
+    this rank's device: the plan's placements compiled into local shards
+    and explicit collectives. A model traced by torch.export runs only
+    without tensor parallelism: the model with its loss, as it is.
+
+    When the plan's ops are not this graph's (it was made with another loss
+    function), the same strategy's placements are derived here. Raises
+    :class:`CompileError` where the program cannot be built."""
+    device = local_device()
+    if cfg.tp == 1 and graph.frontend != "fx":
+        program = with_loss(model, loss_fn, len(graph.inputs) - 1).to(device)
+        return LocalProgram(module=program, param_placement={n: "R" for n, _ in program.named_parameters()},
+                            comms=0)
+    tp_sh = api.sharding_from_plan(graph, plan)
+    if tp_sh is None:
+        planner = api.planner_for(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
+                                  plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
+        tp_sh, _ = planner.sharding(cfg)
+    shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
+    gm = graph.gm
+    full = {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full)
+    prog.module.to(device)
+    return prog
+
+
+@dataclass
+class PipelineStages:
+    """The stages one pipeline rank holds (``stages``, in stage order), the
+    weights several pipeline ranks hold a copy of (``tied``: name -> those
+    pipeline ranks) and the program's input names."""
+
+    stages: list[StageModule]
+    tied: dict[str, list[int]]
+    input_names: list[str]
+
+    def executor(self, cfg: ParallelConfig, mesh: Mesh) -> PipelineExecutor:
+        """The executor running ``cfg``'s schedule over these stages (build it
+        after the stage modules are final: recompute replaces them)."""
+        return PipelineExecutor(
+            self.stages, schedule=cfg.schedule, pp=cfg.pp, pp_rank=mesh.coord("pp"),
+            microbatches=cfg.microbatches, chunks=cfg.chunks, ranks=mesh.group_ranks("pp"), group=mesh.group("pp"),
+            device=local_device(), input_names=self.input_names)
+
+
+def apply_pipeline(prog: LocalProgram, graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh) -> PipelineStages:
+    """Cut ``prog`` into the plan's pipeline stages and keep those this
+    pipeline rank holds (virtual stages ``r, r + pp, ...``); they share the
+    program's parameters, so only theirs stay referenced. Raises
+    :class:`PlanError` when the plan's layer counts do not fit ``cfg``."""
+    layers = (plan.data.get("pipeline") or {}).get("layers") or even_layers(units(graph).layers, cfg.stages)
+    if len(layers) != cfg.stages:
+        raise PlanError(f"the plan's pipeline gives layer counts {list(layers)} for {len(layers)} stages, but "
+                        f"pp={cfg.pp} x chunks={cfg.chunks} needs {cfg.stages}")
+    stage_of = assign(graph, layers)
+    held = list(range(mesh.coord("pp"), cfg.stages, cfg.pp))
+    return PipelineStages(stages=split_stages(prog.module, graph, stage_of, held),
+                          tied=tied_params(graph, stage_of, cfg.pp),
+                          input_names=[n.name for n in prog.module.graph.nodes if n.op == "placeholder"])
+
+
+def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig) -> nn.Module:
+    """``module`` (a program or one pipeline stage) with its repeated layers
+    as regions that recompute their activations as ``cfg.recompute`` says;
+    ZeRO-3 needs the regions too (one FSDP2 unit each). Returns ``module``
+    itself when neither is asked for."""
+    if cfg.recompute == "none" and cfg.zero != 3:
+        return module
+    return R_.apply_recompute(layer_regions(module, graph), cfg.recompute, ops.save_ops())
+
+
+def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
+    """With ``zero=3``: ``module``'s layer regions, then the whole of it,
+    sharded over the data-parallel ranks with torch FSDP2 (compute in the
+    low precision, gradients reduced in ``reduce_dtype`` or fp32; ``offload``
+    keeps the shards on the host). Returns ``module``. Raises
+    :class:`UnsupportedError` when torch built no DeviceMesh."""
+    if cfg.zero != 3:
+        return module
+    if mesh.device_mesh is None:
+        raise UnsupportedError("zero=3 runs on torch FSDP2, which needs a torch DeviceMesh; "
+                               "init_device_mesh failed on this process group")
+    low = LOW_PRECISION.get(cfg.precision)
+    reduce = LOW_PRECISION.get(cfg.reduce_dtype) if cfg.reduce_dtype else (torch.float32 if low else None)
+    return R_.fully_shard_regions(module, mesh.device_mesh["dp"], param_dtype=low, reduce_dtype=reduce,
+                                  offload=cfg.offload == "optimizer")
+
+
+def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
+                    factory: Callable[[Any], torch.optim.Optimizer] | None, *,
+                    tied: list[tuple[torch.Tensor, Any]] = ()) -> tuple[torch.optim.Optimizer,
+                                                                         DistributedOptimizer | None]:
+    """The optimizer over the trainable parameters of ``modules`` (``factory``
+    builds the inner one; default SGD lr 0.01) and the
+    :class:`~autopar.runtime.optim.DistributedOptimizer` around it, which
+    reduces gradients over dp (ZeRO 1/2, mixed precision, overlap; ``tied``
+    copies summed first), or None under FSDP2 (``zero=3``), which reduces
+    them itself. With a low precision and no FSDP2, floating buffers (rotary
+    tables, masks) are cast to the compute dtype here, as the distributed
+    optimizer casts the parameters."""
+    factory = factory or (lambda ps: torch.optim.SGD(ps, lr=0.01))
+    params = [p for p in nn.ModuleList(modules).parameters() if p.requires_grad]
+    if cfg.zero == 3:
+        return factory(params), None
+    low = LOW_PRECISION.get(cfg.precision)
+    if low is not None:
+        for mod in modules:
+            for b in mod.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(low)
+    dist_opt = DistributedOptimizer(
+        params, factory, mesh.group("dp"), zero=cfg.zero, precision=cfg.precision or "fp32",
+        reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
+        offload=cfg.offload == "optimizer", tied=list(tied))
+    return dist_opt.optimizer, dist_opt
+
+
+def _timeline_drawer(plan: Plan) -> Callable[[str | os.PathLike, Timeline], Path]:
+    """``draw(path, measured)``: the plan's predicted pipeline schedule above
+    ``measured``, as a PNG at ``path`` (raises :class:`PlanError` for a plan
+    without a pipeline)."""
+    from .pipeline.timeline import plot_timeline, predicted_timeline
+
+    def draw(path: str | os.PathLike, measured: Timeline) -> Path:
+        return plot_timeline(predicted_timeline(plan), path, title=plan.strategy, measured=measured)
+    return draw

@@ -1,0 +1,418 @@
+"""One planning request: decides what the cost model prices.
+
+A :class:`Planner` is made per request (a graph, a cluster, the optimizer
+and precision, the device count and global batch, the user's pins and the
+search mode) and holds everything a search over strategies decides before
+:meth:`autopar.cost.CostModel.estimate` can price one:
+
+* the tensor-parallel axis, by the :class:`Sharder` asked for: Megatron-style
+  propagation (``manual``), time-only propagation (``greedy``) or the ILP of
+  :mod:`autopar.search.ilp`, re-solved under a memory bound when the
+  time-optimal placements do not fit (:meth:`Planner.choose`);
+* sequence parallelism, as pins on the norms and the residual stream;
+* the pipeline's layers per stage (:func:`autopar.pipeline.partition.balance`);
+* every cache of the search (:class:`PlannerState`): the decisions per
+  configuration, the local shapes, the cost model's sums, the ILP's structure.
+
+The state can outlive a request: :mod:`autopar.api` keeps one per graph and
+cluster so that repeated requests on the same graph (benchmarks, tests, a
+notebook) start warm. The grid over configurations is
+:func:`autopar.search.grid.search_grid`, which asks a planner per
+configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import cost_models
+from cost_models import ClusterSpec, MeshTopology
+
+from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
+from ..errors import StrategyError
+from ..graph import Graph, Node
+from ..pipeline import partition as pipe
+from ..pipeline.partition import units
+from ..sharding import AxisSharding, scaled_shapes
+from ..spec import ParallelConfig
+from ..spec.placement import R
+from ..strategies import is_shard
+from . import solvers
+from .ilp import InfeasiblePins, MemoryTerms, solve_axis
+from .propagate import propagate
+
+if TYPE_CHECKING:
+    from .grid import SearchResult
+
+MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated weight: manual tp shards every weight it can
+GREEDY_MEMORY_WEIGHT = 1e-15  # the greedy heuristic weighs time; memory only breaks ties
+NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded ILP may still fit it
+MODES = ("grid", "ilp", "greedy")
+
+
+@dataclass(frozen=True)
+class Sharder:
+    """How the tensor-parallel axis is decided.
+
+    ``mode``: ``"manual"`` (greedy propagation that shards every weight a rule
+    can split, Megatron-style: the ``tp=N`` strategies), ``"ilp"`` (the
+    optimal per-op choice of :mod:`autopar.search.ilp`) or ``"greedy"``
+    (propagation weighing time only: the fast heuristic for huge graphs).
+    ``pins``: ``(node, placement)`` pairs fixed by the user. ``memory_limit``:
+    bytes per device the ILP must respect (model states + saved activations).
+    """
+
+    mode: str = "manual"
+    pins: tuple[tuple[str, str], ...] = ()
+    memory_limit: float | None = None
+
+    @property
+    def label(self) -> str:
+        """``ilp``, ``ilp+memory``, ``greedy`` or ``manual`` (the plan's ``search.tp_axis``)."""
+        return self.mode + ("+memory" if self.memory_limit is not None else "")
+
+
+MANUAL = Sharder()
+
+
+@dataclass
+class PlannerState:
+    """The caches of planning on one graph and cluster under one optimizer
+    and precision, shared by the planners built with it.
+
+    ``models``: the cost model per precision (a strategy's ``precision=``
+    key), each with its own :class:`~autopar.cost.CostCache`; ``axes``: the
+    tensor-parallel decisions per (precision, tp, dp, microbatch, sharder,
+    ILP inputs); ``shapes``: the local shapes per (microbatch, dp);
+    ``sequence_parallel``: the pins sequence parallelism adds per (sharder,
+    tp); ``ilp``: the ILP's problem structures (see
+    :func:`autopar.search.ilp.solve_axis`)."""
+
+    models: dict[str, CostModel] = field(default_factory=dict)
+    axes: dict[tuple, AxisSharding] = field(default_factory=dict)
+    shapes: dict[tuple, dict] = field(default_factory=dict)
+    sequence_parallel: dict[tuple, Sharder] = field(default_factory=dict)
+    ilp: dict[tuple, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Tally:
+    """What :meth:`Planner.choose` did over a search: per sharder label how
+    many configurations its placements won, and the ILP solves and their time."""
+
+    won: dict[str, int] = field(default_factory=dict)
+    ilp_solves: int = 0
+    ilp_time_s: float = 0.0
+    seen: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SearchRecord:
+    """How a plan was found: what ``autopar plan --explain`` shows, returned
+    beside the plan by :func:`autopar.api.plan_and_record` (none of it is in
+    the plan's JSON). ``sharding``: the chosen configuration's tensor-parallel
+    decisions (with ``ilp`` set when the ILP made them); ``result``: the grid
+    search's outcome (None for a manual strategy)."""
+
+    graph: Graph
+    sharding: AxisSharding
+    result: "SearchResult | None"
+    planning_time_s: float
+
+
+class Planner:
+    """One planning request (see the module docstring): ``cluster`` a
+    :class:`~cost_models.ClusterSpec` or a preset name, ``mode`` one of
+    :data:`MODES`, ``pins`` ``(node, placement)`` pairs, ``state`` the caches
+    to use (a fresh :class:`PlannerState` by default), ``solver`` the ILP's
+    MILP backend (:data:`autopar.search.solvers.SOLVERS`).
+
+    Raises :class:`StrategyError` for an invalid precision, search mode or
+    solver (or one that is not installed)."""
+
+    def __init__(self, graph: Graph, cluster: ClusterSpec | str, *, global_batch: int, devices: int,
+                 optimizer: str = "adamw", precision: str | None = None, mode: str = "grid",
+                 pins: Sequence[tuple[str, str]] = (), state: PlannerState | None = None,
+                 solver: str = solvers.DEFAULT) -> None:
+        if mode not in MODES:
+            raise StrategyError(f"search mode {mode!r} is invalid; valid: {', '.join(MODES)}")
+        # an unknown or missing solver fails before the search; the name as the backend spells it
+        self.solver = solvers.backend(solver).name
+        cluster = cluster if isinstance(cluster, ClusterSpec) else cost_models.load_cluster(cluster)
+        self.graph, self.cluster, self.optimizer = graph, cluster, optimizer
+        self.global_batch, self.devices, self.mode, self.pins = global_batch, devices, mode, tuple(pins)
+        self.state = state if state is not None else PlannerState()
+        self.tally = Tally()
+        base = self.state.models.get("")
+        if base is None:
+            base = self.state.models[""] = CostModel(graph, cluster, optimizer=optimizer, precision=precision,
+                                                     cache=CostCache())
+        self.model = base
+        self.precision = base.precision
+
+    # -- the pure model, per precision ---------------------------------------------
+    def cost(self, precision: str = "") -> CostModel:
+        """The cost model under ``precision`` (a strategy's ``precision=``
+        key; "" is the request's)."""
+        key = precision or ""
+        if key == self.precision:
+            key = ""
+        model = self.state.models.get(key)
+        if model is None:
+            model = self.state.models[key] = CostModel(self.graph, self.cluster, optimizer=self.optimizer,
+                                                       precision=precision, cache=CostCache())
+        return model
+
+    # -- the tensor-parallel axis ---------------------------------------------------
+    def sharding(self, cfg: ParallelConfig, sharder: Sharder = MANUAL) -> tuple[AxisSharding, dict]:
+        """The tensor-parallel axis decisions and the local shapes for ``cfg``
+        at the request's global batch (cached per configuration and sharder).
+
+        Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
+        pins and :class:`StrategyError` when an ILP memory bound cannot be met
+        or sequence parallelism does not apply."""
+        model = self.cost(cfg.precision)
+        global_batch = self.global_batch
+        if cfg.sequence_parallel:
+            sp_key = (model.precision, sharder, cfg.tp)
+            if sp_key not in self.state.sequence_parallel:
+                self.state.sequence_parallel[sp_key] = self._sequence_parallel(cfg, sharder)
+            sharder = self.state.sequence_parallel[sp_key]
+        mb_global = global_batch // cfg.microbatches
+        if sharder.mode == "ilp":
+            # the ILP also weighs what a weight costs per step (its gradient reduction and
+            # optimizer update, spread over the microbatches) and, bounded, the memory
+            bound = None
+            if sharder.memory_limit is not None:
+                # bounded: the memory depends on the recompute and ZeRO choices and, with a
+                # pipeline, on the stages and the schedule's microbatches in flight
+                bound = (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype) if cfg.pp == 1 else \
+                    (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
+                     cfg.schedule, cfg.chunks)
+            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound, self.solver)
+        else:
+            ilp_key = None
+        key = (model.precision, cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
+        skey = (mb_global, cfg.dp)
+        if skey not in self.state.shapes:
+            self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
+        shapes = self.state.shapes[skey]
+        axes = self.state.axes
+        if key not in axes:
+            shard_pins = [n for n, p in sharder.pins if is_shard(p)]
+            if cfg.tp == 1 and shard_pins:
+                raise InfeasiblePins(f"a Shard pin ({shard_pins[0]}) needs a tensor-parallel axis (tp > 1)",
+                                     (shard_pins[0],))
+            if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
+                # one device on the axis: every choice is the same
+                axes[key] = self.sharding(cfg)[0]
+                return axes[key], shapes
+            axes[key] = self._decide(model, cfg, sharder, shapes)
+        return axes[key], shapes
+
+    def _decide(self, model: CostModel, cfg: ParallelConfig, sharder: Sharder, shapes: dict) -> AxisSharding:
+        """Run ``sharder``'s search of the tensor-parallel axis (uncached)."""
+        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
+        local_batch = self.global_batch // cfg.microbatches / cfg.dp
+
+        def comm(kind: str, nbytes: float) -> float:
+            return topo.collective_time(kind, nbytes * model.itemsize / 4, 1)
+
+        def compute(nd: Node, frac: float) -> float:
+            return model.node_time(nd, model.scale(nd, local_batch), frac)
+
+        pins = dict(sharder.pins)
+        if sharder.mode == "ilp":
+            memory = None
+            if sharder.memory_limit is not None:
+                memory = self._memory_terms(model, cfg, shapes, sharder.memory_limit) if cfg.pp == 1 else \
+                    self._pipeline_memory_terms(model, cfg, shapes, sharder)
+            return solve_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                              param_time=model.param_time(cfg, topo), pins=pins, memory=memory,
+                              cache=self.state.ilp, solver=self.solver)
+        weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
+        res = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                        itemsize=4, memory_weight=weight, pins=pins)
+        for name, p in pins.items():
+            if res.out.get(name, R) != p:
+                raise InfeasiblePins(f"pinned placement {p} of {name} cannot be kept on a tensor-parallel "
+                                     f"axis of size {cfg.tp}: no strategy of the ops around it allows it "
+                                     f"(the propagation gave {res.out.get(name, R)})", (name,))
+        return res
+
+    def _sequence_parallel(self, cfg: ParallelConfig, sharder: Sharder) -> Sharder:
+        """``sequence_parallel=true``: Megatron's sequence parallelism as pins
+        on the tensor-parallel axis: every LayerNorm / RMSNorm on a (batch,
+        sequence, hidden) activation is split along the sequence. The
+        propagation (or the ILP) then keeps the residual stream and dropout
+        split too, and turns the all-reduces around the tensor-parallel
+        blocks into reduce-scatters and all-gathers."""
+        pinned = dict(sharder.pins)
+        g = self.graph
+        for nd in g.nodes:
+            if nd.kind not in ("layernorm", "rmsnorm") or nd.out is None or len(nd.out.shape) < 3:
+                continue
+            seq = len(nd.out.shape) - 2
+            if nd.out.shape[seq] % cfg.tp:
+                raise StrategyError(f"sequence_parallel=true with tp={cfg.tp}: the sequence length "
+                                    f"{nd.out.shape[seq]} of {nd.name} is not divisible by {cfg.tp}")
+            # the norm and the residual stream into it: the elementwise ops (residual and bias
+            # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
+            todo = [nd.name]
+            while todo:
+                name = todo.pop()
+                if name in pinned:
+                    continue
+                pinned[name] = f"S({seq})"
+                for i in g[name].inputs:
+                    src = g[i]
+                    if src.kind == "elementwise" and src.out is not None and src.out.shape == nd.out.shape:
+                        todo.append(i)
+        if len(pinned) == len(sharder.pins):
+            raise StrategyError(f"sequence_parallel=true: {self.graph.name} has no LayerNorm/RMSNorm on "
+                                "(batch, sequence, hidden) activations to split along the sequence")
+        return Sharder(sharder.mode, tuple(sorted(pinned.items())), sharder.memory_limit)
+
+    def _memory_terms(self, model: CostModel, cfg: ParallelConfig, shapes: dict, limit: float) -> MemoryTerms:
+        """The ILP's linear memory model for ``cfg``: model states per local
+        parameter element (ZeRO-divided) and the activations each strategy
+        saves, as the cost model counts them (shared inputs counted once per
+        reader: an upper bound)."""
+        param, saved = model.param_memory(cfg), model.saved_memory(cfg, shapes)
+        if cfg.recompute == "full":
+            return MemoryTerms(param=param, saved=saved, limit=limit, group_factor=lambda k: 1.0)
+        return MemoryTerms(param=param, saved=saved, limit=limit)
+
+    def _pipeline_memory_terms(self, model: CostModel, cfg: ParallelConfig, shapes: dict,
+                               sharder: Sharder) -> list[MemoryTerms]:
+        """The ILP's memory rows for a pipelined ``cfg``, one per pipeline rank
+        (with the stages the time-optimal placements balance to): its model
+        states and its activations times the microbatches its schedule keeps
+        in flight. One row per rank, because placements that relieve the
+        fullest rank can make another one the fullest (1F1B keeps more
+        microbatches on the first rank, the head's weights sit on the last).
+        The decisions of a repeated layer are shared by all its instances, so
+        a layer's terms count the share of the layers the rank holds; nodes
+        of other ranks count nothing. Not for full recompute (one recomputed
+        layer at a time is not linear in the choices)."""
+        free = self.evaluate(cfg, Sharder("ilp", sharder.pins), devices=cfg.devices)
+        bounds = pipe.unit_bounds((free.pipeline or {})["layers"])
+        stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
+        flights = pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
+        u = units(self.graph)
+        layers = set(u.labels[1:-1])
+        param_units = model.param_units()
+        flat = self._memory_terms(model, cfg, shapes, sharder.memory_limit)
+
+        def rank_terms(rank: int) -> MemoryTerms:
+            held = {k for k, v in enumerate(stage_of_unit) if v % cfg.pp == rank}
+            flight = max(f for v, f in enumerate(flights) if v % cfg.pp == rank)
+            layer_share = sum(1 for k in held if 0 < k <= u.layers) / u.layers
+
+            def share(nd: Node) -> float:
+                if nd.group in layers:
+                    return layer_share
+                us = param_units.get(nd.name) if nd.is_state else [u.of_node.get(nd.name, 0)]
+                return 1.0 if us and any(k in held for k in us) else 0.0
+
+            return MemoryTerms(param=lambda nd, p: flat.param(nd, p) * share(nd),
+                               saved=lambda nd, st: flat.saved(nd, st) * share(nd) * flight,
+                               limit=sharder.memory_limit)
+
+        return [rank_terms(r) for r in range(cfg.pp)]
+
+    # -- one configuration ------------------------------------------------------------
+    def evaluate(self, cfg: ParallelConfig, sharder: Sharder = MANUAL, *, devices: int | None = None,
+                 layers: str | Sequence[int] = "balanced", simulate_schedule: bool = True) -> Estimate:
+        """Predict ``cfg`` (on ``devices``, the request's by default) with the
+        tensor-parallel axis decided by ``sharder``.
+
+        With ``pp > 1``, ``layers`` says how the repeated layers are split
+        into stages: ``"balanced"`` (the stage search of
+        :func:`autopar.pipeline.partition.balance`), ``"even"`` (Megatron's
+        equal split) or the layer count of every virtual stage.
+        ``simulate_schedule``: see :meth:`autopar.cost.CostModel.estimate`.
+        Raises :class:`StrategyError` for a strategy the model or cluster
+        cannot run (:class:`~autopar.search.ilp.InfeasiblePins` for pins)."""
+        model = self.cost(cfg.precision)
+        devices = devices or self.devices or cfg.devices
+        check_config(self.graph, cfg, devices, self.global_batch)
+        self.cluster.check_devices(devices)
+        sh, shapes = self.sharding(cfg, sharder)
+        split = None
+        if cfg.pp > 1:
+            split = self._partition(model, cfg, sh, shapes, layers)
+        return model.estimate(cfg, sh, shapes, self.global_batch, devices, split, simulate_schedule)
+
+    def _partition(self, model: CostModel, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
+                   layers: str | Sequence[int]) -> list[int]:
+        """Layers per virtual stage: balanced under the cost model (the slowest
+        stage as fast as the per-stage memory allows; equal when nothing
+        balances within it), equal, or as given."""
+        if not isinstance(layers, str):
+            return list(layers)
+        per = model.unit_costs(cfg, sh, shapes, self.global_batch)
+        split = None
+        if layers == "balanced":
+            per_elem = model.state_per_elem(cfg)
+            states = [x * per_elem for x in per.params]
+            flight = pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
+            cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
+            split = pipe.balance(per.time, states, per.act, per.fixed, cfg.stages, flight, cap / cfg.chunks)
+        return split or pipe.even_layers(len(per.time) - 2, cfg.stages)
+
+    def choose(self, cfg: ParallelConfig, bound: float) -> tuple[Estimate, Sharder]:
+        """The best estimate of ``cfg`` (fitting first, then fastest) under the
+        request's mode, and the sharder that gave it; counted in
+        :attr:`tally`. ``bound``: the best fitting time found so far (a
+        memory-bounded ILP that cannot beat it is not solved).
+
+        Per mode: ``grid`` evaluates the Megatron placements only; ``ilp`` and
+        ``greedy`` also their own search, and keep the Megatron placements
+        where those are better (a guard against the linearised memory model);
+        ``ilp`` solves again under the memory bound when the time-optimal
+        placements do not fit."""
+        manual = Sharder("manual", self.pins)
+        if self.mode == "grid":
+            return self.evaluate(cfg, manual), manual
+        ref = self.evaluate(cfg, manual)
+        first = Sharder(self.mode, self.pins)
+        cap = ref.device_memory_bytes * MEMORY_HEADROOM
+        if not ref.fits and ref.peak_memory_bytes > NEAR_FIT * cap and not self.pins:
+            # Megatron placements shard every weight they can: when they are far from
+            # fitting, the per-op search (which only moves towards time) will not fit either
+            return ref, manual
+        tries = [(self.evaluate(cfg, first), first), (ref, manual)]
+        self._count(cfg, first)
+        est = tries[0][0]
+        best_so_far = min(bound, ref.step_time_s) if ref.fits else bound
+        if self.mode == "ilp" and not (cfg.pp > 1 and cfg.recompute == "full") and not est.fits and \
+                est.step_time_s < best_so_far and (ref.fits or ref.peak_memory_bytes <= NEAR_FIT * cap):
+            # the time-optimal choice does not fit; the memory-bounded one lies
+            # between it and the manual sharding (with a pipeline, bounded on the
+            # pipeline rank that needs the most memory)
+            limit = cap - est.memory["transient"]
+            for _ in range(2):
+                sh = Sharder("ilp", self.pins, limit)
+                try:
+                    e = self.evaluate(cfg, sh)
+                except StrategyError:
+                    break
+                self._count(cfg, sh)
+                tries.append((e, sh))
+                if e.fits:
+                    break
+                limit -= e.peak_memory_bytes - cap
+        tries.sort(key=lambda t: (not t[0].fits, t[0].step_time_s, t[1].mode != self.mode))
+        e, sh = tries[0]
+        self.tally.won[sh.label] = self.tally.won.get(sh.label, 0) + 1
+        return e, sh
+
+    def _count(self, cfg: ParallelConfig, sh: Sharder) -> None:
+        """Count an ILP solve of ``cfg`` under ``sh`` once per distinct solution."""
+        axis, _ = self.sharding(cfg, sh)
+        info = getattr(axis, "ilp", None)
+        if info is not None and id(axis) not in self.tally.seen:
+            self.tally.seen.add(id(axis))
+            self.tally.ilp_solves += 1
+            self.tally.ilp_time_s += info.build_s + info.solve_s

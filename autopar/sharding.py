@@ -1,0 +1,302 @@
+"""The decisions on one mesh axis, and the batch axis every plan shares.
+
+Below both the cost model and the search: :class:`AxisSharding` is what a
+search decides for one axis and what the cost model prices; the batch (data
+parallel) axis is not searched but followed (:func:`track_batch`), and with
+it the shapes every node has at a given batch (:func:`scaled_shapes`).
+
+:func:`walk_axis` is the engine of the one-pass decisions: it walks the graph
+in topological order and gives every tensor-valued node the candidate of
+:func:`autopar.strategies.candidates` that a caller's cost function ranks
+cheapest given its inputs' placements. Repeated layers are decided once: an
+instance of a layer group that receives its inputs with the same placements
+(and pins) as the previous instance copies that instance's decisions position
+by position, so 96 identical blocks cost about as much as two. The batch
+axis uses it with a structural cost (:func:`track_batch`); the greedy
+tensor-parallel search (:func:`autopar.search.propagate.propagate`) with
+times.
+
+Analyses of the graph alone (:func:`needs_grad`, :func:`track_batch`,
+:func:`batch_dims`) are memoised on it through :meth:`Graph.memo`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .graph import Graph, Node
+from .spec.placement import P, R, S
+from .strategies import Strategy, candidates, is_shard, shard_dim
+from .strategies.rules import Ctx
+
+Shape = tuple[int, ...]
+INF = float("inf")
+
+#: kinds that carry no tensor placement
+SKIP = frozenset({"shape", "constant", "output"})
+
+
+@dataclass
+class AxisSharding:
+    """The decisions on one mesh axis.
+
+    ``out[name]`` is the placement of a node's output, ``strategy[name]`` the
+    chosen strategy (absent for parameters, inputs and shape arithmetic), and
+    ``param[name]`` the placement of each parameter node.
+    """
+
+    n: int
+    out: dict[str, str] = field(default_factory=dict)
+    strategy: dict[str, Strategy] = field(default_factory=dict)
+    reused_instances: int = 0
+    copied_from: dict[str, str] = field(default_factory=dict)  # instance -> instance it copied
+    ilp: object | None = None   # search.ilp.IlpInfo when the ILP decided this axis
+
+    def input_placement(self, graph: Graph, node: Node, i: int) -> str:
+        """Placement the strategy of ``node`` needs for its i-th input."""
+        st = self.strategy.get(node.name)
+        return st.ins[i] if st is not None else self.out.get(node.inputs[i], R)
+
+
+def numel(shape: Shape | None) -> int:
+    """Elements of a tensor of ``shape`` (0 for None: no tensor)."""
+    if shape is None:
+        return 0
+    k = 1
+    for s in shape:
+        k *= s
+    return k
+
+
+def needs_grad(graph: Graph) -> dict[str, bool]:
+    """Which values carry a gradient in backward (float values derived from a
+    trainable parameter). Memoised on the graph."""
+    return graph.memo(("needs_grad",), lambda: _needs_grad(graph))
+
+
+def _needs_grad(graph: Graph) -> dict[str, bool]:
+    out: dict[str, bool] = {}
+    for n in graph.nodes:
+        if n.kind == "param":
+            out[n.name] = bool(graph.params.get(n.param) and graph.params[n.param].requires_grad)
+        elif n.kind in ("input", "buffer", "factory", "constant", "shape"):
+            out[n.name] = False
+        else:
+            is_float = n.out is not None and n.out.is_float
+            out[n.name] = is_float and any(out.get(i, False) for i in n.inputs) or (
+                n.kind == "split" and any(out.get(i, False) for i in n.inputs))
+    return out
+
+
+def instances(graph: Graph) -> dict[str, list[Node]]:
+    """The nodes of every repeated-layer instance, in graph order."""
+    inst: dict[str, list[Node]] = {}
+    for nd in graph.nodes:
+        if nd.group is not None:
+            inst.setdefault(nd.group, []).append(nd)
+    return inst
+
+
+def pin_signature(nodes: list[Node], pins: dict[str, str]) -> tuple:
+    """The pins of a layer instance by position: instances pinned alike may share decisions."""
+    return tuple(pins.get(nd.name) for nd in nodes) if pins else ()
+
+
+CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
+
+
+def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placement: Callable[[Node], str],
+              cost: CostFn, output_placement: str | None, pins: dict[str, str] | None = None,
+              batch_axis: bool = False) -> AxisSharding:
+    """Decide an axis of size ``n`` in one pass (see the module docstring).
+
+    ``input_placement(node)`` places the graph inputs; ``cost(node, strategy,
+    input placements, ctx)`` ranks a candidate (None for a parameter not yet
+    placed: its first consumer places it); ``output_placement`` is recorded
+    for the graph's output; ``pins`` fix the output placement of nodes;
+    ``batch_axis`` tells the rules this is the batch axis. A node whose every
+    candidate costs infinity is replicated. Returns the decisions. (One
+    function: its small helpers share the decisions being built.)"""
+    res = AxisSharding(n=n)
+    pins = pins or {}
+    walk = _walk_structure(graph)
+    inst, prev_of, by_name = walk.inst, walk.prev_of, graph._by_name
+    done_instance: set[str] = set()
+    for name, p in pins.items():
+        if name in by_name and by_name[name].is_state:
+            res.out[name] = p       # a pinned parameter is placed before its consumers choose
+
+    def decide(nd: Node) -> None:
+        if nd.kind in ("input",):
+            res.out[nd.name] = input_placement(nd)
+            return
+        if nd.kind in SKIP or nd.is_state:
+            return  # parameters are placed by their first consumer
+        if nd.out is None and nd.kind != "split":
+            return
+        ins_cur = [res.out.get(i) for i in nd.inputs]  # None: unplaced parameter
+        ctx = Ctx(nd, [shapes.get(i) for i in nd.inputs], [by_name[i].kind for i in nd.inputs],
+                  shapes.get(nd.name), n, 4, batch_axis)
+        best, best_cost = None, INF
+        pin = pins.get(nd.name)
+        for st in candidates(ctx):
+            if len(st.ins) != len(nd.inputs) or (pin is not None and st.out != pin):
+                continue
+            c = cost(nd, st, ins_cur, ctx)
+            if c < best_cost:
+                best, best_cost = st, c
+        if best is None:  # every candidate impossible: replicate
+            best = Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
+        _apply(nd, best)
+
+    def _apply(nd: Node, st: Strategy) -> None:
+        res.strategy[nd.name] = st
+        res.out[nd.name] = st.out
+        for i, p in zip(nd.inputs, st.ins):
+            if i not in res.out and by_name[i].is_state:
+                res.out[i] = p
+
+    # the pins of each instance by position (instances pinned alike may share decisions),
+    # from the pins alone: O(pins), not O(nodes)
+    signature: dict[str, tuple] = {}
+    for name, p in sorted(pins.items(), key=lambda kv: walk.position.get(kv[0], (None, -1))[1]):
+        g, k = walk.position.get(name, (None, -1))
+        if g is not None:
+            signature[g] = signature.get(g, ()) + ((k, p),)
+
+    def external_placements(g: str) -> tuple:
+        return tuple(res.out.get(i) for i in walk.external[g])
+
+    for nd in graph.nodes:
+        g = nd.group
+        if g is not None and g not in done_instance:
+            done_instance.add(g)
+            prev = prev_of.get(g)
+            mine = inst[g]
+            if prev is not None and signature.get(g) == signature.get(prev) and \
+                    external_placements(g) == external_placements(prev):
+                _copy(res, walk.pairs[g])
+                res.reused_instances += 1
+                res.copied_from[g] = prev
+                continue
+            for x in mine:
+                decide(x)
+            continue
+        if g is not None:
+            continue  # decided with its instance
+        decide(nd)
+    if output_placement is not None and graph.output is not None:
+        res.out["__output__"] = output_placement
+    return res
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What :func:`walk_axis` needs of a graph's repeated layers, computed once
+    per graph: the nodes of each instance, the instance before it, the values
+    it reads from outside itself (parameters excepted), and, position by
+    position, how it copies the instance before it."""
+
+    inst: dict[str, list[Node]]
+    prev_of: dict[str, str]
+    external: dict[str, tuple[str, ...]]
+    # per instance: (node, node of the previous instance, [(input of node, input slot)] of its state inputs)
+    pairs: dict[str, tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]]
+    position: dict[str, tuple[str, int]]        # node -> (its instance, its position in it)
+
+
+def _walk_structure(graph: Graph) -> _Walk:
+    def build() -> _Walk:
+        inst = instances(graph)
+        prev_of = {b: a for g in graph.groups for a, b in zip(g.instances, g.instances[1:])}
+        external, pairs = {}, {}
+        for g, nodes in inst.items():
+            names = {x.name for x in nodes}
+            external[g] = tuple(i for x in nodes for i in x.inputs if i not in names and not graph[i].is_state)
+            if g in prev_of:
+                pairs[g] = tuple((a.name, b.name, tuple((i, k) for k, i in enumerate(a.inputs) if graph[i].is_state))
+                                 for a, b in zip(nodes, inst[prev_of[g]]))
+        position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
+        return _Walk(inst, prev_of, external, pairs, position)
+
+    return graph.memo(("walk_axis",), build)
+
+
+def _copy(res: AxisSharding, pairs) -> None:
+    """Give an instance the decisions of the one before it, position by
+    position (a parameter takes the placement its first reader wants, as in
+    :func:`walk_axis`)."""
+    strategy, out = res.strategy, res.out
+    for a, b, state_inputs in pairs:
+        st = strategy.get(b)
+        if st is not None:
+            strategy[a] = st
+            out[a] = st.out
+            for i, k in state_inputs:
+                if i not in out:
+                    out[i] = st.ins[k]
+        elif b in out:
+            out[a] = out[b]
+
+
+# --------------------------------------------------------------------------
+# the batch (data-parallel) axis
+# --------------------------------------------------------------------------
+def track_batch(graph: Graph) -> AxisSharding:
+    """Follow the batch dimension (dim 0 of every input) through the graph.
+
+    Returns the sharding of a data-parallel axis: the batch stays sharded
+    wherever a rule allows it, the loss becomes a partial sum. Memoised on
+    the graph. Costs here are structural (count of collectives), not times.
+    """
+    return graph.memo(("track_batch",), lambda: _track_batch(graph))
+
+
+def _track_batch(graph: Graph) -> AxisSharding:
+    shapes = {nd.name: (nd.out.shape if nd.out is not None else None) for nd in graph.nodes}
+
+    def inp(nd: Node) -> str:
+        return S(0) if nd.out is not None and len(nd.out.shape) > 0 else R
+
+    def cost(nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx) -> float:
+        c = 0.0
+        for have, want, name in zip(cur, st.ins, nd.inputs):
+            if have is None:         # unplaced parameter: replicated is what data parallel wants
+                c += 0.0 if want == R else 0.5
+            elif have != want:
+                # slicing a replicated value is free of communication, but it must cost more
+                # than the split bonus below: else a value with no batch dim (a positional
+                # embedding of arange(T)) gets its dim 0 taken for the batch
+                c += 1.0 if not (have == R and is_shard(want)) else 0.2
+        c += 0.0 if st.split else 0.1          # prefer dividing the work
+        c += 0.001 if st.out == P else 0.0
+        c += 0.001 if st.out == R else 0.0
+        if any(h is None and w == P for h, w in zip(cur, st.ins)):
+            return INF
+        return c
+
+    return walk_axis(graph, 1, shapes, inp, cost, None, batch_axis=True)
+
+
+def batch_dims(graph: Graph) -> dict[str, int | None]:
+    """For every tensor node, the dim that scales with the batch (None if none). Memoised on the graph."""
+    return graph.memo(("batch_dims",), lambda: {k: (shard_dim(v) if is_shard(v) else None)
+                                                for k, v in track_batch(graph).out.items()})
+
+
+def scaled_shapes(graph: Graph, batch: int, divide: int = 1) -> dict[str, Shape | None]:
+    """Shapes of every node at batch size ``batch`` (per microbatch), with the
+    batch dim further divided by ``divide`` (the data-parallel degree)."""
+    bd = batch_dims(graph)
+    b0 = graph.batch_size
+    out: dict[str, Shape | None] = {}
+    for nd in graph.nodes:
+        if nd.out is None:
+            out[nd.name] = None
+            continue
+        d = bd.get(nd.name)
+        shp = nd.out.shape
+        if d is not None and d < len(shp):
+            shp = shp[:d] + (shp[d] * batch // (b0 * divide),) + shp[d + 1:]
+        out[nd.name] = shp
+    return out

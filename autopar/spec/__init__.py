@@ -1,0 +1,19 @@
+"""The strategy vocabulary: what a parallel strategy is, how it is spelled, and
+what a placement on one mesh axis is. A leaf: it imports nothing of autopar
+but :mod:`autopar.errors`, so every layer (cost, search, plan, compile,
+runtime) may speak it.
+
+* :mod:`autopar.spec.config`: :class:`ParallelConfig`, the per-key
+  descriptions (:data:`FIELDS`) from which its string, dict and JSON-schema
+  forms are generated, :func:`parse_strategy` with the seeds' aliases, and the
+  pipeline-schedule rules (:func:`check_schedule`).
+* :mod:`autopar.spec.placement`: the placement strings ``"R"``, ``"P"``, ``"S(d)"``.
+"""
+from .config import (ACCUMULATE, ALIASES, BUCKET_MB, FIELDS, KEYS, OFFLOAD, PIPELINE_SCHEDULES, PRECISIONS,
+                     RECOMPUTE, ZERO_STAGES, Key, ParallelConfig, check_schedule, describe, divisors, json_schema,
+                     key, parse_strategy)
+from .placement import P, R, S, is_shard, shard_dim
+
+__all__ = ["ACCUMULATE", "ALIASES", "BUCKET_MB", "FIELDS", "KEYS", "OFFLOAD", "PIPELINE_SCHEDULES", "PRECISIONS",
+           "RECOMPUTE", "ZERO_STAGES", "Key", "ParallelConfig", "check_schedule", "describe", "divisors",
+           "json_schema", "key", "parse_strategy", "P", "R", "S", "is_shard", "shard_dim"]
