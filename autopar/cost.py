@@ -57,7 +57,7 @@ from .spec.placement import R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
 from .strategies.redistribute import output_time
-from .trace import op_family
+
 
 MEMORY_HEADROOM = 0.9
 EXTRAPOLATE = 12              # pipelines with more than 12 x pp microbatches: steady state extrapolated
@@ -351,7 +351,7 @@ class CostModel:
         if nd.flops == 0 and nd.act_bytes == 0:
             return 0.0
         nbytes = (nd.act_bytes * scale * self.itemsize / 4 + nd.param_bytes * self.itemsize / 4) * frac
-        return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, op_family(nd.kind))
+        return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, ops.family(nd.kind))
 
     def param_time(self, cfg: ParallelConfig, topo: MeshTopology) -> Callable[[Node, str], float]:
         """Seconds per microbatch a weight costs in a placement, as

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # layers that may import anything below them never import these (the planner
 # knows nothing of execution; the runtime nothing of planning)
 FORBIDDEN = {
-    "cost": {"search", "api", "compile", "runtime", "parallelize", "cli", "explain"},
+    "cost": {"search", "api", "compile", "runtime", "parallelize", "cli", "explain", "trace"},
     "sharding": {"search", "cost", "api", "compile", "runtime", "parallelize", "cli"},
     "strategies": {"search", "cost", "api", "compile", "runtime", "parallelize", "cli", "trace"},
     "graph": {"search", "cost", "api", "compile", "runtime", "parallelize", "cli", "trace", "strategies"},
@@ -30,8 +30,9 @@ FORBIDDEN = {
 }
 # the runtime executes: it may import only these (autopar.pipeline only for its schedule)
 RUNTIME_ALLOWED = {"errors", "runtime", "spec", "pipeline.schedule"}
-# the leaf vocabulary imports nothing of autopar but the errors
+# the leaf vocabulary and the op registry import nothing of autopar but the errors
 SPEC_ALLOWED = {"errors", "spec"}
+OPS_ALLOWED = {"errors", "ops"}
 
 
 def _modules(package: str) -> list[Path]:
@@ -118,6 +119,12 @@ def test_spec_is_a_leaf():
     assert (ROOT / "autopar" / "spec").is_dir(), "the strategy vocabulary lives in autopar/spec"
     bad = [f"{p.relative_to(ROOT)}:{line} imports {n}" for p in _modules("autopar/spec")
            for n, line in imports(p) if layer(n) not in (None, *SPEC_ALLOWED) and _existing(n)]
+    assert not bad, "\n".join(bad)
+
+
+def test_ops_is_a_leaf():
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {n}" for p in _modules("autopar/ops")
+           for n, line in imports(p) if layer(n) not in (None, *OPS_ALLOWED) and _existing(n)]
     assert not bad, "\n".join(bad)
 
 
