@@ -8,7 +8,7 @@
 """
 __version__ = "0.1.0"
 
-from .api import evaluate, load_cluster, plan  # noqa: E402
+from .api import evaluate, load_cluster, plan, plan_and_record  # noqa: E402
 from .cost import Estimate  # noqa: E402
 from .errors import (AutoparError, ClusterError, CompileError, DistributedError,  # noqa: E402
                      NoFeasibleStrategyError, PlanError, StrategyError, TraceError, UnsupportedError, ZooError)
@@ -20,7 +20,7 @@ from .spec import ParallelConfig, parse_strategy  # noqa: E402
 from .trace import trace  # noqa: E402
 
 __all__ = [
-    "trace", "evaluate", "plan", "parallelize", "shard", "load_cluster", "Plan", "Graph", "Estimate",
+    "trace", "evaluate", "plan", "plan_and_record", "parallelize", "shard", "load_cluster", "Plan", "Graph", "Estimate",
     "ParallelConfig", "parse_strategy", "AutoparError", "TraceError", "ZooError", "StrategyError", "PlanError",
     "ClusterError", "NoFeasibleStrategyError", "CompileError", "UnsupportedError", "DistributedError",
 ]
