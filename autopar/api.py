@@ -43,16 +43,26 @@ def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None
              target: Any = None, batch: int | None = None) -> Graph:
     """Trace ``model`` unless it already is a :class:`Graph`. A zoo string is
     built on the meta device with its default loss (batch 2 by default, so the
-    batch dimension can be told apart from the others)."""
+    batch dimension can be told apart from the others), as :func:`trace` builds it."""
     if isinstance(model, Graph):
         return model
     if isinstance(model, str):
         from . import zoo
-        family = model.split(":", 1)[0].strip().lower()
-        # a zoo family is built at batch 2 so the batch dim can be told apart
-        z = zoo.build(model, batch=batch or 2) if family in zoo.families() else zoo.build(model)
+        z = zoo.build_for_planning(model, batch=batch)
         return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name)
     return trace(model, example_inputs, loss_fn=loss_fn, target=target)
+
+
+def check_batch(graph: Graph, global_batch: int) -> None:
+    """Refuse to scale a graph whose batch dimension is ambiguous: traced at
+    batch 1, the batch dim cannot be told apart from the other size-1 dims,
+    and a prediction at another global batch would be silently wrong."""
+    if graph.batch_size == 1 and global_batch != 1:
+        raise StrategyError(
+            f"{graph.name} was traced with an example batch of 1: its batch dimension cannot be told apart "
+            f"from the other size-1 dims, so it cannot be scaled to global_batch={global_batch}. Trace it "
+            "with example inputs of batch 2 or more (zoo.build(spec, batch=2); autopar.trace of a model "
+            "string does this)")
 
 
 def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
@@ -75,6 +85,7 @@ def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: i
     traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
     milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
+    check_batch(graph, global_batch)
     cfg = _config(strategy, devices)
     planner = planner_for(graph, cluster, optimizer, precision, devices=devices, global_batch=global_batch)
     with _cluster_errors():   # as written: Megatron placements, equal pipeline stages
@@ -220,6 +231,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
         raise StrategyError(f"search_mode {search_mode!r} is invalid; valid: {', '.join(SEARCH_MODES)}")
     user_pins = {**_pins.annotations(model), **(shardings or {})}
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
+    check_batch(graph, global_batch)
     spec, state = _state(graph, cluster, optimizer, precision)
     pins = _pins.resolve(graph, user_pins, track_batch(graph).out)
     if search_mode == "sharding_propagation" and not pins:

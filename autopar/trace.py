@@ -210,7 +210,9 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     """Trace ``model`` on ``example_inputs`` into a :class:`Graph`.
 
     ``model`` may also be a zoo string (``"gpt:layers=2,hidden=64"``); it is
-    then built on the meta device with its default loss. With ``loss_fn`` and
+    then built on the meta device with its default loss, at the example batch
+    :func:`autopar.evaluate` and :func:`autopar.plan` trace it at
+    (:func:`autopar.zoo.build_for_planning`: 2). With ``loss_fn`` and
     ``target``, the loss is part of the graph (its cost and sharding count).
     ``frontend`` is ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``.
 
@@ -218,7 +220,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     """
     if isinstance(model, str):
         from . import zoo
-        z = zoo.build(model)
+        z = zoo.build_for_planning(model)     # as evaluate and plan trace it (batch 2)
         model, example_inputs, name = z.model, z.example_inputs, name or z.name
         if loss_fn is None and z.loss_fn is not None:
             loss_fn, target = z.loss_fn, z.example_target

@@ -228,6 +228,44 @@ def test_trace_zoo_string_includes_loss():
     assert g.name.startswith("mlp:")
 
 
+# ------------------------------------------------------------------ batch of a traced string (issue 15)
+GPT_1_7B = "gpt:layers=24,hidden=2304,heads=24,seq=2048,vocab=51200"
+
+
+def test_string_graph_and_module_predict_the_same():
+    """A zoo string, a Graph traced from the string and a Graph traced from
+    the zoo's module (batch 2, with its loss) predict the same: trace(str)
+    once built batch 1 and predicted a step several times too short."""
+    kw = dict(cluster="dgx-a100-80g", devices=32, strategy="dp=32,recompute=full", global_batch=512)
+    by_string = autopar.evaluate(GPT_1_7B, **kw)
+    traced = autopar.trace(GPT_1_7B)
+    assert traced.batch_size == 2
+    by_graph = autopar.evaluate(traced, **kw)
+    z = zoo.build(GPT_1_7B, batch=2)
+    module = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    by_module = autopar.evaluate(module, **kw)
+    for est in (by_graph, by_module):
+        assert est.step_time_s == pytest.approx(by_string.step_time_s, rel=1e-9)
+        assert est.peak_memory_bytes == pytest.approx(by_string.peak_memory_bytes, rel=1e-9)
+        assert est.tflops_per_device == pytest.approx(by_string.tflops_per_device, rel=1e-9)
+    assert by_string.tflops_per_device > 50          # not ~1 TFLOP/s per A100
+    assert autopar.plan(traced, cluster="dgx-a100-80g", devices=32, global_batch=512,
+                        strategy="dp=32,recompute=full").data["predicted"]["step_time_s"] == \
+        pytest.approx(by_string.step_time_s, rel=1e-6)
+
+
+def test_batch_1_graph_refuses_to_scale():
+    z = zoo.build("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128")     # batch 1
+    g = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    assert g.batch_size == 1
+    with pytest.raises(autopar.StrategyError, match="example batch of 1.*global_batch=8.*batch 2 or more"):
+        autopar.evaluate(g, cluster="dgx-a100-80g", devices=2, strategy="dp=2", global_batch=8)
+    with pytest.raises(autopar.StrategyError, match="example batch of 1"):
+        autopar.plan(g, cluster="dgx-a100-80g", devices=2, global_batch=8)
+    # at global batch 1 there is nothing to scale
+    assert autopar.evaluate(g, cluster="dgx-a100-80g", devices=1, strategy="dp=1", global_batch=1).step_time_s > 0
+
+
 def test_trace_bad_arguments():
     with pytest.raises(autopar.TraceError, match="nn.Module"):
         autopar.trace(42, (torch.zeros(1),))

@@ -6,6 +6,11 @@ Two forms are accepted:
     A model of the zoo (:mod:`autopar.zoo.models`): ``gpt``, ``llama``, ``mlp``
     or ``cnn``. Keys are the fields of the family's config; missing keys take
     their defaults (see :func:`families`).
+    Or a Hugging Face ``transformers`` model built from its config class
+    (:mod:`autopar.zoo.hf`, needs ``transformers``): ``hf-gpt2``, ``hf-llama``,
+    ``hf-bert`` or ``hf-vit``, keyed by the config's own field names
+    (``hf-llama:hidden_size=4096,num_key_value_heads=8``) plus ``batch`` and
+    ``seq``.
 
 ``path/to/file.py:factory`` or ``package.module:factory``
     ``factory()`` returns ``(model, example_inputs)``, optionally followed by a
@@ -31,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ZooError
+from . import hf as _hf
 from .models import (CNN, GPT, MLP, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig,
                      n_params)
 
@@ -68,10 +74,29 @@ def classification_loss(logits, target):
 def families() -> dict[str, dict]:
     """Return ``{family: {key: default}}`` for every zoo family.
 
-    GPT's ``ffn`` default is ``None``, meaning ``4 * hidden``.
+    GPT's ``ffn`` default is ``None``, meaning ``4 * hidden``; the ``hf-*``
+    families' ``None`` defaults are derived (see :mod:`autopar.zoo.hf`).
     """
-    return {name: {f.name: f.default for f in dataclasses.fields(cfg)}
-            for name, (cfg, _, _) in _FAMILIES.items()}
+    out = {name: {f.name: f.default for f in dataclasses.fields(cfg)}
+           for name, (cfg, _, _) in _FAMILIES.items()}
+    out.update(_hf.families())
+    return out
+
+
+#: the example batch a zoo family is traced at for planning: 2, so that the
+#: batch dimension can be told apart from the others (at batch 1 it cannot)
+PLAN_BATCH = 2
+
+
+def build_for_planning(spec: str, *, batch: int | None = None) -> ZooModel:
+    """Build a model string on the meta device for tracing and planning, as
+    :func:`autopar.trace`, :func:`autopar.evaluate` and :func:`autopar.plan`
+    do: a zoo family at ``batch`` (default :data:`PLAN_BATCH`), a factory at
+    the batch its example inputs have."""
+    family = spec.split(":", 1)[0].strip().lower() if isinstance(spec, str) else ""
+    if family in _FAMILIES or family in _hf.FAMILIES:
+        return build(spec, batch=batch or PLAN_BATCH)
+    return build(spec)
 
 
 def build(spec: str, *, device="meta", batch: int | None = None, seed: int | None = 0) -> ZooModel:
@@ -92,18 +117,24 @@ def build(spec: str, *, device="meta", batch: int | None = None, seed: int | Non
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ZooError(f"model string {spec!r} is empty: expected FAMILY[:key=value,...] "
-                       f"(families: {', '.join(_FAMILIES)}) or file.py:factory")
+                       f"(families: {', '.join(_names())}) or file.py:factory")
     spec = spec.strip()
     head, sep, rest = spec.partition(":")
     if head.lower() in _FAMILIES:
         return _build_family(head.lower(), rest, device, batch, seed)
+    if head.lower() in _hf.FAMILIES:
+        return _build_hf(head.lower(), rest, device, batch, seed)
     if sep and "=" not in spec and spec.rpartition(":")[2].isidentifier():
         if batch is not None:
             warnings.warn(f"batch={batch} is ignored for factory {spec!r}: its example inputs "
                           "fix the batch size", stacklevel=2)
         return _build_factory(spec)
-    raise ZooError(f"unknown model family {head!r}: choose one of {', '.join(_FAMILIES)}, "
+    raise ZooError(f"unknown model family {head!r}: choose one of {', '.join(_names())}, "
                    "or give a factory as path/to/file.py:factory or package.module:factory")
+
+
+def _names() -> list[str]:
+    return [*_FAMILIES, *_hf.FAMILIES]
 
 
 def load(spec: str, *, device="meta") -> tuple[nn.Module, tuple]:
@@ -166,6 +197,38 @@ def _build_family(family: str, text: str, device, batch, seed) -> ZooModel:
     config = dataclasses.asdict(cfg)
     name = family + ":" + ",".join(f"{k}={config[k]!r}" for k in sorted(config))
     return ZooModel(name, model, inputs, loss_fn, target, config)
+
+
+def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
+    cfg = _hf.parse(family, text, batch)       # ZooError for a bad key or value
+    config = _hf.make_config(family, cfg)      # ZooError without transformers
+    dev = torch.device(device)
+
+    def construct():
+        with dev:
+            return _hf.construct(family, config)
+
+    if seed is None:
+        model = construct()
+    else:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            model = construct()
+
+    g = torch.Generator().manual_seed(0)
+    in_shape, target_shape, classes = _hf.input_shapes(family, cfg)
+    if _hf.FAMILIES[family].task == "image":
+        inputs = (_randn(in_shape, g, dev),)
+    else:
+        inputs = (_randint(cfg["vocab_size"], in_shape, g, dev),)
+    target = _randint(classes, target_shape, g, dev)
+    name = family + ":" + ",".join(f"{k}={_hf_repr(cfg[k])}" for k in sorted(cfg))
+    return ZooModel(name, model, inputs, _hf.loss_fn(family), target, dict(cfg))
+
+
+def _hf_repr(v) -> str:
+    """A value as the model string writes it (flags as 0/1, so the name parses back)."""
+    return str(int(v)) if isinstance(v, bool) else repr(v) if not isinstance(v, str) else v
 
 
 def _construct(model_cls, cfg, dev):
@@ -246,10 +309,11 @@ def _import_module(name: str):
         # a missing dependency inside their module is their error to see.
         if e.name and (name == e.name or name.startswith(e.name + ".")):
             raise ZooError(f"no zoo family or module named {name!r} (missing: {e.name!r}); "
-                           f"families: {', '.join(_FAMILIES)}") from None
+                           f"families: {', '.join(_names())}") from None
         raise
 
 
-__all__ = ["ZooModel", "build", "load", "families", "lm_loss", "classification_loss",
+__all__ = ["ZooModel", "build", "build_for_planning", "PLAN_BATCH", "load", "families", "lm_loss",
+           "classification_loss",
            "n_params", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig",
            "CNN", "CNNConfig"]

@@ -1,0 +1,188 @@
+"""Hugging Face model strings: hf-gpt2, hf-llama, hf-bert, hf-vit (autopar/zoo/hf.py)."""
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar import zoo
+from autopar.errors import ZooError
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+# spec at batch 2, logits shape, layer-group name
+TINY = {
+    "hf-gpt2": ("hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,n_positions=16,batch=2",
+                (2, 16, 64), "model.transformer.h.*"),
+    "hf-llama": ("hf-llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                 "intermediate_size=64,vocab_size=64,seq=16,batch=2", (2, 16, 64), "model.model.layers.*"),
+    "hf-bert": ("hf-bert:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
+                "vocab_size=64,max_position_embeddings=16,batch=2", (2, 16, 64), "model.bert.encoder.layer.*"),
+    "hf-vit": ("hf-vit:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,intermediate_size=64,"
+               "image_size=32,patch_size=8,num_labels=10,batch=2", (2, 10), "model.vit.layers.*"),
+}
+MODEL_CLS = {"hf-gpt2": "GPT2LMHeadModel", "hf-llama": "LlamaForCausalLM", "hf-bert": "BertForMaskedLM",
+             "hf-vit": "ViTForImageClassification"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {}
+
+
+def _graph(graphs, family):
+    if family not in graphs:
+        graphs[family] = autopar.trace(TINY[family][0])
+    return graphs[family]
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_builds_on_cpu_and_runs(family):
+    spec, shape, _ = TINY[family]
+    z = zoo.build(spec, device="cpu")
+    assert type(z.model).__name__ == MODEL_CLS[family]
+    assert z.model.config.use_cache is False
+    out = z.model(*z.example_inputs)
+    assert out.logits.shape == shape
+    loss = z.loss_fn(out, z.example_target)         # the loss takes the ModelOutput
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    # seeded: the same weights every build, and the global RNG is left alone
+    state = torch.random.get_rng_state()
+    again = zoo.build(spec, device="cpu")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for a, b in zip(z.model.parameters(), again.model.parameters()):
+        assert torch.equal(a, b)
+    # dropouts are 0: two runs in training mode agree
+    torch.testing.assert_close(again.model(*z.example_inputs).logits, out.logits)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_builds_on_meta(family):
+    z = zoo.build(TINY[family][0])
+    assert all(p.is_meta for p in z.model.parameters())
+    assert all(x.is_meta for x in z.example_inputs) and z.example_target.is_meta
+    assert z.example_inputs[0].shape[0] == 2
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_trace_string(family, graphs):
+    spec, shape, group = TINY[family]
+    g = _graph(graphs, family)
+    assert g.frontend == "export"
+    assert g.batch_size == 2
+    assert g[g.output].kind == "cross_entropy"
+    assert [(grp.name, len(grp.instances)) for grp in g.groups] == [(group, 2)]
+    z = zoo.build(spec, device="cpu")
+    assert g.num_params == sum(p.numel() for p in z.model.parameters())
+    assert g.name == z.name
+    assert sum(n.kind == "sdpa" for n in g.nodes) == 2
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_plan_tiny(family, graphs):
+    g = _graph(graphs, family)
+    # ViT's sequence (16 patches + CLS = 17) divides no tp > 1: sequence parallelism is off
+    # here, see test_vit_plan_with_memory_options
+    p = autopar.plan(g, cluster="dgx-h100", devices=4, global_batch=8, memory_options=family != "hf-vit")
+    assert p.config.devices == 4
+    assert p.data["predicted"]["fits"]
+    assert p.data["predicted"]["step_time_s"] > 0
+
+
+@pytest.mark.xfail(reason="the grid search raises StrategyError for sequence_parallel when the sequence "
+                          "length (ViT: patches + 1) is not divisible by tp, instead of skipping it",
+                   raises=autopar.StrategyError, strict=False)
+def test_vit_plan_with_memory_options(graphs):
+    p = autopar.plan(_graph(graphs, "hf-vit"), cluster="dgx-h100", devices=4, global_batch=8)
+    assert p.data["predicted"]["fits"]
+
+
+def test_evaluate_string_matches_graph(graphs):
+    spec = TINY["hf-gpt2"][0].replace(",batch=2", "")
+    kw = dict(cluster="dgx-h100", devices=4, strategy="dp=2,tp=2", global_batch=8)
+    a = autopar.evaluate(spec, **kw)
+    b = autopar.evaluate(autopar.trace(spec), **kw)
+    assert a.step_time_s == pytest.approx(b.step_time_s)
+    assert a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes)
+
+
+def test_llama_structure():
+    spec = ("hf-llama:num_hidden_layers=1,hidden_size=64,num_attention_heads=8,num_key_value_heads=2,"
+            "intermediate_size=96,vocab_size=64,seq=16")
+    z = zoo.build(spec)
+    cfg = z.model.config
+    assert cfg.max_position_embeddings == 16          # defaults to seq
+    attn = z.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (2 * 8, 64)     # GQA: kv_heads * head_dim
+    assert attn.q_proj.weight.shape == (64, 64)
+    mlp = z.model.model.layers[0].mlp                  # SwiGLU
+    assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (96, 64)
+    assert type(z.model.model.norm).__name__ == "LlamaRMSNorm"
+    assert z.config["rope_theta"] == 500000.0
+
+
+def test_defaults_and_names():
+    fams = zoo.families()
+    for family in TINY:
+        assert family in fams and "batch" in fams[family]
+    assert fams["hf-llama"]["num_key_value_heads"] == 8
+    assert fams["hf-vit"]["image_size"] == 224
+    z = zoo.build("hf-gpt2")                           # GPT-2 small
+    assert z.config["seq"] == 1024 and z.example_inputs[0].shape == (1, 1024)
+    assert sum(p.numel() for p in z.model.parameters()) == pytest.approx(124.4e6, rel=0.01)
+    assert zoo.build(z.name).name == z.name
+    v = zoo.build("hf-vit", batch=3)
+    assert v.example_inputs[0].shape == (3, 3, 224, 224) and v.example_target.shape == (3,)
+    assert zoo.build_for_planning("hf-bert:num_hidden_layers=1").example_inputs[0].shape == (2, 512)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("hf-gpt2:layers=2", "unknown key 'layers' for hf-gpt2: valid keys are .*n_embd.*n_layer"),
+    ("hf-llama:hidden=64", "valid keys are .*hidden_size.*num_key_value_heads"),
+    ("hf-llama:num_attention_heads=32,num_key_value_heads=5", "num_key_value_heads=5 does not divide"),
+    ("hf-gpt2:n_embd=100,n_head=12", "n_head=12 does not divide n_embd=100"),
+    ("hf-gpt2:n_layer=0", "n_layer=0.*positive"),
+    ("hf-gpt2:n_layer=x", "n_layer='x'.*integer"),
+    ("hf-bert:seq=1024", "seq=1024 exceeds max_position_embeddings=512"),
+    ("hf-vit:image_size=100,patch_size=16", "patch_size=16 does not divide image_size=100"),
+    ("hf-gpt2:tie_word_embeddings=2", "0 or 1"),
+    ("hf-gpt2:n_layer", "no value"),
+])
+def test_invalid(spec, match):
+    with pytest.raises(ZooError, match=match):
+        zoo.build(spec)
+
+
+def test_unknown_family_lists_hf_families():
+    with pytest.raises(ZooError, match="hf-gpt2.*hf-llama.*hf-bert.*hf-vit"):
+        zoo.build("hf-t5:num_layers=2")
+
+
+def test_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers -> ImportError
+    with pytest.raises(ZooError, match="pip install transformers"):
+        zoo.build(TINY["hf-gpt2"][0])
+    assert "hf-gpt2" in zoo.families()                          # listing needs no transformers
+
+
+def test_llama3_8b_plans_on_32_h100():
+    spec = ("hf-llama:hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,"
+            "num_key_value_heads=8,vocab_size=128256,seq=8192")
+    t0 = time.perf_counter()
+    p = autopar.plan(spec, cluster="dgx-h100", devices=32, global_batch=256)
+    print(f"hf-llama 8B on 32 dgx-h100: planned in {time.perf_counter() - t0:.1f} s "
+          f"(planner {p.planning_time_s:.1f} s with tracing)")
+    assert p.graph.frontend == "export"
+    assert p.graph.num_params == pytest.approx(8.03e9, rel=0.01)
+    assert p.config.devices == 32
+    assert p.data["predicted"]["fits"]
