@@ -448,7 +448,8 @@ class CostModel:
         topo = MeshTopology(self.cluster, (dp, tp))
         local_batch = global_batch / (dp * m)
         isz = self.itemsize
-        skey = (tp, dp, global_batch // m, cfg.recompute == "selective", id(sh))
+        # the sums see dp only through the samples per rank and the tp axis's link
+        skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute == "selective", id(sh))
         if skey not in self.cache.sums:
             self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
         fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd = self.cache.sums[skey]
@@ -644,14 +645,15 @@ class CostModel:
         being recomputed), and the bytes crossing each cut. What the stage
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
-        key = (cfg.tp, cfg.dp, global_batch // cfg.microbatches, cfg.recompute, id(sh))
+        # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
+        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
+        # the sums see dp only through the samples per rank and the tp axis's link
+        local_batch = global_batch / (cfg.dp * cfg.microbatches)
+        key = (cfg.tp, topo.spans_nodes(1), local_batch, cfg.recompute, id(sh))
         cache = self.cache.units
         if key in cache:
             return cache[key]
         self.cache.hold(sh)
-        # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
-        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
-        local_batch = global_batch / (cfg.dp * cfg.microbatches)
         outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
         u = units(self.graph)
         n = u.layers + 2

@@ -198,6 +198,7 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
     if stages > n:
         return None
     pre_t, pre_s, pre_a = _prefix(time), _prefix(states), _prefix(act)
+    fixed = list(fixed)
 
     def fits(start: int, end: int, peak: float, bound: float, v: int) -> bool:
         mem = pre_s[end] - pre_s[start] + in_flight[v] * (pre_a[end] - pre_a[start]) + peak
@@ -210,11 +211,16 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
             if v == 0:
                 start, peak = 0, max(fixed[:end])
             else:
-                # leave at least one unit for each earlier stage
+                # leave at least one unit for each earlier stage; fits(start - 1, ...) inlined
                 start, peak = end - 1, fixed[end - 1]
-                while start > v and fits(start - 1, end, max(peak, fixed[start - 1]), bound, v):
+                t_end, s_end, a_end, f = pre_t[end], pre_s[end], pre_a[end], in_flight[v]
+                while start > v:
+                    p = peak if peak >= fixed[start - 1] else fixed[start - 1]
+                    if t_end - pre_t[start - 1] > bound or \
+                            s_end - pre_s[start - 1] + f * (a_end - pre_a[start - 1]) + p > cap:
+                        break
                     start -= 1
-                    peak = max(peak, fixed[start])
+                    peak = p
             if not fits(start, end, peak, bound, v):
                 return None
             starts.append(start)

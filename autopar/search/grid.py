@@ -320,14 +320,21 @@ def _search_pipelines(planner: Planner, configs: list[ParallelConfig], manual: S
     count, closest misfit and first pin error; ``tick(fraction done)``
     reports progress."""
     mode = planner.mode
+    margin = 1.0 if mode == "grid" else PIPE_MARGIN   # the per-op search may still win by that much
     # Bound first (memory is exact, the makespan a lower bound), then simulate the
     # fitting ones in bound order until the bound passes the best simulated time.
+    # A configuration whose bound cannot come within the margin of a fitting one
+    # already found is counted without balancing its stages: it would be cut there.
+    cut = margin * min((e.step_time_s for e, _, _ in feasible), default=float("inf"))
     bounded: list[tuple[Estimate, ParallelConfig]] = []
     every = max(1, len(configs) // PIPE_PROGRESS)
     for k, cfg in enumerate(configs):
         if k % every == 0:
             tick(0.8 * k / len(configs))   # bounding is most of the work
         try:
+            if planner.pipeline_lower_bound(cfg, manual) > cut:
+                evaluated += 1
+                continue
             est = planner.evaluate(cfg, manual, simulate_schedule=False)
         except InfeasiblePins as e:
             pin_error = pin_error or e
@@ -340,7 +347,6 @@ def _search_pipelines(planner: Planner, configs: list[ParallelConfig], manual: S
     bounded.sort(key=lambda ec: ec[0].step_time_s)
     best = min((e.step_time_s for e, _, _ in feasible), default=float("inf"))
     fitting: list[tuple[Estimate, ParallelConfig]] = []
-    margin = 1.0 if mode == "grid" else PIPE_MARGIN   # the per-op search may still win by that much
     for bound, cfg in bounded:
         if bound.step_time_s > margin * best:
             break

@@ -190,10 +190,12 @@ class Planner:
                     (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
                      cfg.schedule, cfg.chunks)
             ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound, self.solver)
+            key = (model.precision, cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
         else:
-            ilp_key = None
-        key = (model.precision, cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
-        skey = (mb_global, cfg.dp)
+            # propagation sees the dp axis only through the local batch and the tp
+            # axis's link: configurations that share both share the decisions
+            key = (model.precision, cfg.tp, self._local_key(cfg), sharder, None)
+        skey = self._local_key(cfg, link=False)
         if skey not in self.state.shapes:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self.state.shapes[skey]
@@ -209,6 +211,17 @@ class Planner:
                 return axes[key], shapes
             axes[key] = self._decide(model, cfg, sharder, shapes)
         return axes[key], shapes
+
+    def _local_key(self, cfg: ParallelConfig, link: bool = True) -> tuple:
+        """What the local shapes (and with ``link`` the tensor-parallel
+        collectives) of ``cfg`` depend on: the samples of one microbatch on
+        one data-parallel rank (``scaled_shapes`` at ``(B / m, dp)`` equals
+        it at ``(B / (m dp), 1)``), and whether a tp group spans nodes."""
+        mb_global = self.global_batch // cfg.microbatches
+        local = (mb_global // cfg.dp,) if mb_global % cfg.dp == 0 else (mb_global, cfg.dp)
+        if link:
+            local += (MeshTopology(self.cluster, (cfg.dp, cfg.tp)).spans_nodes(1),)
+        return local
 
     def _decide(self, model: CostModel, cfg: ParallelConfig, sharder: Sharder, shapes: dict) -> AxisSharding:
         """Run ``sharder``'s search of the tensor-parallel axis (uncached)."""
@@ -343,6 +356,19 @@ class Planner:
         if cfg.pp > 1:
             split = self._partition(model, cfg, sh, shapes, layers)
         return model.estimate(cfg, sh, shapes, self.global_batch, devices, split, simulate_schedule)
+
+    def pipeline_lower_bound(self, cfg: ParallelConfig, sharder: Sharder = MANUAL) -> float:
+        """A lower bound on the step time ``evaluate(cfg, sharder,
+        simulate_schedule=False)`` gives a pipelined ``cfg``, without
+        balancing its stages: the busiest pipeline rank computes at least
+        its share of every microbatch's forward and backward, and the
+        gradient reduction and optimizer only add to it. Raises as
+        :meth:`evaluate` does."""
+        model = self.cost(cfg.precision)
+        check_config(self.graph, cfg, self.devices or cfg.devices, self.global_batch)
+        sh, shapes = self.sharding(cfg, sharder)
+        per = model.unit_costs(cfg, sh, shapes, self.global_batch)
+        return cfg.microbatches * sum(per.time) / cfg.pp * (1 - 1e-9)
 
     def _partition(self, model: CostModel, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                    layers: str | Sequence[int]) -> list[int]:
