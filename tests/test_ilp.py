@@ -305,3 +305,31 @@ def test_cli_solver_option():
     assert json.loads(r.stdout)["search"]["ilp"]["solver"] == "pulp:CBC"
     r = CliRunner().invoke(app, args + ["--solver", "glpk"])
     assert r.exit_code != 0 and "solver 'glpk' is unknown; valid: highs, pulp:CBC" in " ".join(r.output.split())
+
+
+def test_no_solver_banner_on_any_file_descriptor(capfd):
+    """HiGHS prints its banner from C++ when a process makes its first
+    instance: the solvers make that one with stdout and stderr on the null
+    device, so nothing of HiGHS reaches the descriptors (``--json`` output and
+    every torchrun rank stay clean), PuLP's HiGHS included."""
+    from autopar.search import solvers
+    capfd.readouterr()
+    p, rec = autopar.plan_and_record(GPT, cluster="cpu", devices=4, global_batch=8, strategy="tp=4",
+                                     search_mode="dynamic_programming")
+    assert rec.sharding.ilp is not None          # the ILP ran
+    solvers.quiet_highs()
+    out, err = capfd.readouterr()
+    assert "HiGHS" not in out + err and "Copyright" not in out + err
+
+
+def test_cli_plan_json_in_a_fresh_process_is_only_json():
+    """In a new process the first HiGHS instance is the ILP's: the banner
+    would precede the JSON on stdout."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "autopar", "plan", GPT, "-c", "cpu", "-n", "4", "-b", "8", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "HiGHS" not in r.stdout + r.stderr and "Copyright" not in r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert d["search"]["mode"] == "dynamic_programming"

@@ -246,47 +246,32 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
                             f"valid tp sizes for this model: {tp_valid_sizes(graph)}")
-    evaluated, feasible = 0, []
+    feasible: list = []
     closest: Estimate | None = None
     bound = float("inf")
-    pin_error: InfeasiblePins | None = None
     manual = Sharder("manual", planner.pins)
-    for k, line in enumerate(lines):
-        try:
-            # Memory falls as microbatches grow (activations are per microbatch), so the
-            # first count at which the Megatron placements fit is found by bisection; the
-            # per-op search then runs there and one count below, where it may fit by
-            # sharding activations the Megatron pattern leaves whole.
-            memo: dict[int, Estimate] = {}
-
-            def ref(i: int) -> Estimate:
-                if i not in memo:
-                    memo[i] = planner.evaluate(line[i], manual)
-                return memo[i]
-
-            lo, hi = 0, len(line)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if ref(mid).fits:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            first = lo if lo < len(line) else len(line) - 1
-            tries = [i for i in (first - 1, first) if i >= 0]
-            evaluated += len(set(memo) | set(tries))
-            for i in tries:
-                cfg = line[i]
-                est, sh = planner.choose(cfg, bound) if mode != "grid" else (ref(i), manual)
-                if est.fits:
-                    feasible.append((est, cfg, sh))
-                    bound = min(bound, est.step_time_s)
-                    break
-                if closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
-                    closest = est
-        except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
-            pin_error = pin_error or e
-        if progress:
-            progress(k + 1, steps)
+    errors: list[InfeasiblePins | None] = [None] * len(lines)
+    try:
+        found, evaluated = _first_fits(planner, lines, manual, errors)
+        for k, (line, hit) in enumerate(zip(lines, found)):
+            try:
+                for i in hit[1] if hit else ():
+                    cfg = line[i]
+                    est, sh = planner.choose(cfg, bound) if mode != "grid" else \
+                        (_ref(planner, line, hit[0], i, manual), manual)
+                    if est.fits:
+                        feasible.append((est, cfg, sh))
+                        bound = min(bound, est.step_time_s)
+                        break
+                    if closest is None or est.peak_memory_bytes < closest.peak_memory_bytes:
+                        closest = est
+            except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
+                errors[k] = e
+            if progress:
+                progress(k + 1, steps)
+    finally:
+        planner.drop_prefetched()
+    pin_error = next((e for e in errors if e is not None), None)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -308,6 +293,51 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
                         time_s=time.perf_counter() - t0, top=[e for e, _, _ in feasible[:5]],
                         best_sharder=sh, mode=mode, won=planner.tally.won, ilp_solves=planner.tally.ilp_solves,
                         ilp_time_s=planner.tally.ilp_time_s)
+
+
+def _first_fits(planner: Planner, lines: list[list[ParallelConfig]], manual: Sharder,
+                errors: list[InfeasiblePins | None]) -> tuple[list, int]:
+    """Per line, the microbatch counts the per-op search tries, and the
+    configurations evaluated. Memory falls as microbatches grow (activations
+    are per microbatch), so the first count at which the Megatron placements
+    fit is found by bisection; the per-op search then runs there and one
+    count below, where it may fit by sharding activations the Megatron
+    pattern leaves whole. Their ILPs are started here, HiGHS solving them on
+    worker threads while the search goes on (:meth:`Planner.prefetch_choice`).
+    Returns per line ``(the Megatron estimates by index, the indices to
+    try)``, None where the pins do not hold (its error in ``errors``)."""
+    found: list[tuple[dict[int, Estimate], list[int]] | None] = []
+    evaluated = 0
+    for k, line in enumerate(lines):
+        try:
+            memo: dict[int, Estimate] = {}
+            lo, hi = 0, len(line)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _ref(planner, line, memo, mid, manual).fits:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            first = lo if lo < len(line) else len(line) - 1
+            tries = [i for i in (first - 1, first) if i >= 0]
+            evaluated += len(set(memo) | set(tries))
+            found.append((memo, tries))
+        except InfeasiblePins as e:   # the pins do not hold at this tp size: try the others
+            errors[k] = e
+            found.append(None)
+            continue
+        if planner.mode == "ilp":
+            for i in tries:
+                planner.prefetch_choice(line[i])
+    return found, evaluated
+
+
+def _ref(planner: Planner, line: list[ParallelConfig], memo: dict[int, Estimate], i: int,
+         manual: Sharder) -> Estimate:
+    """The Megatron placements' estimate of ``line[i]`` (kept in ``memo``)."""
+    if i not in memo:
+        memo[i] = planner.evaluate(line[i], manual)
+    return memo[i]
 
 
 def _search_pipelines(planner: Planner, configs: list[ParallelConfig], manual: Sharder, feasible: list,

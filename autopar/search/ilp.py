@@ -48,7 +48,7 @@ from ..strategies.rules import Ctx
 from ..strategies.axis_cost import op_local_time
 from ..strategies.redistribute import output_time, transition_time
 from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature
-from .solvers import DEFAULT, Backend, Model, backend
+from .solvers import DEFAULT, Backend, HighsBackend, Model, backend
 
 Shape = tuple[int, ...]
 SCALE = 1e6          # the objective is in microseconds: HiGHS' tolerances suit numbers near 1
@@ -124,6 +124,22 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     :class:`StrategyError` when the memory bound does or ``solver`` is not
     valid or not installed.
     """
+    return start_axis(graph, n, shapes, comm=comm, compute=compute, param_time=param_time, pins=pins,
+                      memory=memory, time_limit_s=time_limit_s, cache=cache, solver=solver).result()
+
+
+def start_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
+               comm: Callable[[str, float], float], compute: Callable[[Node, float], float],
+               param_time: Callable[[Node, str], float] | None = None,
+               pins: dict[str, str] | None = None,
+               memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0,
+               cache: dict | None = None, solver: str = DEFAULT, background: bool = False) -> "PendingAxis":
+    """:func:`solve_axis` in two steps: the program is built now, and
+    solved by :meth:`PendingAxis.result` (``background``: by a worker
+    thread from now on, where the backend allows it, so that the caller
+    builds the next program while HiGHS, which releases the GIL, solves
+    this one; the solution is the same). Raises what :func:`solve_axis`
+    raises while building; the rest from :meth:`PendingAxis.result`."""
     mip = backend(solver)
     t0 = time.perf_counter()
     pins = dict(pins or {})
@@ -138,19 +154,69 @@ def solve_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
         prob.comm, prob.compute = comm, compute
         prob.param_time = param_time or (lambda nd, p: 0.0)
         build = time.perf_counter() - t0
-        res = prob.solve(memory, time_limit_s, mip)
-    except InfeasiblePins:
-        pair = find_conflict(graph, n, shapes, pins, solver) if len(pins) > 1 else None
-        if pair is None:
-            raise
-        a, b = pair
-        by_name = {nd.name: nd for nd in graph.nodes}
-        raise InfeasiblePins(f"the pinned placements of {_label(by_name[a])} ({pins[a]}) and "
-                             f"{_label(by_name[b])} ({pins[b]}) contradict on a tensor-parallel axis of "
-                             f"size {n}: no sharding of the ops between them satisfies both", (a, b)) from None
-    res.ilp.build_s = build + prob.build_s
-    res.ilp.solve_s = time.perf_counter() - t0 - build - prob.build_s
-    return res
+        built = prob.build(memory)
+    except InfeasiblePins as e:
+        raise _conflict(graph, n, shapes, pins, solver) or e
+    built.build_s += build
+    return PendingAxis(prob, built, mip, time_limit_s, (graph, n, shapes, pins, solver), background)
+
+
+class PendingAxis:
+    """A built sharding program on its way to a solution (see :func:`start_axis`)."""
+
+    def __init__(self, prob: "_Problem", built: "_Built", mip: Backend, time_limit_s: float, args: tuple,
+                 background: bool) -> None:
+        self.prob, self.built, self.args = prob, built, args
+        self._solve = lambda: _timed(mip.solve, built.mdl, time_limit_s)
+        self.future = _executor().submit(self._solve) if background and isinstance(mip, HighsBackend) else None
+
+    def cancel(self) -> None:
+        """Do not solve it on the worker if it has not started yet."""
+        if self.future is not None:
+            self.future.cancel()
+
+    def result(self) -> AxisSharding:
+        """The placements; raises as :func:`solve_axis` does."""
+        sol, solve_s = self.future.result() if self.future is not None else self._solve()
+        try:
+            res = self.prob.finish(self.built, sol)
+        except InfeasiblePins as e:
+            raise _conflict(*self.args) or e
+        res.ilp.build_s = self.built.build_s
+        res.ilp.solve_s = solve_s + self.built.finish_s
+        return res
+
+
+def _timed(fn: Callable, *args) -> tuple:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+_EXECUTOR: list = []
+
+
+def _executor():
+    """The one worker thread background solves run on (made on first use)."""
+    if not _EXECUTOR:
+        from concurrent.futures import ThreadPoolExecutor
+        _EXECUTOR.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="autopar-ilp"))
+    return _EXECUTOR[0]
+
+
+def _conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str], solver: str) -> InfeasiblePins | None:
+    """The error naming two contradicting pins, when the pins admit no
+    assignment because of a pair of them (None otherwise)."""
+    pair = find_conflict(graph, n, shapes, pins, solver) if len(pins) > 1 else None
+    if pair is None:
+        return None
+    a, b = pair
+    by_name = {nd.name: nd for nd in graph.nodes}
+    err = InfeasiblePins(f"the pinned placements of {_label(by_name[a])} ({pins[a]}) and "
+                         f"{_label(by_name[b])} ({pins[b]}) contradict on a tensor-parallel axis of "
+                         f"size {n}: no sharding of the ops between them satisfies both", (a, b))
+    err.__suppress_context__ = True
+    return err
 
 
 def coefficients(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
@@ -196,6 +262,23 @@ def find_conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str],
     return None
 
 
+@dataclass
+class _Built:
+    """A program built by :meth:`_Problem.build`: the model, the variables of
+    the op and parameter decisions, the memory rows (and whether a bound was
+    given), the cost functions it
+    was priced with, and the seconds spent building (and finishing) it."""
+
+    mdl: Model
+    x: dict
+    xp: dict
+    rows: list
+    bounded: bool      # a memory bound was given
+    costs: tuple
+    build_s: float
+    finish_s: float = 0.0
+
+
 class _Problem:
     def __init__(self, graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> None:
         self.graph, self.n, self.shapes, self.pins = graph, n, shapes, pins
@@ -206,6 +289,8 @@ class _Problem:
         self.key, self.mult, self.copied_from, self.edges = graph.memo(
             ("ilp_structure", tuple(sorted(pins.items()))), self._structure)
         self._choices()
+        self._placed_nodes: list[tuple[str, str, int]] | None = None
+        self._node_counts: tuple[int, int] | None = None
 
     def _structure(self) -> tuple:
         """(decision key per node, multiplicities, copied instances, edges)."""
@@ -405,6 +490,12 @@ class _Problem:
               mip: Backend) -> AxisSharding:
         """Build the program (see the module docstring) and solve it with the
         backend ``mip``."""
+        built = self.build(memory)
+        return self.finish(built, mip.solve(built.mdl, time_limit_s))
+
+    def build(self, memory: MemoryTerms | Sequence[MemoryTerms] | None) -> "_Built":
+        """The program under the current costs (``comm``, ``compute``,
+        ``param_time``), which the :class:`_Built` keeps for the runners-up."""
         t0 = time.perf_counter()
         mdl = Model()
         ONE = None                        # a decision with a single choice: the constant 1
@@ -427,6 +518,71 @@ class _Problem:
             for p, v in xp[k].items():
                 mdl.cost(v, self.mult[k] * self.param_cost(k, p) * SCALE)
 
+        self._edge_terms(mdl, x, xp)
+
+        rows = [] if memory is None else [memory] if isinstance(memory, MemoryTerms) else list(memory)
+        for terms in rows:
+            self._memory_row(mdl, terms, x, xp)
+        return _Built(mdl, x, xp, rows, memory is not None, (self.comm, self.compute, self.param_time),
+                      time.perf_counter() - t0)
+
+    def finish(self, built: "_Built", sol) -> AxisSharding:
+        """The placements of ``built``'s solution ``sol`` (a
+        :class:`~autopar.search.solvers.Solution`). Raises
+        :class:`InfeasiblePins` or :class:`StrategyError` when it has none."""
+        t0 = time.perf_counter()
+        mdl, x, xp, rows = built.mdl, built.x, built.xp, built.rows
+        status, values, objective = sol.status, sol.values, sol.objective
+        if status != "Optimal":
+            if self.pins and not built.bounded:
+                raise InfeasiblePins(f"the pinned placements admit no sharding ({status})")
+            raise StrategyError(f"no sharding on this axis satisfies the memory bound of "
+                                f"{rows[0].limit / 2**30:.3g} GiB ({status})" if rows else
+                                f"the sharding program could not be solved ({status})")
+
+        def val(v: int | None) -> float:
+            return 1.0 if v is None else values[v]
+
+        pick = {k: max(range(len(vs)), key=lambda j: val(vs[j])) for k, vs in x.items()}
+        ppick = {k: max(d, key=lambda p: val(d[p])) for k, d in xp.items()}
+        res = AxisSharding(n=self.n)
+        out, strategy = res.out, res.strategy
+        picked = {k: self.cands[k][j] for k, j in pick.items()}
+        for name, k, what in self._placements():
+            if what == 0:
+                out[name] = R
+            elif what == 1:
+                out[name] = ppick[k]
+            else:
+                st = strategy[name] = picked[k]
+                out[name] = st.out
+        out["__output__"] = R
+        res.copied_from = dict(self.copied_from)
+        res.reused_instances = len(self.copied_from)
+        objective = (objective + mdl.constant) / SCALE
+        n_vars = len(mdl.costs)
+        decided, shared = self._counts()
+        res.ilp = IlpInfo(nodes=decided, decisions=len(self.cands) + len(self.pplace), variables=n_vars,
+                          constraints=len(mdl.rows), build_s=0.0, solve_s=0.0, status=status,
+                          objective_s=objective, shared_instances=shared, memory_limited=bool(rows))
+        # the runners-up are for --explain: computed when asked for
+        comm, compute, param_time = built.costs
+
+        def runners_up() -> dict[str, list[tuple[str, str, float]]]:
+            self.comm, self.compute, self.param_time = comm, compute, param_time
+            return self._runners_up(pick, ppick)
+
+        res.ilp.runners_up_fn = runners_up
+        built.finish_s = time.perf_counter() - t0
+        return res
+
+    def _edge_terms(self, mdl: Model, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> None:
+        """Add the edges' costs to ``mdl``: linear in one side's choice when
+        the other side has one, else the transportation form (see the
+        module docstring). ``x`` / ``xp``: the op and parameter decisions'
+        variables (None: a single choice, the constant 1)."""
+        ONE = None
+
         def out_terms(u: str) -> dict[str, list]:
             if u in xp:
                 return {p: [v] for p, v in xp[u].items()}
@@ -441,13 +597,24 @@ class _Problem:
             """sum(terms) as (variables, constant)."""
             return {v: 1.0 for v in terms if v is not None}, float(sum(1 for v in terms if v is None))
 
-        n_edge_vars = 0
+        haves: dict[str, dict[str, list]] = {}
+        moves: dict[tuple, float] = {}     # the transitions repeat across edges: priced once each
+
+        def move(u: str, p: str, q: tuple[str, bool]) -> float:
+            key = (p, q, self.nbytes(u), self.grad.get(u, False))
+            c = moves.get(key)
+            if c is None:
+                c = moves[key] = self.edge_cost(u, p, q)
+            return c
+
         for (u, v, slot), m in self.edges.items():
-            have = out_terms(u)
+            have = haves.get(u)
+            if have is None:
+                have = haves[u] = out_terms(u)
             want: dict[tuple[str, bool], list] = {}     # consumer side: how it reads the value
             for st, xv in zip(self.cands[v], x[v]):
                 want.setdefault(self.read(u, st, slot), []).append(xv)
-            cost = {(p, q): self.edge_cost(u, p, q) for p in have for q in want}
+            cost = {(p, q): move(u, p, q) for p in have for q in want}
             if all(c == 0 for c in cost.values()):
                 continue
             if len(have) == 1 or len(want) == 1:
@@ -465,7 +632,6 @@ class _Problem:
             for (p, q), c in cost.items():
                 if c != INF:
                     ev[p, q] = e = mdl.var()
-                    n_edge_vars += 1
                     mdl.cost(e, m * c * SCALE)
             # transportation form: the pair variables' row and column sums are the two choices
             for side, groups in ((0, have), (1, want)):
@@ -476,55 +642,31 @@ class _Problem:
                         row[vv] = row.get(vv, 0.0) - 1.0
                     mdl.row(row, const, const)
 
-        rows = [] if memory is None else [memory] if isinstance(memory, MemoryTerms) else list(memory)
-        for terms in rows:
-            self._memory_row(mdl, terms, x, xp)
-        self.build_s = time.perf_counter() - t0
-        sol = mip.solve(mdl, time_limit_s)
-        status, values, objective = sol.status, sol.values, sol.objective
-        if status != "Optimal":
-            if self.pins and memory is None:
-                raise InfeasiblePins(f"the pinned placements admit no sharding ({status})")
-            raise StrategyError(f"no sharding on this axis satisfies the memory bound of "
-                                f"{rows[0].limit / 2**30:.3g} GiB ({status})" if rows else
-                                f"the sharding program could not be solved ({status})")
+    def _placements(self) -> list[tuple[str, str, int]]:
+        """(node, its decision, 0 for a graph input / 1 for a parameter / 2
+        for an op) of every node a solution places, in graph order: the same
+        for every solve of this problem, so listed once."""
+        if self._placed_nodes is None:
+            out = []
+            for nd in self.graph.nodes:
+                k = self.key[nd.name]
+                if nd.kind == "input":
+                    out.append((nd.name, k, 0))
+                elif k in self.pplace:
+                    out.append((nd.name, k, 1))
+                elif k in self.cands:
+                    out.append((nd.name, k, 2))
+            self._placed_nodes = out
+        return self._placed_nodes
 
-        def val(v: int | None) -> float:
-            return 1.0 if v is None else values[v]
-
-        pick = {k: max(range(len(vs)), key=lambda j: val(vs[j])) for k, vs in x.items()}
-        ppick = {k: max(d, key=lambda p: val(d[p])) for k, d in xp.items()}
-        res = AxisSharding(n=self.n)
-        for nd in self.graph.nodes:
-            k = self.key[nd.name]
-            if nd.kind == "input":
-                res.out[nd.name] = R
-            elif k in ppick:
-                res.out[nd.name] = ppick[k]
-            elif k in pick:
-                st = self.cands[k][pick[k]]
-                res.strategy[nd.name] = st
-                res.out[nd.name] = st.out
-        res.out["__output__"] = R
-        res.copied_from = dict(self.copied_from)
-        res.reused_instances = len(self.copied_from)
-        objective = (objective + mdl.constant) / SCALE
-        n_vars = len(mdl.costs)
-        decided = [nd for nd in self.graph.nodes if self.key[nd.name] in self.cands or self.key[nd.name] in self.pplace]
-        res.ilp = IlpInfo(nodes=len(decided), decisions=len(self.cands) + len(self.pplace), variables=n_vars,
-                          constraints=len(mdl.rows), build_s=0.0, solve_s=0.0, status=status,
-                          objective_s=objective, shared_instances=sum(1 for nd in self.graph.nodes
-                                                                      if self.key[nd.name] != nd.name),
-                          memory_limited=bool(rows))
-        # the runners-up are for --explain: computed when asked for
-        comm, compute, param_time = self.comm, self.compute, self.param_time
-
-        def runners_up() -> dict[str, list[tuple[str, str, float]]]:
-            self.comm, self.compute, self.param_time = comm, compute, param_time
-            return self._runners_up(pick, ppick)
-
-        res.ilp.runners_up_fn = runners_up
-        return res
+    def _counts(self) -> tuple[int, int]:
+        """Nodes with a decision, and nodes sharing another's (for :class:`IlpInfo`)."""
+        if self._node_counts is None:
+            key = self.key
+            self._node_counts = (
+                sum(1 for nd in self.graph.nodes if key[nd.name] in self.cands or key[nd.name] in self.pplace),
+                sum(1 for nd in self.graph.nodes if key[nd.name] != nd.name))
+        return self._node_counts
 
     def _runners_up(self, pick: dict[str, int], ppick: dict[str, str]) -> dict[str, list[tuple[str, str, float]]]:
         """Per op decision, the other candidates with the extra time (per

@@ -38,7 +38,7 @@ from ..spec import ParallelConfig
 from ..spec.placement import R
 from ..strategies import is_shard
 from . import solvers
-from .ilp import InfeasiblePins, MemoryTerms, solve_axis
+from .ilp import InfeasiblePins, MemoryTerms, PendingAxis, start_axis
 from .propagate import propagate
 
 if TYPE_CHECKING:
@@ -86,13 +86,17 @@ class PlannerState:
     ILP inputs); ``shapes``: the local shapes per (microbatch, dp);
     ``sequence_parallel``: the pins sequence parallelism adds per (sharder,
     tp); ``ilp``: the ILP's problem structures (see
-    :func:`autopar.search.ilp.solve_axis`)."""
+    :func:`autopar.search.ilp.solve_axis`); ``comm``: the times of the
+    tensor-parallel collectives per (itemsize, tp, spans nodes); ``pending``:
+    the ILPs :meth:`Planner.prefetch` started, per ``axes`` key."""
 
     models: dict[str, CostModel] = field(default_factory=dict)
     axes: dict[tuple, AxisSharding] = field(default_factory=dict)
     shapes: dict[tuple, dict] = field(default_factory=dict)
     sequence_parallel: dict[tuple, Sharder] = field(default_factory=dict)
     ilp: dict[tuple, Any] = field(default_factory=dict)
+    comm: dict[tuple, dict] = field(default_factory=dict)
+    pending: dict[tuple, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,6 +175,64 @@ class Planner:
         Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
         pins and :class:`StrategyError` when an ILP memory bound cannot be met
         or sequence parallelism does not apply."""
+        key, model, sharder, shapes = self._axis_key(cfg, sharder)
+        axes = self.state.axes
+        if key not in axes:
+            pending = self.state.pending.pop(key, None)
+            if pending is not None:    # started by prefetch()
+                axes[key] = pending.result()
+                return axes[key], shapes
+            shard_pins = [n for n, p in sharder.pins if is_shard(p)]
+            if cfg.tp == 1 and shard_pins:
+                raise InfeasiblePins(f"a Shard pin ({shard_pins[0]}) needs a tensor-parallel axis (tp > 1)",
+                                     (shard_pins[0],))
+            if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
+                # one device on the axis: every choice is the same
+                axes[key] = self.sharding(cfg)[0]
+                return axes[key], shapes
+            axes[key] = self._decide(model, cfg, sharder, shapes)
+        return axes[key], shapes
+
+    def prefetch(self, cfg: ParallelConfig, sharder: Sharder) -> None:
+        """Start the ILP that ``sharding(cfg, sharder)`` will solve (without a
+        memory bound, with HiGHS, tp > 1) now, HiGHS solving it on a worker
+        thread while the search goes on; ``sharding`` then takes its
+        solution, the same one. Anything that goes wrong is left for
+        ``sharding`` to raise."""
+        if sharder.mode != "ilp" or sharder.memory_limit is not None or cfg.tp == 1 or \
+                self.solver != solvers.DEFAULT:
+            return
+        try:
+            key, model, sharder, shapes = self._axis_key(cfg, sharder)
+            if key not in self.state.axes and key not in self.state.pending:
+                self.state.pending[key] = self._decide(model, cfg, sharder, shapes, background=True)
+        except StrategyError:
+            pass
+
+    def prefetch_choice(self, cfg: ParallelConfig) -> None:
+        """:meth:`prefetch` the ILP :meth:`choose` will solve first for
+        ``cfg`` (none when the Megatron placements are too far from fitting)."""
+        if self.mode != "ilp" or cfg.tp == 1 or self.solver != solvers.DEFAULT:
+            return
+        try:
+            ref = self.evaluate(cfg, Sharder("manual", self.pins))
+        except StrategyError:
+            return
+        if not ref.fits and ref.peak_memory_bytes > NEAR_FIT * ref.device_memory_bytes * MEMORY_HEADROOM \
+                and not self.pins:
+            return
+        self.prefetch(cfg, Sharder(self.mode, self.pins))
+
+    def drop_prefetched(self) -> None:
+        """Forget the prefetched ILPs no configuration asked for (their
+        solves are cancelled where they have not started)."""
+        for pending in self.state.pending.values():
+            pending.cancel()
+        self.state.pending.clear()
+
+    def _axis_key(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[tuple, CostModel, Sharder, dict]:
+        """The cache key of ``cfg``'s decisions under ``sharder``, the cost
+        model, the sharder with sequence parallelism's pins, and the local shapes."""
         model = self.cost(cfg.precision)
         global_batch = self.global_batch
         if cfg.sequence_parallel:
@@ -198,19 +260,7 @@ class Planner:
         skey = self._local_key(cfg, link=False)
         if skey not in self.state.shapes:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
-        shapes = self.state.shapes[skey]
-        axes = self.state.axes
-        if key not in axes:
-            shard_pins = [n for n, p in sharder.pins if is_shard(p)]
-            if cfg.tp == 1 and shard_pins:
-                raise InfeasiblePins(f"a Shard pin ({shard_pins[0]}) needs a tensor-parallel axis (tp > 1)",
-                                     (shard_pins[0],))
-            if cfg.tp == 1 and sharder.mode != "manual" and not sharder.pins:
-                # one device on the axis: every choice is the same
-                axes[key] = self.sharding(cfg)[0]
-                return axes[key], shapes
-            axes[key] = self._decide(model, cfg, sharder, shapes)
-        return axes[key], shapes
+        return key, model, sharder, self.state.shapes[skey]
 
     def _local_key(self, cfg: ParallelConfig, link: bool = True) -> tuple:
         """What the local shapes (and with ``link`` the tensor-parallel
@@ -223,16 +273,28 @@ class Planner:
             local += (MeshTopology(self.cluster, (cfg.dp, cfg.tp)).spans_nodes(1),)
         return local
 
-    def _decide(self, model: CostModel, cfg: ParallelConfig, sharder: Sharder, shapes: dict) -> AxisSharding:
-        """Run ``sharder``'s search of the tensor-parallel axis (uncached)."""
+    def _decide(self, model: CostModel, cfg: ParallelConfig, sharder: Sharder, shapes: dict,
+                background: bool = False) -> AxisSharding | PendingAxis:
+        """Run ``sharder``'s search of the tensor-parallel axis (uncached;
+        ``background``: the ILP's :class:`~autopar.search.ilp.PendingAxis`)."""
         topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
         local_batch = self.global_batch // cfg.microbatches / cfg.dp
+        # the searches ask for the same few collectives and ops many times: both memoised
+        # (a tp collective depends on the bytes, the tp size and whether it spans nodes)
+        comms = self.state.comm.setdefault((model.itemsize, cfg.tp, topo.spans_nodes(1)), {})
+        computes: dict[tuple[str, float], float] = {}
 
         def comm(kind: str, nbytes: float) -> float:
-            return topo.collective_time(kind, nbytes * model.itemsize / 4, 1)
+            t = comms.get((kind, nbytes))
+            if t is None:
+                t = comms[kind, nbytes] = topo.collective_time(kind, nbytes * model.itemsize / 4, 1)
+            return t
 
         def compute(nd: Node, frac: float) -> float:
-            return model.node_time(nd, model.scale(nd, local_batch), frac)
+            t = computes.get((nd.name, frac))
+            if t is None:
+                t = computes[nd.name, frac] = model.node_time(nd, model.scale(nd, local_batch), frac)
+            return t
 
         pins = dict(sharder.pins)
         if sharder.mode == "ilp":
@@ -240,9 +302,10 @@ class Planner:
             if sharder.memory_limit is not None:
                 memory = self._memory_terms(model, cfg, shapes, sharder.memory_limit) if cfg.pp == 1 else \
                     self._pipeline_memory_terms(model, cfg, shapes, sharder)
-            return solve_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
-                              param_time=model.param_time(cfg, topo), pins=pins, memory=memory,
-                              cache=self.state.ilp, solver=self.solver)
+            pending = start_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
+                                 param_time=model.param_time(cfg, topo), pins=pins, memory=memory,
+                                 cache=self.state.ilp, solver=self.solver, background=background)
+            return pending if background else pending.result()
         weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
         res = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
                         itemsize=4, memory_weight=weight, pins=pins)

@@ -19,9 +19,13 @@ objectives agree to within that.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import os
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,8 +102,75 @@ class Backend(Protocol):
     def solve(self, model: Model, time_limit_s: float) -> Solution: ...
 
 
+_BANNER_LOCK = threading.Lock()
+_banner_done = False
+
+
+def quiet_highs() -> highspy.Highs:
+    """A ``highspy.Highs`` that prints nothing: its logging (``output_flag``,
+    ``log_to_console``) is off before anything is passed to it. HiGHS prints
+    its banner ("Running HiGHS ... Copyright ...") from C++ when the first
+    instance of a process is made, before any option can be set, so that
+    first construction runs with the process's stdout and stderr pointed at
+    the null device (at the file-descriptor level: the banner is not
+    Python's); later instances print no banner (PuLP's HiGHS included)."""
+    global _banner_done
+    with _BANNER_LOCK:
+        if _banner_done:
+            h = highspy.Highs()
+        else:
+            with _fds_silenced():
+                h = highspy.Highs()
+            _banner_done = True
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("log_to_console", False)
+    return h
+
+
+@contextlib.contextmanager
+def _fds_silenced():
+    """File descriptors 1 and 2 on the null device for the block (C-level
+    output included), restored after it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError):
+            pass
+    saved = []
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        for fd in (1, 2):
+            try:
+                saved.append((fd, os.dup(fd)))
+                os.dup2(null, fd)
+            except OSError:   # no such descriptor (a daemon): nothing to silence
+                pass
+        yield
+    finally:
+        _flush_c_stdio()
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's stdout/stderr buffers (what HiGHS wrote, if it
+    buffered it) while they still point at the null device."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except Exception:   # noqa: BLE001 - no C library to flush (Windows): nothing buffered there
+        pass
+
+
 class HighsBackend:
-    """HiGHS through ``highspy``, the model passed in one piece."""
+    """HiGHS through ``highspy``, the model passed in one piece, silent
+    (:func:`quiet_highs`)."""
 
     name = DEFAULT
 
@@ -126,8 +197,7 @@ class HighsBackend:
         lp.a_matrix_.value_ = np.array(value, dtype=float)
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in model.integer]
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = quiet_highs()
         h.setOptionValue("time_limit", float(time_limit_s))
         h.setOptionValue("mip_rel_gap", MIP_GAP)
         h.setOptionValue("threads", 1)
@@ -200,6 +270,8 @@ def backend(name: str = DEFAULT) -> Backend:
     except ImportError:
         raise StrategyError(f"solver {name!r} needs PuLP, which is not installed: "
                             f"pip install 'autopar[pulp]' (or pulp>=2.7), or use solver='highs'") from None
+    if which == "HIGHS":
+        quiet_highs()   # the process's first HiGHS instance prints the banner: made here, silenced
     for cls_name in PULP_SOLVERS[which]:
         cls = getattr(pulp, cls_name, None)
         if cls is None:
