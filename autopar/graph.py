@@ -132,6 +132,10 @@ class Graph:
     gm: Any = field(default=None, repr=False, compare=False)  # torch.fx.GraphModule (not serialised)
     loss_prefix: str = ""              # "model." when the loss was traced with the model
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter name -> the name it is read by
+    #: the dim of each tensor node that scales with the batch (None: no such dim), when the
+    #: tracer knows it exactly (torch.export with a symbolic batch size); None: inferred
+    #: by following the batch through the op rules (:func:`autopar.sharding.batch_dims`)
+    traced_batch_dims: dict[str, int | None] | None = field(default=None, repr=False, compare=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
     #: analyses derived from the graph alone (needs_grad, the batch dims, the pipeline
     #: units, ...), filled by :meth:`memo`; the one place later stages keep state on a graph
@@ -200,9 +204,12 @@ class Graph:
             params = sorted((p.name[len(pre):] if pre and p.name.startswith(pre) else p.name,
                              list(p.shape), p.dtype, p.is_buffer) for p in self.params.values())
             # a parameter node's target is its name: drop the loss wrapper's prefix there too
+            # export's symbolic sizes (sym_size) are read once, by whichever module asks first
+            # (the loss wrapper's root when there is one): not part of the model's structure
             ops = [(n.kind, n.target[len(pre):] if pre and n.param is not None and n.target.startswith(pre)
                     else n.target, len(n.inputs)) for n in self.nodes
-                   if n.op not in ("placeholder", "output") and self.in_model(n)]
+                   if n.op not in ("placeholder", "output") and self.in_model(n)
+                   and not (self.frontend == "export" and n.kind == "shape")]
             ins = []
             for name in (self.inputs[:-1] if pre else self.inputs):
                 out = self[name].out

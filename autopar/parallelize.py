@@ -186,17 +186,9 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     cannot run on ``graph``: recompute, ZeRO-3 or a pipeline over a
     torch.export graph (they cut the fx program into layers or stages), and
     fp16 with ZeRO-3."""
-    if graph.frontend != "fx" and (cfg.recompute != "none" or cfg.zero == 3):
-        raise UnsupportedError(f"recompute={cfg.recompute},zero={cfg.zero} needs a model traced by torch.fx (its "
-                               "layers become regions to recompute or shard); this one was traced with torch.export: "
-                               "use recompute=none and zero<=2")
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
-    if cfg.pp > 1 and graph.frontend != "fx":
-        raise UnsupportedError(f"pipeline parallelism (pp={cfg.pp}) needs a model traced by torch.fx; this one "
-                               "was traced with torch.export, which this release runs data-parallel only: "
-                               "use pp=1,tp=1")
 
 
 def build_mesh(cfg: ParallelConfig) -> Mesh:
@@ -219,10 +211,6 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     function), the same strategy's placements are derived here. Raises
     :class:`CompileError` where the program cannot be built."""
     device = local_device()
-    if cfg.tp == 1 and graph.frontend != "fx":
-        program = with_loss(model, loss_fn, len(graph.inputs) - 1).to(device)
-        return LocalProgram(module=program, param_placement={n: "R" for n, _ in program.named_parameters()},
-                            comms=0)
     tp_sh = api.sharding_from_plan(graph, plan)
     if tp_sh is None:
         planner = api.planner_for(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],

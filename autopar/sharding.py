@@ -258,8 +258,13 @@ def _track_batch(graph: Graph) -> AxisSharding:
     def inp(nd: Node) -> str:
         return S(0) if nd.out is not None and len(nd.out.shape) > 0 else R
 
+    traced = graph.traced_batch_dims
+
     def cost(nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx) -> float:
         c = 0.0
+        if traced is not None:      # the tracer knows the batch dim: follow it wherever a rule allows
+            d = traced.get(nd.name)
+            c += 0.0 if st.out == (S(d) if d is not None else R) or (d is None and st.out == P) else 2.0
         for have, want, name in zip(cur, st.ins, nd.inputs):
             if have is None:         # unplaced parameter: replicated is what data parallel wants
                 c += 0.0 if want == R else 0.5
@@ -280,6 +285,8 @@ def _track_batch(graph: Graph) -> AxisSharding:
 
 def batch_dims(graph: Graph) -> dict[str, int | None]:
     """For every tensor node, the dim that scales with the batch (None if none). Memoised on the graph."""
+    if graph.traced_batch_dims is not None:     # exact: the tracer saw the batch size as a symbol
+        return graph.traced_batch_dims
     return graph.memo(("batch_dims",), lambda: {k: (shard_dim(v) if is_shard(v) else None)
                                                 for k, v in track_batch(graph).out.items()})
 

