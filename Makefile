@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autopar-installed
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5,<3' || echo 'torch==2.13.0')
 
-.PHONY: all demo test bench venv clean
+.PHONY: all demo test bench matrix venv clean
 
 all: test
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_quick
+
+# real models (nanoGPT-style, Hugging Face) x every strategy family, against one process
+matrix: $(STAMP)
+	$(PY) -m benchmarks.matrix
 
 clean:
 	rm -rf $(VENV) build *.egg-info
