@@ -171,6 +171,7 @@ class CostCache:
     units: dict[tuple, "UnitCosts"] = field(default_factory=dict)        # pipeline: per-unit sums
     unit_params: dict[tuple, tuple[list[float], list[float]]] = field(default_factory=dict)
     timelines: dict[tuple, Timeline] = field(default_factory=dict)       # simulated schedules
+    tp_comm: dict[tuple, dict] = field(default_factory=dict)   # (itemsize, tp, spans nodes) -> collective times
     held: dict[int, AxisSharding] = field(default_factory=dict)
 
     def hold(self, sh: AxisSharding) -> None:
@@ -496,6 +497,20 @@ class CostModel:
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )
 
+    def pipeline_lower_bound(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int) -> float:
+        """A lower bound on the step time :meth:`estimate` gives the pipelined
+        ``cfg`` under any ``partition`` (schedule simulated or not), from the
+        per-unit sums alone: the busiest pipeline rank computes at least its
+        share of every microbatch's forward and backward, and the slowest
+        rank's gradient reduction and optimizer step cost at least those of
+        a rank holding the average parameters (they grow with the
+        parameters; a rank holds the average or more)."""
+        per = self.unit_costs(cfg, sh, shapes, global_batch)
+        topo = MeshTopology(self.cluster, (cfg.pp, cfg.dp, cfg.tp))
+        mean = sum(per.params) / cfg.pp * (1 - 1e-9)
+        dp_comm, opt, _ = self._dp_tail(cfg, mean, 0.0, topo, 1, 0.0, 0.0, 1)
+        return (cfg.microbatches * sum(per.time) / cfg.pp + dp_comm + opt) * (1 - 1e-9)
+
     def _host_fits(self, offloaded: float) -> bool:
         """Whether a node's host memory holds its devices' offloaded state."""
         if not offloaded:
@@ -547,11 +562,14 @@ class CostModel:
         dev = self.cluster.device
         isz = self.itemsize
         rank_mem, rank_tail, parts = [], [], []
+        tails: dict[tuple[float, float], tuple] = {}    # ranks holding as many parameters pay alike
         for r in ranks:
             act = sum(flight[v] * stage_sum(per.act, v) for v in chunks_of[r])
             fixed = max(max(per.fixed[bounds[v]:bounds[v + 1]]) for v in chunks_of[r])
             # the runtime reduces a pipeline's gradients after the flush: nothing hides them
-            dp_comm, opt, states = self._dp_tail(cfg, local[r], tensors[r], topo, 1, 0.0, 0.0, 1)
+            if (local[r], tensors[r]) not in tails:
+                tails[local[r], tensors[r]] = self._dp_tail(cfg, local[r], tensors[r], topo, 1, 0.0, 0.0, 1)
+            dp_comm, opt, states = tails[local[r], tensors[r]]
             rank_mem.append(states["total"] + act + fixed)
             parts.append((states, act, fixed))
             rank_tail.append((dp_comm, opt))
@@ -841,9 +859,13 @@ class CostModel:
         another (an instance whose decisions were copied costs what its
         source costs)."""
         tp, isz = cfg.tp, self.itemsize
+        comms = self.cache.tp_comm.setdefault((isz, tp, topo.spans_nodes(1)), {})   # the same few, many times
 
         def comm_tp(kind: str, nbytes: float) -> float:
-            return topo.collective_time(kind, nbytes * isz / 4, 1)
+            t = comms.get((kind, nbytes))
+            if t is None:
+                t = comms[kind, nbytes] = topo.collective_time(kind, nbytes * isz / 4, 1)
+            return t
 
         def compute(nd: Node, frac: float) -> float:
             return self.node_time(nd, self.scale(nd, local_batch), frac)

@@ -194,14 +194,23 @@ def _timed(fn: Callable, *args) -> tuple:
 
 
 _EXECUTOR: list = []
+WORKERS = 2    # HiGHS solves at once in the background (each on one thread)
 
 
 def _executor():
-    """The one worker thread background solves run on (made on first use)."""
+    """The worker threads background solves run on (made on first use,
+    until :func:`stop_workers`)."""
     if not _EXECUTOR:
         from concurrent.futures import ThreadPoolExecutor
-        _EXECUTOR.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="autopar-ilp"))
+        _EXECUTOR.append(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="autopar-ilp"))
     return _EXECUTOR[0]
+
+
+def stop_workers() -> None:
+    """Let the worker threads end once their solve is done (a search is
+    over: no thread outlives it, e.g. into a fork), cancelling queued solves."""
+    while _EXECUTOR:
+        _EXECUTOR.pop().shutdown(wait=False, cancel_futures=True)
 
 
 def _conflict(graph: Graph, n: int, shapes: dict, pins: dict[str, str], solver: str) -> InfeasiblePins | None:
@@ -282,21 +291,24 @@ class _Built:
 class _Problem:
     def __init__(self, graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> None:
         self.graph, self.n, self.shapes, self.pins = graph, n, shapes, pins
-        self.by_name = {nd.name: nd for nd in graph.nodes}
         self.grad = needs_grad(graph)
         # which nodes share a decision, and the edges between decisions, do not
         # depend on the shapes: computed once per graph and pins
-        self.key, self.mult, self.copied_from, self.edges = graph.memo(
+        self.by_name, self.key, self.mult, self.copied_from, self.edges, self.reps = graph.memo(
             ("ilp_structure", tuple(sorted(pins.items()))), self._structure)
         self._choices()
         self._placed_nodes: list[tuple[str, str, int]] | None = None
+        self._edges_planned: list[tuple] | None = None
         self._node_counts: tuple[int, int] | None = None
 
     def _structure(self) -> tuple:
-        """(decision key per node, multiplicities, copied instances, edges)."""
+        """(nodes by name, decision key per node, multiplicities, copied
+        instances, edges, the nodes that are their own decision in graph order)."""
+        self.by_name = {nd.name: nd for nd in self.graph.nodes}
         self._keys()
         self._edges()
-        return self.key, self.mult, self.copied_from, self.edges
+        reps = [nd for nd in self.graph.nodes if self.key[nd.name] == nd.name]
+        return self.by_name, self.key, self.mult, self.copied_from, self.edges, reps
 
     # -- which nodes share a decision ----------------------------------------
     def _keys(self) -> None:
@@ -341,8 +353,8 @@ class _Problem:
         self.cands: dict[str, list[Strategy]] = {}      # op decisions
         self.pplace: dict[str, list[str]] = {}          # parameter decisions: placements
         wants: dict[str, set[str]] = {}
-        for nd in g.nodes:
-            if self.key[nd.name] != nd.name or not self._decides(nd):
+        for nd in self.reps:
+            if not self._decides(nd):
                 continue
             ctx = Ctx(nd, [self.shapes.get(i) for i in nd.inputs], [self.by_name[i].kind for i in nd.inputs],
                       self.shapes.get(nd.name), n, 4)
@@ -360,8 +372,8 @@ class _Problem:
             for st in cs:
                 for i, w in zip(nd.inputs, st.ins):
                     wants.setdefault(self.key[i], set()).add(w)
-        for nd in g.nodes:
-            if nd.is_state and self.key[nd.name] == nd.name:
+        for nd in self.reps:
+            if nd.is_state:
                 opts = sorted(({R} | wants.get(nd.name, set())) - {P})
                 pin = self.pins.get(nd.name)
                 if pin is not None:
@@ -581,40 +593,18 @@ class _Problem:
         the other side has one, else the transportation form (see the
         module docstring). ``x`` / ``xp``: the op and parameter decisions'
         variables (None: a single choice, the constant 1)."""
-        ONE = None
-
-        def out_terms(u: str) -> dict[str, list]:
-            if u in xp:
-                return {p: [v] for p, v in xp[u].items()}
-            if u in x:
-                t: dict[str, list] = {}
-                for st, v in zip(self.cands[u], x[u]):
-                    t.setdefault(st.out, []).append(v)
-                return t
-            return {R: [ONE]}
-
         def rhs(terms: list) -> tuple[dict[int, float], float]:
             """sum(terms) as (variables, constant)."""
             return {v: 1.0 for v in terms if v is not None}, float(sum(1 for v in terms if v is None))
 
-        haves: dict[str, dict[str, list]] = {}
         moves: dict[tuple, float] = {}     # the transitions repeat across edges: priced once each
-
-        def move(u: str, p: str, q: tuple[str, bool]) -> float:
-            key = (p, q, self.nbytes(u), self.grad.get(u, False))
-            c = moves.get(key)
-            if c is None:
-                c = moves[key] = self.edge_cost(u, p, q)
-            return c
-
-        for (u, v, slot), m in self.edges.items():
-            have = haves.get(u)
-            if have is None:
-                have = haves[u] = out_terms(u)
-            want: dict[tuple[str, bool], list] = {}     # consumer side: how it reads the value
-            for st, xv in zip(self.cands[v], x[v]):
-                want.setdefault(self.read(u, st, slot), []).append(xv)
-            cost = {(p, q): move(u, p, q) for p in have for q in want}
+        for u, m, have, want, pairs in self._edge_plan(x, xp):
+            cost = {}
+            for p, q, key in pairs:
+                c = moves.get(key)
+                if c is None:
+                    c = moves[key] = self.edge_cost(u, p, q)
+                cost[p, q] = c
             if all(c == 0 for c in cost.values()):
                 continue
             if len(have) == 1 or len(want) == 1:
@@ -641,6 +631,36 @@ class _Problem:
                     for vv in coefs:
                         row[vv] = row.get(vv, 0.0) - 1.0
                     mdl.row(row, const, const)
+
+    def _edge_plan(self, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> list[tuple]:
+        """Per edge ``(producer, multiplicity, {placement given: its
+        variables}, {read: its variables}, [(given, read, key of the
+        transition's price)])``. Every build of this problem numbers the
+        decision variables alike, so the list is made once."""
+        if self._edges_planned is None:
+            def out_terms(u: str) -> dict[str, list]:
+                if u in xp:
+                    return {p: [v] for p, v in xp[u].items()}
+                if u in x:
+                    t: dict[str, list] = {}
+                    for st, v in zip(self.cands[u], x[u]):
+                        t.setdefault(st.out, []).append(v)
+                    return t
+                return {R: [None]}
+
+            haves: dict[str, dict[str, list]] = {}
+            plan = []
+            for (u, v, slot), m in self.edges.items():
+                if u not in haves:
+                    haves[u] = out_terms(u)
+                have = haves[u]
+                want: dict[tuple[str, bool], list] = {}     # consumer side: how it reads the value
+                for st, xv in zip(self.cands[v], x[v]):
+                    want.setdefault(self.read(u, st, slot), []).append(xv)
+                nb, gr = self.nbytes(u), self.grad.get(u, False)
+                plan.append((u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want]))
+            self._edges_planned = plan
+        return self._edges_planned
 
     def _placements(self) -> list[tuple[str, str, int]]:
         """(node, its decision, 0 for a graph input / 1 for a parameter / 2

@@ -38,7 +38,7 @@ from ..spec import ParallelConfig
 from ..spec.placement import R
 from ..strategies import is_shard
 from . import solvers
-from .ilp import InfeasiblePins, MemoryTerms, PendingAxis, start_axis
+from .ilp import InfeasiblePins, MemoryTerms, PendingAxis, start_axis, stop_workers
 from .propagate import propagate
 
 if TYPE_CHECKING:
@@ -225,10 +225,12 @@ class Planner:
 
     def drop_prefetched(self) -> None:
         """Forget the prefetched ILPs no configuration asked for (their
-        solves are cancelled where they have not started)."""
+        solves are cancelled where they have not started) and let the
+        worker threads end."""
         for pending in self.state.pending.values():
             pending.cancel()
         self.state.pending.clear()
+        stop_workers()
 
     def _axis_key(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[tuple, CostModel, Sharder, dict]:
         """The cache key of ``cfg``'s decisions under ``sharder``, the cost
@@ -421,17 +423,14 @@ class Planner:
         return model.estimate(cfg, sh, shapes, self.global_batch, devices, split, simulate_schedule)
 
     def pipeline_lower_bound(self, cfg: ParallelConfig, sharder: Sharder = MANUAL) -> float:
-        """A lower bound on the step time ``evaluate(cfg, sharder,
-        simulate_schedule=False)`` gives a pipelined ``cfg``, without
-        balancing its stages: the busiest pipeline rank computes at least
-        its share of every microbatch's forward and backward, and the
-        gradient reduction and optimizer only add to it. Raises as
+        """A lower bound on the step time :meth:`evaluate` gives a pipelined
+        ``cfg``, without balancing its stages
+        (:meth:`~autopar.cost.CostModel.pipeline_lower_bound`). Raises as
         :meth:`evaluate` does."""
         model = self.cost(cfg.precision)
         check_config(self.graph, cfg, self.devices or cfg.devices, self.global_batch)
         sh, shapes = self.sharding(cfg, sharder)
-        per = model.unit_costs(cfg, sh, shapes, self.global_batch)
-        return cfg.microbatches * sum(per.time) / cfg.pp * (1 - 1e-9)
+        return model.pipeline_lower_bound(cfg, sh, shapes, self.global_batch)
 
     def _partition(self, model: CostModel, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                    layers: str | Sequence[int]) -> list[int]:
