@@ -205,6 +205,8 @@ class CostModel:
         self.grad = needs_grad(graph)
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
+        self._saved_memo: dict[tuple[str, bool], list[str]] = {}
+        self._kept_memo: dict[str, bool] = {}
 
     # -- pieces ---------------------------------------------------------------
     def _grad_bytes(self, cfg: ParallelConfig) -> int:
@@ -956,15 +958,27 @@ class CostModel:
 
     def _kept_selective(self, nd: Node) -> bool:
         """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
-        return nd.kind == "sdpa" or (ops.family(nd.kind) == "matmul"
-                                     and any(self.params.get(i) is not None for i in nd.inputs))
+        kept = self._kept_memo.get(nd.name)
+        if kept is None:
+            kept = self._kept_memo[nd.name] = nd.kind == "sdpa" or (
+                ops.family(nd.kind) == "matmul" and any(self.params.get(i) is not None for i in nd.inputs))
+        return kept
 
     def _saved_names(self, nd: Node, recompute: str) -> list[str]:
         """The float values ``nd`` keeps for its backward. Under selective
         recompute (inside a checkpointed layer) only the outputs of the
         weight matmuls and of attention are kept: the rest (norms,
         activations, the attention core of explicit matmul-softmax
-        attention) runs again in backward from them and the layer input."""
+        attention) runs again in backward from them and the layer input.
+        (A property of the graph: memoised per node and recompute.)"""
+        key = (nd.name, recompute == "selective")
+        names = self._saved_memo.get(key)
+        if names is None:
+            names = self._saved_memo[key] = self._find_saved(nd, recompute)
+        return names
+
+    def _find_saved(self, nd: Node, recompute: str) -> list[str]:
+        """:meth:`_saved_names`, uncached."""
         k = nd.kind
         if recompute == "selective":
             if self._kept_selective(nd):

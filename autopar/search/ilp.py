@@ -593,12 +593,8 @@ class _Problem:
         the other side has one, else the transportation form (see the
         module docstring). ``x`` / ``xp``: the op and parameter decisions'
         variables (None: a single choice, the constant 1)."""
-        def rhs(terms: list) -> tuple[dict[int, float], float]:
-            """sum(terms) as (variables, constant)."""
-            return {v: 1.0 for v in terms if v is not None}, float(sum(1 for v in terms if v is None))
-
         moves: dict[tuple, float] = {}     # the transitions repeat across edges: priced once each
-        for u, m, have, want, pairs in self._edge_plan(x, xp):
+        for u, m, have, want, pairs, sums in self._edge_plan(x, xp):
             cost = {}
             for p, q, key in pairs:
                 c = moves.get(key)
@@ -624,9 +620,8 @@ class _Problem:
                     ev[p, q] = e = mdl.var()
                     mdl.cost(e, m * c * SCALE)
             # transportation form: the pair variables' row and column sums are the two choices
-            for side, groups in ((0, have), (1, want)):
-                for pl, terms in groups.items():
-                    coefs, const = rhs(terms)
+            for side, groups in enumerate(sums):
+                for pl, (coefs, const) in groups.items():
                     row = {e: 1.0 for pq, e in ev.items() if pq[side] == pl}
                     for vv in coefs:
                         row[vv] = row.get(vv, 0.0) - 1.0
@@ -635,7 +630,8 @@ class _Problem:
     def _edge_plan(self, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> list[tuple]:
         """Per edge ``(producer, multiplicity, {placement given: its
         variables}, {read: its variables}, [(given, read, key of the
-        transition's price)])``. Every build of this problem numbers the
+        transition's price)], the two sides' sums as (variables, constant)
+        per placement)``. Every build of this problem numbers the
         decision variables alike, so the list is made once."""
         if self._edges_planned is None:
             def out_terms(u: str) -> dict[str, list]:
@@ -648,6 +644,10 @@ class _Problem:
                     return t
                 return {R: [None]}
 
+            def rhs(terms: list) -> tuple[dict[int, float], float]:
+                """sum(terms) as (variables, constant)."""
+                return {v: 1.0 for v in terms if v is not None}, float(sum(1 for v in terms if v is None))
+
             haves: dict[str, dict[str, list]] = {}
             plan = []
             for (u, v, slot), m in self.edges.items():
@@ -658,7 +658,8 @@ class _Problem:
                 for st, xv in zip(self.cands[v], x[v]):
                     want.setdefault(self.read(u, st, slot), []).append(xv)
                 nb, gr = self.nbytes(u), self.grad.get(u, False)
-                plan.append((u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want]))
+                sums = tuple({pl: rhs(terms) for pl, terms in groups.items()} for groups in (have, want))
+                plan.append((u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want], sums))
             self._edges_planned = plan
         return self._edges_planned
 
