@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -168,7 +169,12 @@ class PendingAxis:
                  background: bool) -> None:
         self.prob, self.built, self.args = prob, built, args
         self._solve = lambda: _timed(mip.solve, built.mdl, time_limit_s)
-        self.future = _executor().submit(self._solve) if background and isinstance(mip, HighsBackend) else None
+        self.future = None
+        if background and isinstance(mip, HighsBackend):
+            try:
+                self.future = _executor().submit(self._solve)
+            except RuntimeError:    # the workers were just stopped (another search ended): solve on demand
+                pass
 
     def cancel(self) -> None:
         """Do not solve it on the worker if it has not started yet."""
@@ -177,7 +183,10 @@ class PendingAxis:
 
     def result(self) -> AxisSharding:
         """The placements; raises as :func:`solve_axis` does."""
-        sol, solve_s = self.future.result() if self.future is not None else self._solve()
+        try:
+            sol, solve_s = self.future.result() if self.future is not None else self._solve()
+        except CancelledError:      # dropped before it ran (another search stopped the workers)
+            sol, solve_s = self._solve()
         try:
             res = self.prob.finish(self.built, sol)
         except InfeasiblePins as e:
