@@ -27,15 +27,27 @@ backward and transfer times): makespan and bubble, and for one case a PNG,
 
 It reports the Spearman rank correlation of predicted and measured step times
 and the median absolute percentage error (MAPE) of time and memory, against
-the targets 0.85, 25 % and 15 %.
+the targets 0.85, 25 % and 15 % (result ``fidelity``).
 
-    python -m benchmarks.fidelity [--quick] [--cluster FILE]
+``--suite hf`` (issue 15) measures the same way on Hugging Face models built by
+the zoo (``hf-gpt2``, ``hf-llama``: ``transformers`` classes traced through
+``torch.export``) at the default suite's sizes (hidden 128, seq 64, vocabulary
+1024; 2 layers, 4 for pipelines), under every strategy family: the same data /
+tensor splits x microbatches, 1F1B and interleaved pipelines of both models,
+and the memory options (sequence parallel on ``dp=2,tp=2``, recompute
+selective and full, ZeRO 1, 2 and 3 on ``dp=4``). Its targets are the
+issue's: Spearman >= 0.9, median time error <= 20 %, median memory error
+<= 10 % (result ``fidelity_hf``; its timeline, if any, goes to
+``results/pipeline-timeline-hf-<device>.png``).
+
+    python -m benchmarks.fidelity [--suite default|hf] [--quick] [--cluster FILE]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,19 +67,63 @@ PIPE_SPLITS = ["pp=2,dp=2,schedule=1f1b", "pp=2,tp=2,schedule=1f1b", "pp=2,dp=2,
 TIMELINE_CASE = ("gpt-4l", "pp=4,schedule=gpipe,microbatches=4", 16)   # drawn to pipeline-timeline-<device>.png
 TARGETS = {"spearman": 0.85, "time_mape": 0.25, "memory_mape": 0.15}
 
+# --suite hf (issue 15): the zoo's Hugging Face models at the same sizes, every strategy family
+_HF_GPT2 = "hf-gpt2:n_layer={},n_embd=128,n_head=4,vocab_size=1024,seq=64"
+_HF_LLAMA = ("hf-llama:num_hidden_layers={},hidden_size=128,num_attention_heads=4,num_key_value_heads=2,"
+             "intermediate_size=352,vocab_size=1024,seq=64")
+HF_MODELS = {"hf-gpt2": _HF_GPT2.format(2), "hf-llama": _HF_LLAMA.format(2)}
+HF_PIPE_MODELS = {"hf-gpt2-4l": _HF_GPT2.format(4), "hf-llama-4l": _HF_LLAMA.format(4)}
+HF_PIPE_SPLITS = ["pp=2,dp=2,schedule=1f1b", "pp=2,tp=2,schedule=1f1b", "pp=2,dp=2,schedule=interleaved,chunks=2"]
+HF_MEMORY_SPLITS = ["dp=2,tp=2,sequence_parallel=true", "dp=4,recompute=selective", "dp=4,recompute=full",
+                    "dp=4,zero=1", "dp=4,zero=2", "dp=4,zero=3"]
+HF_TIMELINE_CASE = ("hf-llama-4l", "pp=2,dp=2,schedule=1f1b,microbatches=4", 16)
+HF_TARGETS = {"spearman": 0.9, "time_mape": 0.20, "memory_mape": 0.10}
 
-def cases(quick: bool) -> list[tuple[str, str, int]]:
-    """(model key, strategy, global batch) for every run."""
+
+@dataclass(frozen=True)
+class Suite:
+    """One set of runs: models, strategies, targets and where the result goes."""
+
+    result: str                      # benchmarks.common.save name: results/<result>-<device>.json
+    title: str
+    models: dict[str, str]           # key -> zoo string, flat strategies
+    pipe_models: dict[str, str]      # key -> zoo string, pipelines
+    splits: list[str]                # x microbatches 1, 2
+    pipe_splits: list[str]           # x microbatches 4 (quick), 4 and 8
+    targets: dict[str, float]
+    timeline_case: tuple[str, str, int] | None
+    plot: str                        # results/<plot>-<device>.png
+    memory_splits: list[str] = field(default_factory=list)    # microbatches=1 only
+
+    @property
+    def specs(self) -> dict[str, str]:
+        return {**self.models, **self.pipe_models}
+
+
+SUITES = {
+    "default": Suite("fidelity", "Cost-model fidelity (4 gloo processes)", MODELS, PIPE_MODELS, SPLITS,
+                     PIPE_SPLITS, TARGETS, TIMELINE_CASE, "pipeline-timeline"),
+    "hf": Suite("fidelity_hf", "Cost-model fidelity, Hugging Face GPT-2 and Llama (4 gloo processes)", HF_MODELS,
+                HF_PIPE_MODELS, SPLITS, HF_PIPE_SPLITS, HF_TARGETS, HF_TIMELINE_CASE, "pipeline-timeline-hf",
+                HF_MEMORY_SPLITS),
+}
+
+
+def cases(quick: bool, suite: str = "default") -> list[tuple[str, str, int]]:
+    """(model key, strategy, global batch) for every run of ``suite``."""
+    su = SUITES[suite]
     out = []
     batches = [8, 16] if quick else [8, 16, 32]
-    for key in MODELS:
+    for key in su.models:
         for gb in batches:
-            for split in SPLITS:
+            for split in su.splits:
                 for mb in (1, 2):
                     out.append((key, f"{split},microbatches={mb}", gb))
-    for key in PIPE_MODELS:
+            for split in su.memory_splits:
+                out.append((key, f"{split},microbatches=1", gb))
+    for key in su.pipe_models:
         for gb in batches:
-            for split in PIPE_SPLITS:
+            for split in su.pipe_splits:
                 dp = 2 if "dp=2" in split else 1
                 for mb in (4,) if quick else (4, 8):
                     if gb % (dp * mb) == 0:
@@ -105,7 +161,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
     for key, strategy, gb in runs:
         z = zoo.build(specs[key], device="cpu", batch=gb, seed=0)
         g = torch.Generator().manual_seed(1)
-        vocab = z.config["vocab"]
+        vocab = z.config["vocab"] if "vocab" in z.config else z.config["vocab_size"]    # zoo / hf-* families
         x = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
         y = torch.randint(0, vocab, x.shape, generator=g)
         pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y,
@@ -155,7 +211,9 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, int]], cluster: st
     return out
 
 
-def _pipeline_summary(case: tuple[str, str, int], per_rank: list[dict]) -> dict:
+def _pipeline_summary(case: tuple[str, str, int], per_rank: list[dict],
+                      timeline_case: tuple[str, str, int] | None = TIMELINE_CASE,
+                      plot: str = "pipeline-timeline") -> dict:
     """A pipeline run's schedule and memory per pipeline rank, predicted against measured.
 
     The predicted timeline is the plan's schedule simulated from its per-stage
@@ -186,9 +244,9 @@ def _pipeline_summary(case: tuple[str, str, int], per_rank: list[dict]) -> dict:
            "measured_rank_peak_bytes": [max(r["measured_peak_bytes"] for r in per_rank
                                             if r["pipeline"]["pp_rank"] == p) for p in range(pp)],
            "measured_timeline": measured.to_dict()}
-    if case == TIMELINE_CASE:
+    if case == timeline_case:
         from autopar.pipeline.timeline import plot_timeline
-        path = RESULTS / f"pipeline-timeline-{device_tag()}.png"
+        path = RESULTS / f"{plot}-{device_tag()}.png"
         plot_timeline(predicted, path, measured=measured,
                       title=f"{case[0]} gb={case[2]} {case[1]}: plan (simulated) above, measured step below")
         out["plot"] = f"results/{path.name}"
@@ -267,27 +325,29 @@ def default_cluster() -> str:
     return str(path) if path.exists() else "cpu"
 
 
-def main(quick: bool = False, cluster: str | None = None) -> dict:
+def main(quick: bool = False, cluster: str | None = None, suite: str = "default") -> dict:
     from rich.console import Console
 
     from autopar.runtime.launch import run_distributed
     con = Console(stderr=True)
+    su = SUITES[suite]
+    targets = su.targets
     cluster = cluster or default_cluster()
-    runs = cases(quick)
+    runs = cases(quick, suite)
     steps = 4 if quick else 8
-    con.print(f"[bold]fidelity[/]: {len(runs)} runs on {WORLD} gloo processes, cluster {cluster}")
+    con.print(f"[bold]{su.result}[/]: {len(runs)} runs on {WORLD} gloo processes, cluster {cluster}")
     t0 = time.perf_counter()
     rows: list[dict] = []
     chunk = 6        # a few runs per spawn: start-up is paid once, a failure loses little
     for i in range(0, len(runs), chunk):
         part = runs[i:i + chunk]
-        per_rank = run_distributed(_worker, WORLD, part, cluster, steps, timeout=900)
+        per_rank = run_distributed(_worker, WORLD, part, cluster, steps, su.specs, timeout=900)
         for j in range(len(part)):
             r = dict(per_rank[0][j])
             r["measured_step_s"] = max(pr[j]["measured_step_s"] for pr in per_rank)
             r["measured_peak_bytes"] = max(pr[j]["measured_peak_bytes"] for pr in per_rank)
             if r["pipeline"] is not None:
-                r["pipeline"] = _pipeline_summary(part[j], [pr[j] for pr in per_rank])
+                r["pipeline"] = _pipeline_summary(part[j], [pr[j] for pr in per_rank], su.timeline_case, su.plot)
             rows.append(r)
             con.print(f"  {r['model']:6s} gb={r['global_batch']:<3d} {r['strategy']:38s} "
                       f"time {r['predicted_step_s'] * 1e3:7.1f} / {r['measured_step_s'] * 1e3:7.1f} ms  "
@@ -298,10 +358,17 @@ def main(quick: bool = False, cluster: str | None = None) -> dict:
     mm = [r["measured_peak_bytes"] for r in rows]
     summary = {"runs": len(rows), "spearman (time)": spearman(pt, mt), "median time error": mape(pt, mt),
                "median memory error": mape(pm, mm), "spearman (memory)": spearman(pm, mm)}
-    met = {"spearman": summary["spearman (time)"] >= TARGETS["spearman"],
-           "time": summary["median time error"] <= TARGETS["time_mape"],
-           "memory": summary["median memory error"] <= TARGETS["memory_mape"]}
+    met = {"spearman": summary["spearman (time)"] >= targets["spearman"],
+           "time": summary["median time error"] <= targets["time_mape"],
+           "memory": summary["median memory error"] <= targets["memory_mape"]}
     summary["targets met"] = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in met.items())
+    mem = [r for c, r in zip(runs, rows) if any(c[1].startswith(m + ",") for m in su.memory_splits)]
+    if mem:
+        summary["memory-option runs"] = len(mem)
+        summary["memory options: median time error"] = mape([r["predicted_step_s"] for r in mem],
+                                                           [r["measured_step_s"] for r in mem])
+        summary["memory options: median memory error"] = mape([r["predicted_peak_bytes"] for r in mem],
+                                                             [r["measured_peak_bytes"] for r in mem])
     pipes = [r for r in rows if r["pipeline"]]
     if pipes:
         summary["pipeline runs"] = len(pipes)
@@ -335,22 +402,27 @@ def main(quick: bool = False, cluster: str | None = None) -> dict:
         "cross-entropy, all-gathered copies) are modelled as 2 x the largest activation, and gradients are "
         "counted as fully live at the peak while MemTracker sees them being created during backward",
     ]
+    if suite == "hf":
+        notes.append("the models are `transformers` classes built by the zoo (`hf-gpt2`, `hf-llama`), traced "
+                     "through `torch.export` and compiled like fx graphs; the loss is the zoo's cross-entropy on "
+                     "the ModelOutput's logits")
     notes += _pipeline_notes(pipes)
     plot = next((r["pipeline"]["plot"] for r in pipes if r["pipeline"].get("plot")), None)
     result = {
         "notes": notes,
-        "title": "Cost-model fidelity (4 gloo processes)",
+        "title": su.title,
         "description": (f"Predicted (cluster `{Path(cluster).name}`) against measured step time (median of "
                         f"{steps} steps, slowest rank) and peak memory per rank (MemTracker, largest rank), "
-                        f"AdamW, fp32. Models: " + "; ".join(f"{k} `{v}`" for k, v in {**MODELS, **PIPE_MODELS}.items())
-                        + f" (pipelines on {', '.join(PIPE_MODELS)}; a pipeline's memory is its largest rank's, "
+                        f"AdamW, fp32. Models: " + "; ".join(f"{k} `{v}`" for k, v in su.specs.items())
+                        + f" (pipelines on {', '.join(su.pipe_models)}; a pipeline's memory is its largest rank's, "
                         f"against the plan's peak, which is its largest pipeline rank's)."),
-        "params": {"world": WORLD, "models": MODELS, "pipeline_models": PIPE_MODELS, "cluster": cluster,
-                   "steps": steps, "quick": quick, "timeline_case": TIMELINE_CASE},
-        "summary": summary, "targets": TARGETS, "table": table, "runs": rows, "plot": plot,
+        "params": {"world": WORLD, "suite": suite, "models": su.models, "pipeline_models": su.pipe_models,
+                   "memory_splits": su.memory_splits, "cluster": cluster,
+                   "steps": steps, "quick": quick, "timeline_case": su.timeline_case},
+        "summary": summary, "targets": targets, "table": table, "runs": rows, "plot": plot,
         "wall_s": time.perf_counter() - t0,
     }
-    save("fidelity", result)
+    save(su.result, result)
     con.print(summary)
     return result
 
@@ -359,5 +431,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes and steps")
     ap.add_argument("--cluster", default=None, help="cluster preset or file (default: the calibrated one)")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="default",
+                    help="default: zoo GPT / Llama (result fidelity); hf: Hugging Face GPT-2 / Llama under every "
+                         "strategy family (result fidelity_hf)")
     a = ap.parse_args()
-    main(a.quick, a.cluster)
+    main(a.quick, a.cluster, a.suite)

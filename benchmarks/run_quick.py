@@ -1,7 +1,8 @@
 """``make bench``: the quick set of every benchmark, one after the other.
 
 1. ``autopar calibrate --quick`` writes ``results/cluster-<device>.json``;
-2. ``fidelity`` plans with that cluster file and measures;
+2. ``fidelity`` plans with that cluster file and measures; ``fidelity_hf`` the same on
+   Hugging Face GPT-2 and Llama (``python -m benchmarks.fidelity --suite hf``);
 3. ``overhead``, ``planner_scaling``, ``plan_quality``, ``ilp_search`` and ``pipeline_plan``.
 
 They run in sequence on purpose: timings taken while another benchmark uses
@@ -20,7 +21,8 @@ from rich.console import Console
 
 from benchmarks.common import RESULTS, device_tag
 
-STEPS = ["calibrate", "fidelity", "overhead", "planner_scaling", "plan_quality", "ilp_search", "pipeline_plan"]
+STEPS = ["calibrate", "fidelity", "fidelity_hf", "overhead", "planner_scaling", "plan_quality", "ilp_search",
+         "pipeline_plan"]
 
 
 def calibrate(quick: bool) -> None:
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if name == "calibrate":
             calibrate(quick)
+        elif name == "fidelity_hf":
+            importlib.import_module("benchmarks.fidelity").main(quick=quick, suite="hf")
         else:
             importlib.import_module(f"benchmarks.{name}").main(quick=quick)
         walls[name] = time.perf_counter() - t0

@@ -40,3 +40,37 @@ def test_pipeline_cases_run():
     assert s["measured_makespan_s"] > 0 and 0 <= s["measured_bubble"] < 1 and s["predicted_makespan_s"] > 0
     assert len(s["measured_timeline"]["events"]) == 2 * 2 * 4      # pp ranks x (F, B) x microbatches
     assert all(math.isfinite(x) for x in s["measured_forward_s"] + s["measured_backward_s"])
+
+
+TINY_HF = {
+    "hf-gpt2": "hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=8",
+    "hf-llama": ("hf-llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
+                 "intermediate_size=64,vocab_size=64,seq=8"),
+}
+HF_RUNS = [("hf-gpt2", "dp=2,tp=2,sequence_parallel=true,microbatches=1", 8),
+           ("hf-llama", "dp=4,zero=3,microbatches=1", 8)]
+
+
+def _hf(rank: int, world: int) -> list[dict]:
+    return fidelity._worker(rank, world, HF_RUNS, "cpu", 1, TINY_HF)
+
+
+def test_hf_suite_runs():
+    """``--suite hf``: its cases cover every strategy family, and the worker runs tiny
+    hf-gpt2 / hf-llama (torch.export graphs, the zoo's loss on the ModelOutput)."""
+    pytest.importorskip("transformers")
+    runs = fidelity.cases(True, "hf")
+    strategies = {s for _, s, _ in runs}
+    for family in ("dp=4,", "tp=4,", "dp=2,tp=2,microbatches=2", "sequence_parallel=true", "recompute=selective",
+                   "recompute=full", "zero=1", "zero=2", "zero=3", "schedule=1f1b", "schedule=interleaved"):
+        assert any(family in s for s in strategies), family
+    assert {k for k, _, _ in runs} == set(fidelity.SUITES["hf"].specs)
+    assert {k for k, s, _ in runs if "pp=" in s} == {"hf-gpt2-4l", "hf-llama-4l"}
+    assert fidelity.cases(True) == fidelity.cases(True, "default")
+    res = run_distributed(_hf, 4, timeout=300)
+    for j, (key, strategy, gb) in enumerate(HF_RUNS):
+        rows = [pr[j] for pr in res]
+        assert all(r["model"] == key and r["global_batch"] == gb and r["pipeline"] is None for r in rows)
+        assert all(r["measured_step_s"] > 0 and r["predicted_step_s"] > 0 for r in rows)
+        assert all(r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0 for r in rows)
+    assert "sequence_parallel" in res[0][0]["strategy"] and "zero=3" in res[0][1]["strategy"]
