@@ -75,6 +75,14 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)  # op details: dims, shapes
 
     @property
+    def normalizes(self) -> bool:
+        """Whether this is a normalisation's output: a LayerNorm / RMSNorm op, or the
+        last op of a norm module written out in elementwise ops (Hugging Face's
+        ``LlamaRMSNorm``: pow, mean, rsqrt, mul), which the tracer marks
+        ``attrs["norm_output"]``. Sequence parallelism splits these."""
+        return self.kind in ("layernorm", "rmsnorm") or bool(self.attrs.get("norm_output"))
+
+    @property
     def is_state(self) -> bool:
         """Whether this node reads a parameter or a buffer (:data:`STATE_KINDS`)."""
         return self.kind in STATE_KINDS

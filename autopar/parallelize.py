@@ -68,6 +68,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
       data-parallel shard when ``False``). ``example_target`` defaults to a
       zero tensor shaped like the first input, enough for tracing most losses.
     * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
+      ``loss_fn="labels"``: the model's own loss, ``model(*inputs,
+      labels=target).loss`` (Hugging Face models).
     * ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default SGD lr 0.01).
     * ``strategy``: ``"auto"`` (search the strategies this release can run),
       a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
@@ -111,9 +113,12 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
     for alias, canon in graph.aliases.items():
         aliases.setdefault(canon, []).append(alias)
+    pre = graph.loss_prefix or ""
+    read = {n[len(pre):] if n.startswith(pre) else n for n in [*graph.params, *graph.aliases]}
+    constant = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in read}
     return ParallelModule(
         modules, plan=plan, config=cfg, mesh=mesh, optimizer=opt, dist_optimizer=dist_opt,
-        state_names=StateNames(graph.loss_prefix or "", aliases, frozenset(model.state_dict())),
+        state_names=StateNames(pre, aliases, frozenset(model.state_dict()), constant),
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
 

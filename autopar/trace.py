@@ -188,14 +188,41 @@ class _WithLoss(nn.Module):
         self.loss_fn = loss_fn
 
 
-def with_loss(model: nn.Module, loss_fn: Callable, n_inputs: int) -> _WithLoss:
-    """Wrap ``model`` and ``loss_fn`` into one module taking ``(*inputs, target)``.
+#: ``loss_fn=MODEL_LOSS``: the model computes its own loss from ``labels=target`` and
+#: returns it as ``.loss`` (the Hugging Face convention: ``model(ids, labels=ids).loss``)
+MODEL_LOSS = "labels"
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise :class:`TraceError` unless ``loss_fn`` is a callable or :data:`MODEL_LOSS`."""
+    if loss_fn is None or loss_fn == MODEL_LOSS or callable(loss_fn):
+        return
+    raise TraceError(f"loss_fn must be a function loss_fn(output, target) -> scalar, or {MODEL_LOSS!r} for the "
+                     f"model's own loss (model(*inputs, labels=target).loss); got {loss_fn!r}")
+
+
+def _model_loss(out: Any) -> Any:
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        raise TraceError(f"loss_fn={MODEL_LOSS!r}: the model returned {type(out).__name__} without a .loss for "
+                         "labels=target; pass a loss_fn(output, target) instead")
+    return loss
+
+
+def with_loss(model: nn.Module, loss_fn: Callable | str, n_inputs: int) -> _WithLoss:
+    """Wrap ``model`` and ``loss_fn`` into one module taking ``(*inputs, target)``
+    (``loss_fn="labels"``: the model's own ``model(*inputs, labels=target).loss``).
 
     fx cannot trace ``*args`` and reads ``forward`` from the class, so the
     class is made with one named argument per model input plus ``target``."""
+    check_loss_fn(loss_fn)
     names = [f"input_{i}" for i in range(n_inputs)]
+    body = (f"self.loss_fn(self.model({', '.join(names)}, labels=target))" if loss_fn == MODEL_LOSS
+            else f"self.loss_fn(self.model({', '.join(names)}), target)")
+    if loss_fn == MODEL_LOSS:
+        loss_fn = _model_loss
     src = (f"def forward(self, {', '.join(names + ['target'])}):\n"
-           f"    return self.loss_fn(self.model({', '.join(names)}), target)\n")
+           f"    return {body}\n")
     scope: dict[str, Any] = {}
     exec(src, scope)  # noqa: S102 - a fixed template, no user text
     cls = type("WithLoss", (_WithLoss,), {"forward": scope["forward"]})
@@ -235,6 +262,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     name = name or type(model).__name__
     root: nn.Module = model
     args = example_inputs
+    check_loss_fn(loss_fn)
     if loss_fn is not None:
         if target is None:
             raise TraceError("loss_fn was given without an example target to trace it with")
@@ -445,9 +473,12 @@ def _export(root: nn.Module, args: tuple) -> Any:
     input larger than 1) as a symbol where the model allows it, so that
     every size computed from it (``x.size(0)`` into ``view``, ``expand``,
     ``zeros``) stays a runtime value and every tensor's batch dim is known
-    exactly; with fixed sizes when the model specialises on the batch."""
+    exactly; with fixed sizes when the model specialises on the batch, and
+    for a model on the meta device, which is only planned, never run (a
+    symbolic batch makes export 2-4x slower; the batch dims are then inferred
+    by :func:`autopar.sharding.track_batch`)."""
     dyn = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1
-                else None for a in args)
+                and not _is_meta_model(root) else None for a in args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if any(d is not None for d in dyn):
@@ -536,8 +567,19 @@ def _clean_export(gm: fx.GraphModule) -> None:
             new.meta = dict(n.meta)
         n.replace_all_uses_with(out)
         g.erase_node(n)
+    for n in reversed(list(g.nodes)):
+        # export's runtime checks (a buffer's dtype: wrong once bf16 casts the buffers) and
+        # the get_attr of state the forward never reads: neither is part of the model
+        if not n.users and (n.op == "get_attr" or n.op == "call_function" and _is_check(n)):
+            g.erase_node(n)
     g.lint()
     gm.recompile()
+
+
+def _is_check(n: fx.Node) -> bool:
+    """An op export inserts to check what it assumed (dtypes, size ranges)."""
+    name = _target_name(n)
+    return name.startswith("_assert") or name.startswith("sym_constrain_range")
 
 
 class _FakeMeta:
@@ -657,6 +699,7 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
     for nd in nodes:
         nd.attrs = _attrs(fx_nodes[nd.name], nd, by_name)
         _cost_node(nd, by_name)
+    _mark_norm_outputs(gm, by_name)
     batch = 1
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
@@ -666,6 +709,30 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
     g = Graph(name=name, nodes=nodes, params=params, inputs=inputs, output=output, groups=groups,
               batch_size=batch, frontend=frontend, gm=gm)
     return g
+
+
+def _mark_norm_outputs(gm: fx.GraphModule, by_name: dict[str, Node]) -> None:
+    """Mark ``attrs["norm_output"]`` on the last op of every normalisation module
+    written out in elementwise ops (its class name ends in ``Norm``, as
+    ``LlamaRMSNorm`` does, and it has no layer_norm / rms_norm op of its own),
+    so sequence parallelism can split it like a fused norm."""
+    last: dict[str, str] = {}
+    fused: set[str] = set()
+    for n in gm.graph.nodes:
+        stack = n.meta.get("nn_module_stack")
+        nd = by_name.get(n.name)
+        if not stack or nd is None or nd.out is None:
+            continue
+        path, cls = list(stack.values())[-1]
+        cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        if not cls_name.rsplit(".", 1)[-1].endswith("Norm"):
+            continue
+        if nd.kind in ("layernorm", "rmsnorm"):
+            fused.add(path)
+        last[path] = n.name
+    for path, name in last.items():
+        if path not in fused:
+            by_name[name].attrs["norm_output"] = True
 
 
 def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:

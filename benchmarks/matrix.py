@@ -4,7 +4,8 @@ and optimizer.
 
 Models (:mod:`benchmarks.real_models`): a nanoGPT-style GPT (plain, and with a
 tied head and SDPA), Hugging Face GPT-2, Llama (GQA, RoPE, RMSNorm, SwiGLU),
-BERT (masked LM) and ViT, 4 layers each. None traces with symbolic
+BERT (masked LM) and ViT, 4 layers each (GPT-2 also with its own loss,
+``loss_fn="labels"``). None traces with symbolic
 ``torch.fx``: all go through ``torch.export``. Strategy families: dp, tp,
 dp x tp, pipelines (1F1B, interleaved, pp x dp x tp on 8 processes), Megatron
 sequence parallel, selective and full recompute, ZeRO-1/2/3 and bf16.
@@ -82,7 +83,7 @@ def reference(model: str, precision: str = "fp32") -> tuple[list[float], dict[st
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = c.loss_fn(c.model(*inputs), c.target)
+        loss = c.loss(inputs)
         (loss * scale).backward()
         opt.step()
         losses.append(loss.item())

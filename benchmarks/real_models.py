@@ -115,8 +115,15 @@ class Case:
     model: nn.Module
     inputs: tuple
     target: torch.Tensor
-    loss_fn: Callable
+    loss_fn: Callable | str      # or "labels": the model's own loss from labels=target
     layers: int
+
+    def loss(self, inputs: tuple | None = None) -> torch.Tensor:
+        """The loss of one eager forward (on ``inputs``, default the case's)."""
+        inputs = self.inputs if inputs is None else inputs
+        if self.loss_fn == "labels":
+            return self.model(*inputs, labels=self.target).loss
+        return self.loss_fn(self.model(*inputs), self.target)
 
 
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +152,13 @@ def hf_gpt2() -> Case:
                        bos_token_id=0, eos_token_id=0)
     x, y = _tokens()
     return Case(T.GPT2LMHeadModel(cfg), (x,), y, lm_loss, LAYERS)
+
+
+def hf_gpt2_labels() -> Case:
+    """GPT-2 with its own loss: ``model(ids, labels=target).loss`` (shifted inside)."""
+    c = hf_gpt2()
+    c.loss_fn = "labels"
+    return c
 
 
 def hf_llama() -> Case:
@@ -183,6 +197,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "nanogpt": nanogpt,
     "nanogpt-tied": lambda: nanogpt(tied=True, flash=True),
     "hf-gpt2": hf_gpt2,
+    "hf-gpt2-labels": hf_gpt2_labels,
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
     "hf-vit": hf_vit,

@@ -27,7 +27,7 @@ RUNS = [
     ("hf-llama", "sequence parallel", "tp=4,sequence_parallel=true"),
     ("hf-llama", "recompute selective", "dp=2,tp=2,recompute=selective,zero=1"),
     ("hf-gpt2", "zero-2", "dp=2,tp=2,zero=2"),
-    ("hf-gpt2", "pp 1F1B", "pp=2,dp=2,microbatches=4"),
+    ("hf-gpt2-labels", "pp 1F1B", "pp=2,dp=2,microbatches=4"),
     ("hf-bert", "tp", "tp=4"),
     ("hf-vit", "zero-3", "dp=4,zero=3"),
     ("hf-llama", "bf16", "dp=2,tp=2,precision=bf16"),

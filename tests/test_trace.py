@@ -419,7 +419,7 @@ def test_fx_and_export_graphs_plan_alike():
     tensor exactly (the batch size was a symbol)."""
     import autopar.zoo as zoo
     from autopar.sharding import batch_dims
-    z = zoo.build("gpt:layers=2,hidden=64,heads=8,seq=16,vocab=128", batch=4)
+    z = zoo.build("gpt:layers=2,hidden=64,heads=8,seq=16,vocab=128", batch=4, device="cpu")
     gs = {fe: autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, frontend=fe)
           for fe in ("fx", "export")}
     assert gs["export"].frontend == "export" and gs["export"].traced_batch_dims is not None
@@ -432,3 +432,27 @@ def test_fx_and_export_graphs_plan_alike():
                   for fe in ("fx", "export"))
         assert ex.step_time_s == pytest.approx(fx.step_time_s, rel=1e-9), strategy
         assert ex.peak_memory_bytes == pytest.approx(fx.peak_memory_bytes, rel=1e-9), strategy
+
+
+def test_loss_fn_labels_is_the_models_own_loss():
+    """``loss_fn="labels"`` traces ``model(*inputs, labels=target).loss`` (the Hugging
+    Face convention); anything else that is not a function is a clear error."""
+    class OwnLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x, labels=None):
+            logits = self.lin(x)
+            out = type("Out", (), {})()
+            out.logits = logits
+            out.loss = F.cross_entropy(logits, labels) if labels is not None else None
+            return out
+
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    g = autopar.trace(OwnLoss(), (x,), loss_fn="labels", target=y)
+    assert [n.kind for n in g.nodes if n.kind == "cross_entropy"] == ["cross_entropy"]
+    with pytest.raises(autopar.TraceError, match="loss_fn must be a function"):
+        autopar.trace(OwnLoss(), (x,), loss_fn="mean", target=y)
+    with pytest.raises(autopar.TraceError, match="argument 'labels'"):    # a model without labels=
+        autopar.trace(nn.Linear(8, 4), (x,), loss_fn="labels", target=y)

@@ -49,12 +49,15 @@ class StateNames:
     ``prefix``: the path the loss wrapper put before the model's names
     (stripped); ``aliases``: a tied tensor's name -> its other names (each
     also gets the tensor); ``keys``: the model's ``state_dict`` keys
-    (non-persistent buffers are left out of the result).
+    (non-persistent buffers are left out of the result); ``constant``: the
+    entries the program never reads (a causal-mask buffer the model keeps
+    but its fused attention does not use), saved as they were.
     """
 
     prefix: str = ""
     aliases: dict[str, list[str]] = field(default_factory=dict)
     keys: frozenset[str] = frozenset()
+    constant: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def keys_of(self, name: str) -> list[str]:
         """The ``state_dict`` keys tensor ``name`` is saved under (none for a
@@ -230,6 +233,8 @@ class ParallelModule(nn.Module):
             parts: list[Any] = [None] * self.config.pp
             dist.all_gather_object(parts, out, group=self.pp_group)
             out = {k: v for part in parts for k, v in part.items()}
+        for k, v in self.state_names.constant.items():
+            out.setdefault(k, v.clone())
         return out
 
     def measured_timeline(self) -> Timeline:

@@ -84,12 +84,15 @@ class SearchResult:
 
 
 def _sp_choices(graph: Graph, tp: int, options: bool = True) -> tuple[bool, ...]:
-    """Sequence parallelism where it applies: tp > 1 and norms on (batch, sequence, hidden) values."""
+    """Sequence parallelism where it applies: tp > 1 and norms on (batch, sequence, hidden) values
+    whose sequence length tp divides (a ViT's 197 tokens: never; the search skips it, it does
+    not fail on it)."""
     if tp == 1 or not options:
         return (False,)
-    ok = graph.memo(("sequence_norms",), lambda: any(
-        nd.kind in ("layernorm", "rmsnorm") and nd.out is not None and len(nd.out.shape) >= 3 for nd in graph.nodes))
-    return (False, True) if ok else (False,)
+    seqs = graph.memo(("sequence_norms",), lambda: {
+        nd.out.shape[-2] for nd in graph.nodes
+        if nd.normalizes and nd.out is not None and len(nd.out.shape) >= 3})
+    return (False, True) if seqs and all(t % tp == 0 for t in seqs) else (False,)
 
 
 def grid_configs(graph: Graph, devices: int, global_batch: int, *,

@@ -328,7 +328,7 @@ class Planner:
         pinned = dict(sharder.pins)
         g = self.graph
         for nd in g.nodes:
-            if nd.kind not in ("layernorm", "rmsnorm") or nd.out is None or len(nd.out.shape) < 3:
+            if not nd.normalizes or nd.out is None or len(nd.out.shape) < 3:
                 continue
             seq = len(nd.out.shape) - 2
             if nd.out.shape[seq] % cfg.tp:
