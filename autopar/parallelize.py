@@ -93,6 +93,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
     check_runnable(graph, cfg)
+    graph = retrace_in_precision(graph, model, inputs, loss_fn, _example_target(inputs, example_target), cfg)
     mesh = build_mesh(cfg)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
@@ -196,6 +197,37 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
 
 
+def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple, loss_fn: Any, target: Any,
+                         cfg: ParallelConfig) -> Graph:
+    """``graph``, or with bf16 / fp16 on a torch.export graph, the model
+    traced again with its floating parameters, buffers and inputs in that
+    dtype: export records only the dtype casts that change something
+    (``inv_freq.float()`` in Hugging Face's rotary embedding is elided on
+    fp32 buffers), so the fp32 graph would mix dtypes once the runtime casts
+    the weights. The model's own tensors are restored afterwards; the
+    compiler takes the weights from the model, not from this trace."""
+    low = LOW_PRECISION.get(cfg.precision)
+    if low is None or graph.frontend != "export":
+        return graph
+    params = [(t, t.data) for t in model.parameters() if t.is_floating_point()]
+    # buffers are swapped, not given new .data: a buffer made as a view (nanoGPT's
+    # tril(...).view(...)) keeps its fp32 base, which export checks against
+    buffers = [(mod, name, b) for mod in model.modules() for name, b in mod._buffers.items()
+               if b is not None and b.is_floating_point()]
+    try:
+        for t, data in params:
+            t.data = data.to(low)
+        for mod, name, b in buffers:
+            mod._buffers[name] = b.to(low)
+        cast = tuple(x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+        return trace(model, cast, loss_fn=loss_fn, target=target, frontend="export", name=graph.name)
+    finally:
+        for t, data in params:
+            t.data = data
+        for mod, name, b in buffers:
+            mod._buffers[name] = b
+
+
 def build_mesh(cfg: ParallelConfig) -> Mesh:
     """The ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` with a pipeline (pp
     outermost, tp fastest, as Megatron lays it out); collective."""
@@ -223,7 +255,12 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         tp_sh, _ = planner.sharding(cfg)
     shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
     gm = graph.gm
-    full = {n.target: get_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    # the weights as the model holds them now (a trace in another dtype may hold copies)
+    pre = graph.loss_prefix or ""
+    own = {pre + k: v for k, v in [*model.named_parameters(remove_duplicate=False),
+                                   *model.named_buffers(remove_duplicate=False)]}
+    full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
+            for n in gm.graph.nodes if n.op == "get_attr"}
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full)
     prog.module.to(device)
     return prog
