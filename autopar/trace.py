@@ -19,9 +19,11 @@ allocated either way.
 from __future__ import annotations
 
 
+import contextlib
 import hashlib
-import warnings
+import io
 import operator
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
@@ -426,15 +428,22 @@ def _twins(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 def _propagate_shapes(gm: fx.GraphModule, args: tuple) -> None:
     twin = _twins(gm)
     try:
-        if _is_meta_model(gm):
-            meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
-            _GroupShapeProp(gm, twin).propagate(*meta_args)
-        else:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            _GroupShapeProp(gm, twin, fake_mode=mode).propagate(*args)
+        # torch's ShapeProp prints the traceback of a failing node before raising: the
+        # failure is reported (or export takes over) from the TraceError below instead
+        with contextlib.redirect_stderr(io.StringIO()):
+            _run_shape_prop(gm, args, twin)
     except Exception as e:  # noqa: BLE001
         raise TraceError(f"shape propagation failed: {type(e).__name__}: {e}") from None
+
+
+def _run_shape_prop(gm: fx.GraphModule, args: tuple, twin: dict[fx.Node, fx.Node]) -> None:
+    if _is_meta_model(gm):
+        meta_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+        _GroupShapeProp(gm, twin).propagate(*meta_args)
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        _GroupShapeProp(gm, twin, fake_mode=mode).propagate(*args)
 
 
 def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:

@@ -151,7 +151,6 @@ def run(models: list[str], families: list[str], timeout: float = 900) -> dict[st
     result dict (table: a row per model, a column per family)."""
     from autopar.runtime.launch import run_distributed
 
-    cells: dict[tuple[str, str], str] = {}
     details: list[dict] = []
     refs = {(m, p): reference(m, p) for m in models for p in ("fp32", "bf16")
             if p == "fp32" or any(f in TOLERANCE for f in families)}
@@ -166,7 +165,6 @@ def run(models: list[str], families: list[str], timeout: float = 900) -> dict[st
                 key = (m, FAMILIES[f][0])
                 ref = refs[(m, "bf16" if f in TOLERANCE else "fp32")]
                 status = check(f, key[1], ref, [r[key] for r in res])
-                cells[(m, f)] = status
                 r0 = res[0][key]
                 details.append({"model": m, "family": f, "strategy": key[1], "status": status,
                                 "losses": r0.get("losses"), "reference": ref[0],
@@ -174,15 +172,30 @@ def run(models: list[str], families: list[str], timeout: float = 900) -> dict[st
                                 "comms": r0.get("comms"), "seconds": r0.get("s"),
                                 "traceback": r0.get("traceback")})
                 console.print(f"  {m:14s} {f:20s} {status[:150]}")
-    passed = sum(s == "ok" for s in cells.values())
+    return result(models, families, details)
+
+
+def _mark(status: str) -> str:
+    """A table cell: ``yes``; ``n/a`` where the strategy cannot apply to the model (the
+    planner refuses it with a StrategyError, e.g. sequence parallel on ViT's odd token
+    count); ``FAIL`` otherwise."""
+    return "yes" if status == "ok" else "n/a" if status.startswith("StrategyError") else "FAIL"
+
+
+def result(models: list[str], families: list[str], details: list[dict]) -> dict[str, Any]:
+    """The result dict of the cells ``details`` (one per model and family)."""
+    cells = {(d["model"], d["family"]): d["status"] for d in details}
+    marks = {k: _mark(v) for k, v in cells.items()}
     return {
         "title": "Real models x strategy families (numerics against one process)",
         "description": __doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
         "params": {"models": models, "families": {f: FAMILIES[f] for f in families}, "steps": STEPS,
                    "optimizer": f"SGD lr={LR} momentum=0.9", "tolerance": {"default": 1e-4, **TOLERANCE}},
         "table": {"columns": ["model"] + families,
-                  "rows": [[m] + ["yes" if cells[(m, f)] == "ok" else "FAIL" for f in families] for m in models]},
-        "summary": {"cells": len(cells), "pass": passed, "fail": len(cells) - passed},
+                  "rows": [[m] + [marks[(m, f)] for f in families] for m in models]},
+        "summary": {"cells": len(cells), "pass": sum(v == "yes" for v in marks.values()),
+                    "not applicable": sum(v == "n/a" for v in marks.values()),
+                    "fail": sum(v == "FAIL" for v in marks.values())},
         "notes": [f"{m} / {f}: {s}" for (m, f), s in cells.items() if s != "ok"] or ["every cell passes"],
         "cells": details,
     }
@@ -193,7 +206,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
     ap.add_argument("--no-save", action="store_true", help="print only: write no result")
+    ap.add_argument("--rescore", action="store_true",
+                    help="rebuild the table and README section from the saved cells (no run)")
     a = ap.parse_args(argv)
+    if a.rescore:
+        import json
+
+        from .common import RESULTS, device_tag, save
+        old = json.loads((RESULTS / f"matrix-{device_tag()}.json").read_text())
+        keep = {k: old[k] for k in ("wall_s",) if k in old}
+        new = {**result(old["params"]["models"], list(old["params"]["families"]), old["cells"]), **keep}
+        new["params"]["quick"] = old["params"].get("quick", False)
+        save("matrix", new)
+        return new
     models = [m for m in a.models.split(",") if m]
     families = [f for f in a.families.split(",") if f]
     for m in models:
