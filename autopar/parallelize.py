@@ -48,13 +48,13 @@ from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import scaled_shapes
 from .spec import ParallelConfig, parse_strategy
-from .trace import trace, with_loss
+from .trace import trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_pipeline",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
 
 
-def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, example_target: Any = None,
+def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | str, example_target: Any = None,
                 optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
                 strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
@@ -83,8 +83,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     The process group is created from the torchrun environment when none
     exists. Raises :class:`StrategyError` / :class:`PlanError` for strategies
     that do not fit this world or model, :class:`UnsupportedError` for valid
-    strategies this release cannot run (pipelines, recompute or ZeRO-3 over a
-    torch.export graph; fp16 with ZeRO-3).
+    strategies this release cannot run (fp16 with ZeRO-3).
     """
     rank, world = init_process_group(backend)
     inputs = as_tuple(example_inputs)
@@ -97,7 +96,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable, exa
     mesh = build_mesh(cfg)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
-    prog = apply_tp(graph, plan, cfg, mesh, gbatch, model=model, loss_fn=loss_fn)
+    prog = apply_tp(graph, plan, cfg, mesh, gbatch, model=model)
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, graph, plan, cfg, mesh)
         for st in pipe.stages:
@@ -189,9 +188,8 @@ def resolve_plan(graph: Graph, model: nn.Module, strategy: str | Plan | os.PathL
 
 def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     """Raise :class:`UnsupportedError` for a valid strategy this release
-    cannot run on ``graph``: recompute, ZeRO-3 or a pipeline over a
-    torch.export graph (they cut the fx program into layers or stages), and
-    fp16 with ZeRO-3."""
+    cannot run on ``graph``: fp16 with ZeRO-3. (Graphs from either front
+    end run every other strategy.)"""
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
@@ -237,12 +235,12 @@ def build_mesh(cfg: ParallelConfig) -> Mesh:
 
 
 # ----------------------------------------------------------------------------- the steps
-def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_batch: int, *, model: nn.Module,
-             loss_fn: Callable) -> LocalProgram:
+def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_batch: int, *,
+             model: nn.Module) -> LocalProgram:
     """This tensor-parallel rank's program of the whole model and loss, on
     this rank's device: the plan's placements compiled into local shards
-    and explicit collectives. A model traced by torch.export runs only
-    without tensor parallelism: the model with its loss, as it is.
+    and explicit collectives, from either front end's graph, on the weights
+    ``model`` holds.
 
     When the plan's ops are not this graph's (it was made with another loss
     function), the same strategy's placements are derived here. Raises

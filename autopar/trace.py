@@ -8,9 +8,10 @@ Two front ends:
   parameter is a node the sharding rules can place. Linear and conv biases
   become a separate ``add`` so a row-parallel linear can reduce before adding
   the bias.
-* ``torch.export`` (non-strict) when fx cannot trace the model, e.g. Hugging
-  Face ``transformers`` 5.x models. Such graphs are at the ATen level; they
-  are planned like any other, but only data parallel is compiled for them.
+* ``torch.export`` (non-strict) when fx cannot trace the model: nanoGPT-style
+  ``B, T, C = x.size()`` code, every Hugging Face ``transformers`` model. The
+  unlifted ATen graph (parameters as ``get_attr`` nodes, the batch size a
+  symbol) is planned and compiled exactly like an fx graph.
 
 Shapes come from running the graph on meta tensors (a model built on the meta
 device) or under ``FakeTensorMode`` (a model with real weights): nothing is
