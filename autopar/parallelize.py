@@ -87,12 +87,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     rank, world = init_process_group(backend)
     inputs = as_tuple(example_inputs)
-    graph = trace(model, inputs, loss_fn=loss_fn, target=_example_target(inputs, example_target))
+    target = _example_target(inputs, example_target)
+    graph = trace(model, inputs, loss_fn=loss_fn, target=target)
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
     check_runnable(graph, cfg)
-    graph = retrace_in_precision(graph, model, inputs, loss_fn, _example_target(inputs, example_target), cfg)
+    graph = retrace_in_precision(graph, model, inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)

@@ -470,7 +470,7 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
     for n in gm.graph.nodes:
         dims[n.name] = _set_tensor_meta(n, batch_sym)
     aliases = _merge_tied(gm, _tied_names(root))
-    graph = _build_graph(gm, name, "export", args, module_root=root, exported=ep)
+    graph = _build_graph(gm, name, "export", args, module_root=root)
     if batch_sym is not None:
         graph.traced_batch_dims = {nd.name: dims.get(nd.name) for nd in graph.nodes if nd.out is not None}
     graph.loss_prefix = "model." if isinstance(root, _WithLoss) else ""
@@ -487,8 +487,9 @@ def _export(root: nn.Module, args: tuple) -> Any:
     for a model on the meta device, which is only planned, never run (a
     symbolic batch makes export 2-4x slower; the batch dims are then inferred
     by :func:`autopar.sharding.track_batch`)."""
-    dyn = tuple({0: torch.export.Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] > 1
-                and not _is_meta_model(root) else None for a in args)
+    symbolic = not _is_meta_model(root)
+    dyn = tuple({0: torch.export.Dim.AUTO} if symbolic and isinstance(a, torch.Tensor) and a.dim() > 0
+                and a.shape[0] > 1 else None for a in args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if any(d is not None for d in dyn):
@@ -519,25 +520,25 @@ def _hint(s: Any) -> int:
     return int(s)
 
 
+def _batch_dim(t: torch.Tensor | None, batch_sym: Any) -> int | None:
+    """The first dim of fake tensor ``t`` whose size is a function of ``batch_sym``."""
+    if t is None or batch_sym is None:
+        return None
+    return next((d for d, s in enumerate(t.shape)
+                 if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols), None)
+
+
 def _set_tensor_meta(n: fx.Node, batch_sym: Any = None) -> int | None:
     """Set fx's ``tensor_meta`` (shape, dtype) from export's fake ``val``
-    and return the dim whose size is a function of the batch symbol (the
-    first; None if none)."""
+    and return its batch dim (:func:`_batch_dim`; a split's parts share it)."""
     val = n.meta.get("val")
     if isinstance(val, torch.Tensor):
         n.meta["tensor_meta"] = _FakeMeta(tuple(_hint(s) for s in val.shape), val.dtype)
-        if batch_sym is not None:
-            for d, s in enumerate(val.shape):
-                if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols:
-                    return d
-    elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) or v is None for v in val):
+        return _batch_dim(val, batch_sym)
+    if isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) or v is None for v in val):
         n.meta["tensor_meta"] = tuple(_FakeMeta(tuple(_hint(s) for s in v.shape), v.dtype) if v is not None
                                       else None for v in val)
-        first = next((v for v in val if v is not None), None)    # a split: its parts share the batch dim
-        if batch_sym is not None and first is not None:
-            for d, s in enumerate(first.shape):
-                if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols:
-                    return d
+        return _batch_dim(next((v for v in val if v is not None), None), batch_sym)
     return None
 
 
@@ -546,9 +547,10 @@ _aten = torch.ops.aten
 
 def _clean_export(gm: fx.GraphModule) -> None:
     """Make export's unlifted graph read like the fx front end's: no guard
-    call, and ``linear(x, W, b)`` / ``addmm(b, x, W)`` split into the product
-    and a separate bias ``add`` (so a row-parallel product is reduced before
-    its bias is added once); a one-element output tuple is the value itself."""
+    call, no runtime checks, no reads of unused state, and ``linear(x, W, b)``
+    / ``addmm(b, x, W)`` split into the product and a separate bias ``add``
+    (so a row-parallel product is reduced before its bias is added once); a
+    one-element output tuple is the value itself."""
     g = gm.graph
     for n in list(g.nodes):
         if n.op == "output" and isinstance(n.args[0], (tuple, list)) and len(n.args[0]) == 1:
@@ -649,7 +651,7 @@ def _module_of(n: fx.Node) -> str:
 
 
 def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
-                 module_root: nn.Module | None = None, exported: Any = None) -> Graph:
+                 module_root: nn.Module | None = None) -> Graph:
     root = module_root if module_root is not None else gm
     named_params = dict(root.named_parameters(remove_duplicate=False))
     named_buffers = dict(root.named_buffers(remove_duplicate=False))
