@@ -37,6 +37,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import ops
 from .errors import TraceError
 from .graph import DTYPE_BYTES, NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
+from .shallow_export import export_shallow
 
 # --------------------------------------------------------------------------
 # Op kinds come from the op registry (autopar/ops): a new op is one record there.
@@ -455,10 +456,14 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
     row-parallel linear reduces before its bias), the export guard is
     dropped, and tied tensors are read under one name."""
     try:
+        gm = None
         if _is_meta_model(root):
             args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
-        ep = _export(root, args)
-        gm = ep.module()
+            cache: dict[int, str] = {}
+            gm = export_shallow(root, lambda m: _export(m, args).module(),
+                                lambda m: _module_signature(m, cache))
+        if gm is None:
+            gm = _export(root, args).module()
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "Cache" in msg:
