@@ -144,6 +144,21 @@ def nanogpt(tied: bool = False, flash: bool = False) -> Case:
     return Case(NanoGPT(tied=tied, flash=flash), (x,), y, lm_loss, LAYERS)
 
 
+def nanogpt_vocab() -> Case:
+    """nanoGPT with a vocabulary 128x its width: the search splits the
+    cross-entropy over the vocabulary, and the embedding table is pinned to
+    vocabulary rows (``autopar.shard``), so both vocabulary-parallel kernels
+    run on an export graph."""
+    import autopar
+    torch.manual_seed(0)
+    vocab = 4096
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, vocab, (BATCH, SEQ), generator=g) for _ in range(2))
+    model = NanoGPT(vocab=vocab, n_layer=2)
+    autopar.shard(model.transformer.wte, weight="S(0)")
+    return Case(model, (x,), y, lm_loss, 2)
+
+
 def hf_gpt2() -> Case:
     T = _hf()
     torch.manual_seed(0)
@@ -196,6 +211,7 @@ def hf_vit() -> Case:
 MODELS: dict[str, Callable[[], Case]] = {
     "nanogpt": nanogpt,
     "nanogpt-tied": lambda: nanogpt(tied=True, flash=True),
+    "nanogpt-vocab": nanogpt_vocab,
     "hf-gpt2": hf_gpt2,
     "hf-gpt2-labels": hf_gpt2_labels,
     "hf-llama": hf_llama,

@@ -29,6 +29,7 @@ RUNS = [
     ("hf-gpt2", "zero-2", "dp=2,tp=2,zero=2"),
     ("hf-gpt2-labels", "pp 1F1B", "pp=2,dp=2,microbatches=4"),
     ("hf-bert", "tp", "tp=4"),
+    ("nanogpt-vocab", "tp", "tp=4"),
     ("hf-vit", "zero-3", "dp=4,zero=3"),
     ("hf-llama", "bf16", "dp=2,tp=2,precision=bf16"),
 ]
@@ -64,3 +65,22 @@ def test_real_models_need_torch_export(model):
     assert g.frontend == "export"
     assert g.traced_batch_dims is not None          # the batch size was a symbol
     assert [len(gr.instances) for gr in g.groups] == [c.layers]
+
+
+def test_vocab_parallel_kernels_on_an_export_graph():
+    """The nanogpt-vocab run above uses both vocabulary-parallel kernels: the
+    embedding pinned to vocabulary rows and the cross-entropy the search splits."""
+    import autopar
+    from autopar.search.pins import annotations
+    from benchmarks.real_models import MODELS
+    c = MODELS["nanogpt-vocab"]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    assert g.frontend == "export"
+    p = autopar.plan(g, cluster="cpu", devices=4, global_batch=8, strategy="tp=4", shardings=annotations(c.model))
+    ops = p.to_dict()["ops"]
+    chosen = {}
+    for name, st in ops.items():
+        nd = g[name]
+        if nd.kind == "cross_entropy" or nd.kind == "embedding" and g[nd.inputs[0]].param == "model.transformer.wte.weight":
+            chosen[nd.kind] = st["strategy"][1]        # the tensor-parallel axis
+    assert chosen == {"embedding": "vocab", "cross_entropy": "vocab"}
