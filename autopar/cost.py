@@ -207,6 +207,14 @@ class CostModel:
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
         self._saved_memo: dict[tuple[str, bool], list[str]] = {}
         self._kept_memo: dict[str, bool] = {}
+        self._topologies: dict[tuple[int, ...], MeshTopology] = {}
+
+    def topology(self, mesh_shape: tuple[int, ...]) -> MeshTopology:
+        """The mesh ``mesh_shape`` laid out on the cluster (made once per shape)."""
+        topo = self._topologies.get(mesh_shape)
+        if topo is None:
+            topo = self._topologies[mesh_shape] = MeshTopology(self.cluster, mesh_shape)
+        return topo
 
     # -- pieces ---------------------------------------------------------------
     def _grad_bytes(self, cfg: ParallelConfig) -> int:
@@ -448,7 +456,7 @@ class CostModel:
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
-        topo = MeshTopology(self.cluster, (dp, tp))
+        topo = self.topology((dp, tp))
         local_batch = global_batch / (dp * m)
         isz = self.itemsize
         # the sums see dp only through the samples per rank and the tp axis's link
@@ -503,15 +511,35 @@ class CostModel:
         """A lower bound on the step time :meth:`estimate` gives the pipelined
         ``cfg`` under any ``partition`` (schedule simulated or not), from the
         per-unit sums alone: the busiest pipeline rank computes at least its
-        share of every microbatch's forward and backward, and the slowest
+        share of every microbatch's forward and backward (and the layers of
+        the rank holding the most), and the slowest
         rank's gradient reduction and optimizer step cost at least those of
         a rank holding the average parameters (they grow with the
         parameters; a rank holds the average or more)."""
         per = self.unit_costs(cfg, sh, shapes, global_batch)
-        topo = MeshTopology(self.cluster, (cfg.pp, cfg.dp, cfg.tp))
-        mean = sum(per.params) / cfg.pp * (1 - 1e-9)
+        topo = self.topology((cfg.pp, cfg.dp, cfg.tp))
+        mean = per.layer_floor().total_params / cfg.pp * (1 - 1e-9)
         dp_comm, opt, _ = self._dp_tail(cfg, mean, 0.0, topo, 1, 0.0, 0.0, 1)
-        return (cfg.microbatches * sum(per.time) / cfg.pp + dp_comm + opt) * (1 - 1e-9)
+        # some rank holds ceil(L / pp) layers or more: with few layers per rank this is the tighter one
+        floor = per.layer_floor()
+        most = -(-floor.layers // cfg.pp) * floor.time
+        busiest = max(cfg.microbatches * floor.total_time / cfg.pp, cfg.microbatches * most)
+        return (busiest + dp_comm + opt) * (1 - 1e-9)
+
+    def pipeline_memory_lower_bound(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
+                                    global_batch: int) -> float:
+        """A lower bound on the peak memory per device :meth:`estimate` gives
+        the pipelined ``cfg`` under any ``partition``, from the per-unit sums
+        alone: some pipeline rank holds ``ceil(L / pp)`` of the ``L`` layers
+        or more, with their model states, their activations times the fewest
+        microbatches any stage keeps in flight, and a layer's transient. (The
+        model states are ZeRO-rounded up per rank, never down: the margin
+        covers the rounding of the sums.)"""
+        floor = self.unit_costs(cfg, sh, shapes, global_batch).layer_floor()
+        most = -(-floor.layers // cfg.pp)
+        flight = min(pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
+        states = most * floor.params * self.state_per_elem(cfg)
+        return (states + flight * most * floor.act + floor.fixed) * (1 - 1e-6) - 64.0
 
     def _host_fits(self, offloaded: float) -> bool:
         """Whether a node's host memory holds its devices' offloaded state."""
@@ -531,7 +559,7 @@ class CostModel:
         microbatches its schedule keeps in flight, and the largest transient.
         (Long because the Estimate's fields are assembled here, one per line.)"""
         tp, dp, pp, m, V = cfg.tp, cfg.dp, cfg.pp, cfg.microbatches, cfg.stages
-        topo = MeshTopology(self.cluster, (pp, dp, tp))
+        topo = self.topology((pp, dp, tp))
         per = self.unit_costs(cfg, sh, shapes, global_batch)
         flight = pipe.in_flight(cfg.schedule, pp, m, cfg.chunks)
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
@@ -666,7 +694,7 @@ class CostModel:
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
         # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
-        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
+        topo = self.topology((cfg.dp, cfg.tp))
         # the sums see dp only through the samples per rank and the tp axis's link
         local_batch = global_batch / (cfg.dp * cfg.microbatches)
         key = (cfg.tp, topo.spans_nodes(1), local_batch, cfg.recompute, id(sh))
@@ -1042,6 +1070,31 @@ class UnitCosts:
         self.params = [0.0] * n    # local trainable elements
         self.tensors = [0.0] * n   # trainable tensors
         self.cut = [0.0] * (n + 1)  # bytes crossing the cut before unit k
+        self._floor: LayerFloor | None = None
+
+    def layer_floor(self) -> "LayerFloor":
+        """The least time, parameters, activations and transient of any layer
+        unit, and the totals over every unit (computed once: the bounds of
+        the pipeline search ask for them per configuration)."""
+        if self._floor is None:
+            layers = range(1, len(self.time) - 1)
+            self._floor = LayerFloor(len(layers), min(self.time[u] for u in layers),
+                                     min(self.params[u] for u in layers), min(self.act[u] for u in layers),
+                                     min(self.fixed[u] for u in layers), sum(self.time), sum(self.params))
+        return self._floor
+
+
+@dataclass(frozen=True)
+class LayerFloor:
+    """See :meth:`UnitCosts.layer_floor`."""
+
+    layers: int
+    time: float
+    params: float
+    act: float
+    fixed: float
+    total_time: float
+    total_params: float
 
 
 class _Sums:

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..cost import Estimate, tp_valid_sizes
+from ..cost import MEMORY_HEADROOM, Estimate, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
@@ -357,15 +357,19 @@ def _search_pipelines(planner: Planner, configs: list[ParallelConfig], manual: S
     # Bound first (memory is exact, the makespan a lower bound), then simulate the
     # fitting ones in bound order until the bound passes the best simulated time.
     # A configuration whose bound cannot come within the margin of a fitting one
-    # already found is counted without balancing its stages: it would be cut there.
+    # already found, or, once one was found, whose memory bound exceeds the
+    # device's (a misfit then only named the closest misfit, for the error that
+    # nothing fits), is counted without balancing its stages: it would be cut there.
     cut = margin * min((e.step_time_s for e, _, _ in feasible), default=float("inf"))
+    cap = planner.cluster.device.memory_bytes * MEMORY_HEADROOM
     bounded: list[tuple[Estimate, ParallelConfig]] = []
     every = max(1, len(configs) // PIPE_PROGRESS)
     for k, cfg in enumerate(configs):
         if k % every == 0:
             tick(0.8 * k / len(configs))   # bounding is most of the work
         try:
-            if planner.pipeline_lower_bound(cfg, manual) > cut:
+            if planner.pipeline_lower_bound(cfg, manual) > cut or \
+                    (feasible and planner.pipeline_lower_bound(cfg, manual, memory=True) > cap):
                 evaluated += 1
                 continue
             est = planner.evaluate(cfg, manual, simulate_schedule=False)

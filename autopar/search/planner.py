@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import cost_models
-from cost_models import ClusterSpec, MeshTopology
+from cost_models import ClusterSpec
 
 from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
 from ..errors import StrategyError
@@ -66,6 +66,14 @@ class Sharder:
     pins: tuple[tuple[str, str], ...] = ()
     memory_limit: float | None = None
 
+    def __post_init__(self) -> None:
+        # hashed once: sequence parallelism pins every norm and residual, and the
+        # search looks a sharder up per configuration
+        object.__setattr__(self, "_hash", hash((self.mode, self.pins, self.memory_limit)))
+
+    def __hash__(self) -> int:
+        return self._hash   # type: ignore[attr-defined]
+
     @property
     def label(self) -> str:
         """``ilp``, ``ilp+memory``, ``greedy`` or ``manual`` (the plan's ``search.tp_axis``)."""
@@ -88,7 +96,9 @@ class PlannerState:
     tp); ``ilp``: the ILP's problem structures (see
     :func:`autopar.search.ilp.solve_axis`); ``comm``: the times of the
     tensor-parallel collectives per (itemsize, tp, spans nodes); ``pending``:
-    the ILPs :meth:`Planner.prefetch` started, per ``axes`` key."""
+    the ILPs :meth:`Planner.prefetch` started, per ``axes`` key; ``partitions``:
+    the balanced pipeline stages per unit costs and memory limits (with the
+    unit costs they were balanced from)."""
 
     models: dict[str, CostModel] = field(default_factory=dict)
     axes: dict[tuple, AxisSharding] = field(default_factory=dict)
@@ -97,6 +107,7 @@ class PlannerState:
     ilp: dict[tuple, Any] = field(default_factory=dict)
     comm: dict[tuple, dict] = field(default_factory=dict)
     pending: dict[tuple, Any] = field(default_factory=dict)
+    partitions: dict[tuple, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -272,14 +283,14 @@ class Planner:
         mb_global = self.global_batch // cfg.microbatches
         local = (mb_global // cfg.dp,) if mb_global % cfg.dp == 0 else (mb_global, cfg.dp)
         if link:
-            local += (MeshTopology(self.cluster, (cfg.dp, cfg.tp)).spans_nodes(1),)
+            local += (self.model.topology((cfg.dp, cfg.tp)).spans_nodes(1),)
         return local
 
     def _decide(self, model: CostModel, cfg: ParallelConfig, sharder: Sharder, shapes: dict,
                 background: bool = False) -> AxisSharding | PendingAxis:
         """Run ``sharder``'s search of the tensor-parallel axis (uncached;
         ``background``: the ILP's :class:`~autopar.search.ilp.PendingAxis`)."""
-        topo = MeshTopology(self.cluster, (cfg.dp, cfg.tp))
+        topo = model.topology((cfg.dp, cfg.tp))
         local_batch = self.global_batch // cfg.microbatches / cfg.dp
         # the searches ask for the same few collectives and ops many times: both memoised
         # (a tp collective depends on the bytes, the tp size and whether it spans nodes)
@@ -422,15 +433,19 @@ class Planner:
             split = self._partition(model, cfg, sh, shapes, layers)
         return model.estimate(cfg, sh, shapes, self.global_batch, devices, split, simulate_schedule)
 
-    def pipeline_lower_bound(self, cfg: ParallelConfig, sharder: Sharder = MANUAL) -> float:
+    def pipeline_lower_bound(self, cfg: ParallelConfig, sharder: Sharder = MANUAL, *,
+                             memory: bool = False) -> float:
         """A lower bound on the step time :meth:`evaluate` gives a pipelined
         ``cfg``, without balancing its stages
-        (:meth:`~autopar.cost.CostModel.pipeline_lower_bound`). Raises as
-        :meth:`evaluate` does."""
+        (:meth:`~autopar.cost.CostModel.pipeline_lower_bound`); with
+        ``memory``, on its peak memory per device instead
+        (:meth:`~autopar.cost.CostModel.pipeline_memory_lower_bound`).
+        Raises as :meth:`evaluate` does."""
         model = self.cost(cfg.precision)
         check_config(self.graph, cfg, self.devices or cfg.devices, self.global_batch)
         sh, shapes = self.sharding(cfg, sharder)
-        return model.pipeline_lower_bound(cfg, sh, shapes, self.global_batch)
+        bound = model.pipeline_memory_lower_bound if memory else model.pipeline_lower_bound
+        return bound(cfg, sh, shapes, self.global_batch)
 
     def _partition(self, model: CostModel, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                    layers: str | Sequence[int]) -> list[int]:
@@ -443,11 +458,18 @@ class Planner:
         split = None
         if layers == "balanced":
             per_elem = model.state_per_elem(cfg)
-            states = [x * per_elem for x in per.params]
             flight = pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
-            cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
-            split = pipe.balance(per.time, states, per.act, per.fixed, cfg.stages, flight, cap / cfg.chunks)
-        return split or pipe.even_layers(len(per.time) - 2, cfg.stages)
+            cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM / cfg.chunks
+            # the search balances a configuration again when it simulates it, and
+            # configurations that differ only in what the balance does not read alike
+            key = (id(per), per_elem, tuple(flight), cfg.stages, cap)
+            hit = self.state.partitions.get(key)
+            if hit is None or hit[0] is not per:
+                states = [x * per_elem for x in per.params]
+                hit = self.state.partitions[key] = (per, pipe.balance(per.time, states, per.act, per.fixed,
+                                                                      cfg.stages, flight, cap))
+            split = hit[1]
+        return list(split) if split else pipe.even_layers(len(per.time) - 2, cfg.stages)
 
     def choose(self, cfg: ParallelConfig, bound: float) -> tuple[Estimate, Sharder]:
         """The best estimate of ``cfg`` (fitting first, then fastest) under the
