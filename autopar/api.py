@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 import weakref
 from typing import Any, Callable
@@ -39,6 +40,27 @@ def load_cluster(cluster: Any) -> cost_models.ClusterSpec:
         raise ClusterError(str(e)) from None
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause the cyclic garbage collector (:func:`gc.disable`) until exit.
+    Tracing and planning allocate millions of short-lived objects, so the
+    collector would run its passes thousands of times, and each full pass
+    walks torch's modules and the traced graph again: a cost that grows with
+    the model's depth (about a fifth of planning a 96-layer GPT-3). They
+    make almost no reference cycles (tracing a 96-layer GPT-3 leaves about
+    13,000 cyclic garbage objects, planning it 9), which the first pass after
+    exit frees. Left alone when the collector is already off."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@_collector_paused()
 def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None = None,
              target: Any = None, batch: int | None = None) -> Graph:
     """Trace ``model`` unless it already is a :class:`Graph`. A zoo string is
@@ -212,6 +234,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
                            solver=solver)[0]
 
 
+@_collector_paused()
 def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
                     strategy: str | ParallelConfig = "auto", optimizer: str = "adamw",
                     precision: str | None = None, loss_fn: Callable | None = None, target: Any = None,
