@@ -37,6 +37,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import ops
 from .errors import TraceError
 from .graph import DTYPE_BYTES, NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
+from .inplace import out_of_place, traced_inplace_operators
 from .shallow_export import export_shallow
 
 # --------------------------------------------------------------------------
@@ -295,7 +296,8 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     prefix = "model." if isinstance(root, _WithLoss) else ""
     tracer = _Tracer()
     try:
-        graph = tracer.trace(root)
+        with traced_inplace_operators():
+            graph = tracer.trace(root)
     except Exception as e:  # noqa: BLE001 - any tracing failure is reported with its module
         where = tracer.failed_in or f"<root> ({type(root).__name__})"
         raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
@@ -307,6 +309,7 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     _functionalize_modules(gm)
     aliases = _merge_tied(gm)
     _propagate_shapes(gm, args)
+    out_of_place(gm)     # after shapes: `n += 1` on a size rebinds a name, on a tensor it writes
     g = _build_graph(gm, name, "fx", args)
     g.loss_prefix = prefix
     g.aliases = aliases
@@ -470,6 +473,7 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
             msg += " (a Hugging Face model returns its KV cache: build it with config.use_cache=False)"
         raise TraceError(f"torch.export cannot trace {type(root).__name__}: {type(e).__name__}: {msg}") from None
     _clean_export(gm)
+    out_of_place(gm)
     batch_sym = _batch_symbol(gm)
     dims: dict[str, int | None] = {}
     for n in gm.graph.nodes:

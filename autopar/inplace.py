@@ -1,0 +1,158 @@
+"""In-place ops made out of place, on both front ends' graphs.
+
+``h = self.a(x); h.add_(1.0)`` traces to an ``add_`` node nobody reads (the
+mutation is its effect): dead-code elimination in the per-rank rewrite
+dropped it, and the sharded program computed another function than the
+model. :func:`out_of_place` rewrites every in-place op of a traced graph
+(``Tensor.add_``, ``aten.add_.Tensor``, ``operator.iadd``, ``F.relu(...,
+inplace=True)``) into its out-of-place form and makes every later read of the
+mutated tensor read the new value instead, which is what the mutation meant.
+
+That is exact when nothing else sees the old storage. It refuses, with a
+:class:`TraceError` naming the op, an in-place op on a view whose base or
+sibling views are read later (the mutation would show through them). Updates
+of the model's state (``num_batches_tracked.add_(1)`` in BatchNorm) stay as
+they are; a model input written in place is left unchanged (the program reads
+the new value, the caller's tensor keeps the old one).
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from .errors import TraceError
+
+#: in-place Python operators and their out-of-place forms
+_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+              operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+              operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_}
+#: ops whose output shares the input's storage (method / function / aten names)
+VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "transpose", "t", "permute", "expand", "expand_as",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "slice", "split", "split_with_sizes",
+    "chunk", "unbind", "getitem", "__getitem__", "movedim", "diagonal", "as_strided", "detach", "alias",
+    "contiguous", "real", "imag", "view_as_real", "view_as_complex", "swapaxes", "swapdims"})
+
+
+@contextlib.contextmanager
+def traced_inplace_operators() -> Iterator[None]:
+    """While it is open, symbolic ``torch.fx`` records ``x += y`` as
+    ``operator.iadd`` (fx's Proxy has no in-place operators, so Python falls
+    back to ``x = x + y`` and another name for ``x`` keeps the old value)."""
+    def method(op: Any) -> Any:
+        return lambda self, other: self.tracer.create_proxy("call_function", op, (self, other), {})
+    names = {f"__{op.__name__}__": op for op in _OPERATORS}       # iadd -> __iadd__
+    saved = {k: fx.Proxy.__dict__.get(k) for k in names}
+    for k, op in names.items():
+        setattr(fx.Proxy, k, method(op))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                delattr(fx.Proxy, k)
+            else:
+                setattr(fx.Proxy, k, v)
+
+
+def _name(n: fx.Node) -> str:
+    t = n.target
+    if n.op == "call_method":
+        return str(t)
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
+    """``(description, out-of-place target, kwargs)`` of an in-place op, or None."""
+    if n.op == "call_function" and n.target in _OPERATORS:
+        return _name(n), _OPERATORS[n.target], dict(n.kwargs)
+    if n.op == "call_function" and n.kwargs.get("inplace") is True:
+        return f"{_name(n)}(inplace=True)", n.target, {**n.kwargs, "inplace": False}
+    name = _name(n)
+    if not name.endswith("_") or name.endswith("__") or name.startswith("_"):
+        return None
+    base = name[:-1]
+    if n.op == "call_method":
+        return name, base, dict(n.kwargs)
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        packet = getattr(torch.ops.aten, base, None)
+        overload = getattr(packet, n.target._overloadname, None) if packet is not None else None
+        if overload is None:
+            raise TraceError(f"in-place op {name} (node {n.name}) has no out-of-place form; write the model "
+                             f"out of place")
+        return name, overload, dict(n.kwargs)
+    if n.op == "call_function" and hasattr(torch, base) and getattr(torch, name, None) is n.target:
+        return name, getattr(torch, base), dict(n.kwargs)
+    return None
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    """Whether ``n`` is a tensor, from the shapes the front end recorded."""
+    tm = n.meta.get("tensor_meta")
+    return hasattr(tm, "shape") or isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _base_of(t: fx.Node) -> fx.Node:
+    """The node whose storage ``t`` views (``t`` itself when it is no view)."""
+    while t.op in ("call_method", "call_function") and _name(t) in VIEWS and t.args \
+            and isinstance(t.args[0], fx.Node):
+        t = t.args[0]
+    return t
+
+
+def _views_of(base: fx.Node) -> set[fx.Node]:
+    """``base`` and every node viewing its storage."""
+    out, todo = {base}, [base]
+    while todo:
+        for u in todo.pop().users:
+            if u not in out and u.op in ("call_method", "call_function") and _name(u) in VIEWS \
+                    and u.args and u.args[0] in out:
+                out.add(u)
+                todo.append(u)
+    return out
+
+
+def out_of_place(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm``'s in-place ops out of place (module docstring); return how many."""
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    done = 0
+    for n in list(g.nodes):
+        form = _inplace_form(n)
+        if form is None:
+            continue
+        what, target, kwargs = form
+        t = n.args[0] if n.args else None
+        if not isinstance(t, fx.Node):
+            continue
+        base = _base_of(t)
+        if base.op == "get_attr":
+            continue        # a state update (BatchNorm's num_batches_tracked): it stays as written
+        seen_later = [u for a in _views_of(base) - {t} for u in a.users if order.get(u, -1) > order[n]]
+        if seen_later:
+            raise TraceError(f"in-place op {what} (node {n.name}) writes a view of {base.name}, which "
+                             f"{seen_later[0].name} reads afterwards; write it out of place")
+        if not _is_tensor(t):     # `n += 1` on a size: only the name moves, the graph has it already
+            n.target = target if n.op == "call_function" else n.target
+            continue
+        with g.inserting_before(n):
+            new = g.create_node("call_method" if n.op == "call_method" else "call_function", target,
+                                n.args, kwargs)
+        new.meta = dict(n.meta)
+        order[new] = order[n]
+        for u in list(t.users):
+            if u is not n and order.get(u, -1) > order[n]:
+                u.replace_input_with(t, new)
+        n.replace_all_uses_with(new)
+        g.erase_node(n)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done

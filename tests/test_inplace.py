@@ -1,0 +1,120 @@
+"""In-place ops are rewritten out of place (autopar/inplace.py), on both front
+ends, so the sharded program computes what the model computes (issue 17: an
+``h.add_(1.0)`` was dropped by dead-code elimination and the loss changed)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.errors import TraceError
+from autopar.runtime.launch import run_distributed
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class InPlace(nn.Module):
+    """Mutations whose results nobody names: ``add_``, ``mul_``, ``+=`` after a residual was taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.add_(1.0)
+        r = torch.relu(h)
+        r.mul_(2.0)
+        s = r
+        s += 0.5              # s and r are one tensor: the residual below sees the update
+        return self.b(r + s)
+
+
+def _loss(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _state():
+    torch.manual_seed(0)
+    return InPlace(), torch.randn(8, 8), torch.randn(8, 4)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_no_inplace_op_is_left_in_the_graph(frontend):
+    m, x, _ = _state()
+    g = autopar.trace(m, (x,), frontend=frontend)
+    names = [nd.target for nd in g.nodes if nd.op in ("call_function", "call_method")]
+    assert not [t for t in names if t.endswith("_") and not t.endswith("__") or t in ("iadd", "imul")], names
+
+
+class SizeArithmetic(nn.Module):
+    """``n += 1`` on a size rebinds ``n``; the old value stays where it was read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = x.size(0)
+        m = n
+        n += 2
+        return self.a(x).sum() * n + m
+
+
+def test_inplace_operator_on_a_size_rebinds_only():
+    m = SizeArithmetic()
+    x = torch.randn(4, 8)
+    g = autopar.trace(m, (x,), frontend="fx")
+    torch.testing.assert_close(g.gm(x), m(x))
+
+
+def test_the_fx_program_computes_the_model():
+    m, x, _ = _state()
+    g = autopar.trace(m, (x,), frontend="fx")
+    torch.testing.assert_close(g.gm(x), m(x))
+
+
+class ViewThenRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        v = h.view(2, -1)
+        v.mul_(2.0)           # writes h through a view, and h is read below
+        return h.sum()
+
+
+def test_a_mutated_view_read_through_its_base_is_refused():
+    with pytest.raises(TraceError, match="view of .* reads afterwards"):
+        autopar.trace(ViewThenRead(), (torch.randn(4, 8),), frontend="fx")
+
+
+def test_batchnorm_state_update_stays():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True))
+    g = autopar.trace(m, (torch.randn(2, 3, 8, 8),), frontend="export")
+    kinds = {nd.target: nd.inputs for nd in g.nodes}
+    assert "relu_" not in kinds and "relu" in kinds          # the in-place relu is out of place
+    assert any(t == "add_" for t in kinds)                   # num_batches_tracked += 1 is the model's state
+
+
+def _train(rank, world, strategy):
+    m, x, t = _state()
+    ref = _loss(m(x), t).item()
+    pm = autopar.parallelize(m, (x,), loss_fn=_loss, example_target=t,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), strategy=strategy)
+    return ref, pm.train_step((x,), t)
+
+
+@pytest.mark.parametrize("strategy", ["dp=2", "tp=2"])
+def test_inplace_model_trains_like_one_process(strategy):
+    for ref, got in run_distributed(_train, 2, strategy):
+        assert got == pytest.approx(ref, rel=1e-6)
