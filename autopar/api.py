@@ -75,6 +75,14 @@ def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None
     return trace(model, example_inputs, loss_fn=loss_fn, target=target)
 
 
+def check_sizes(devices: Any, global_batch: Any) -> None:
+    """Refuse a device count or global batch that is not a positive integer
+    (clear :class:`StrategyError` before any tracing)."""
+    for name, v in (("devices", devices), ("global_batch", global_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise StrategyError(f"{name} must be a positive integer, got {v!r}")
+
+
 def check_batch(graph: Graph, global_batch: int) -> None:
     """Refuse to scale a graph whose batch dimension is ambiguous: traced at
     batch 1, the batch dim cannot be told apart from the other size-1 dims,
@@ -106,6 +114,7 @@ def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: i
     ``model`` is an ``nn.Module`` (with ``example_inputs``), a zoo string or a
     traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
     milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
+    check_sizes(devices, global_batch)
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     check_batch(graph, global_batch)
     cfg = _config(strategy, devices)
@@ -252,6 +261,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
         search_mode = "dynamic_programming"
     if search_mode is not None and search_mode not in SEARCH_MODES:
         raise StrategyError(f"search_mode {search_mode!r} is invalid; valid: {', '.join(SEARCH_MODES)}")
+    check_sizes(devices, global_batch)
     user_pins = {**_pins.annotations(model), **(shardings or {})}
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     check_batch(graph, global_batch)

@@ -249,7 +249,10 @@ def plan(
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
             _fail(f"--pin {item!r}: expected NAME=PLACEMENT, e.g. blocks.0.mlp.fc.weight=S(0)")
-        shardings[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in shardings and shardings[key] != value:
+            _fail(f"--pin {key}: pinned twice, to {shardings[key]} and to {value}; keep one")
+        shardings[key] = value
     graph = _load_graph(model, quiet=as_json)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":

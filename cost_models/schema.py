@@ -6,6 +6,7 @@ A cluster file is the JSON form of :class:`cost_models.hardware.ClusterSpec`
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import ClusterError
@@ -106,8 +107,24 @@ def validate_cluster_dict(d: Any, where: str = "cluster dict") -> None:
     # Imported here: jsonschema is only needed when a cluster is loaded.
     import jsonschema
 
+    bad = _non_finite(d)
+    if bad is not None:
+        raise ClusterError(f"{where}: invalid cluster at '{bad[0]}': {bad[1]} is not a finite number")
     error = jsonschema.exceptions.best_match(
         jsonschema.Draft202012Validator(CLUSTER_SCHEMA).iter_errors(d))
     if error is not None:
         at = ".".join(str(p) for p in error.absolute_path) or "<top level>"
         raise ClusterError(f"{where}: invalid cluster at '{at}': {error.message}")
+
+
+def _non_finite(d: Any, at: str = "") -> tuple[str, float] | None:
+    """The dotted path and value of the first NaN or infinite number in ``d``
+    (JSON Schema's bounds let both through: NaN compares false), or None."""
+    if isinstance(d, float) and not math.isfinite(d):
+        return at or "<top level>", d
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{at}.{k}" if at else str(k))
+        if found is not None:
+            return found
+    return None

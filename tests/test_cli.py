@@ -149,6 +149,20 @@ def test_plan_bad_pins_and_modes_exit_2():
     assert "expected NAME=PLACEMENT" in fails("plan", TINY, *WHERE, "--pin", "blocks.0.mlp.fc.weight")
     assert "no parameter or module" in fails("plan", TINY, *WHERE, "--pin", "nope.weight=S(0)")
     assert "search_mode 'fast' is invalid" in fails("plan", TINY, *WHERE, "--search-mode", "fast")
+    w = "blocks.0.mlp.fc.weight"      # issue 17: the last of two contradicting pins used to win silently
+    assert "pinned twice" in fails("plan", TINY, *WHERE, "--pin", f"{w}=S(0)", "--pin", f"{w}=S(1)")
+
+
+@pytest.mark.parametrize("devices,batch,bad", [("4", "-8", "global_batch"), ("4", "0", "global_batch"),
+                                               ("0", "8", "devices")])
+def test_sizes_must_be_positive(devices, batch, bad):
+    """issue 17: plan(global_batch=-8) was a bare AssertionError, evaluate(global_batch=0) 'not divisible'."""
+    from autopar.errors import StrategyError
+    for call in (lambda: autopar.plan(TINY, cluster="cpu", devices=int(devices), global_batch=int(batch)),
+                 lambda: autopar.evaluate(TINY, cluster="cpu", devices=int(devices), global_batch=int(batch),
+                                          strategy="dp=1")):
+        with pytest.raises(StrategyError, match=f"{bad} must be a positive integer"):
+            call()
 
 
 def test_pipeline_plan_and_timeline(tmp_path, saved_plan):

@@ -107,6 +107,9 @@ def test_missing_file():
     (lambda d: d.update(devices_per_nod=8), ["devices_per_nod"]),
     (lambda d: d.update(collectives={"intra_node": {"all_reduce": {"alpha": 1.0}}}),
      ["collectives"]),
+    # JSON Schema's bounds let NaN (compares false) and Infinity through; they gave step_time_s NaN, fits true
+    (lambda d: d["intra_node"].update(bandwidth=float("nan")), ["intra_node.bandwidth", "finite"]),
+    (lambda d: d["device"]["peak_flops"].update(bfloat16=float("inf")), ["device.peak_flops.bfloat16", "finite"]),
 ])
 def test_malformed_file_names_file_and_key(tmp_path, mutate, words):
     d = load_cluster("dgx-a100-80g").to_dict()
