@@ -44,3 +44,7 @@ class UnsupportedError(AutoparError, NotImplementedError):
 
 class DistributedError(AutoparError, RuntimeError):
     """Process-group set-up or a collective failed (wrong world size, timeout...)."""
+
+
+class NonFiniteLossError(AutoparError, FloatingPointError):
+    """A training step's loss was NaN or infinite (names the step); the update was not applied."""

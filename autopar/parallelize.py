@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
                 seed_broadcast: bool = True, search_mode: str | None = None,
-                shardings: dict[str, Any] | None = None) -> ParallelModule:
+                shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise") -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -75,6 +75,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       a manual string ``"dp=2,tp=2"``, a :class:`Plan` or a plan file.
     * ``cluster``: preset name or cluster file for the predictions (default:
       the machine this runs on).
+    * ``on_nonfinite``: what a NaN / inf loss does (all ranks agree, the
+      loss being all-reduced): ``"raise"`` (default) a
+      :class:`NonFiniteLossError` naming the step, its update not applied;
+      ``"skip"`` drops the step (``skipped_steps`` counts it). fp16's loss
+      scaler skips overflowing steps by itself.
     * ``search_mode`` and ``shardings`` (pins; :func:`autopar.shard`
       annotations on ``model`` count too): as for :func:`autopar.plan`. With a
       manual strategy and a ``search_mode``, the per-op placements on that
@@ -85,6 +90,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     that do not fit this world or model, :class:`UnsupportedError` for valid
     strategies this release cannot run (fp16 with ZeRO-3).
     """
+    if on_nonfinite not in ("raise", "skip"):
+        raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
     rank, world = init_process_group(backend)
     inputs = as_tuple(example_inputs)
     target = _example_target(inputs, example_target)
@@ -117,11 +124,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pre = graph.loss_prefix or ""
     read = {n[len(pre):] if n.startswith(pre) else n for n in [*graph.params, *graph.aliases]}
     constant = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in read}
-    return ParallelModule(
+    pm = ParallelModule(
         modules, plan=plan, config=cfg, mesh=mesh, optimizer=opt, dist_optimizer=dist_opt,
         state_names=StateNames(pre, aliases, frozenset(model.state_dict()), constant),
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
+    pm.on_nonfinite = on_nonfinite
+    return pm
 
 
 def default_cluster() -> str:

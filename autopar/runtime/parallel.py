@@ -9,6 +9,7 @@ step over the microbatches and returns the global mean loss.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import StrategyError, UnsupportedError
+from ..errors import NonFiniteLossError, StrategyError, UnsupportedError
 from ..pipeline.schedule import Timeline
 from ..spec import ParallelConfig, is_shard, shard_dim
 from . import collectives as C
@@ -129,7 +130,10 @@ class ParallelModule(nn.Module):
         self.device = local_device()
         self.state_names = state_names
         self.step_times: list[float] = []
-        self.skipped_steps = 0     # fp16: steps skipped on a gradient overflow
+        self.skipped_steps = 0     # steps skipped: fp16 gradient overflow, or a non-finite loss under "skip"
+        #: what a NaN / inf loss does (not with fp16, whose loss scaler skips such steps itself):
+        #: "raise" (NonFiniteLossError, the update not applied) or "skip" (the step is dropped)
+        self.on_nonfinite = "raise"
         self.pipeline = pipeline
         self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
         if pipeline is not None:
@@ -201,18 +205,34 @@ class ParallelModule(nn.Module):
             loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
             if loss is not None:   # this rank holds the last stage
                 total += loss.float()
-        if dopt is not None:   # weights tied across pipeline ranks are summed there first
-            if not dopt.step():
-                self.skipped_steps += 1
-        else:
-            self.optimizer.step()
         if self.pipeline is not None:
             dist.broadcast(total, self.mesh.group_ranks("pp")[-1], group=self.pp_group)
         if self.config.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.config.dp
+        # the loss is now the same on every rank, so every rank takes the same branch
+        if not math.isfinite(float(total)) and self.config.precision != "fp16":   # fp16: the scaler skips
+            self._non_finite(float(total))
+        elif dopt is not None:   # weights tied across pipeline ranks are summed there first
+            if not dopt.step():
+                self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         self.step_times.append(time.perf_counter() - t0)
         return float(total)
+
+    def _non_finite(self, loss: float) -> None:
+        """A NaN / inf loss: drop the step's gradients, then skip the update
+        (``on_nonfinite="skip"``) or raise :class:`NonFiniteLossError`."""
+        if self.dist_optimizer is not None:
+            self.dist_optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"step {len(self.step_times) + 1}: the loss is {loss}; the weights are left as they were before this step. Check the "
+                f"inputs and the learning rate, or pass on_nonfinite='skip' to parallelize() to skip such steps")
+        self.skipped_steps += 1
 
     # -- inspection -----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
