@@ -172,6 +172,8 @@ class CostCache:
     unit_params: dict[tuple, tuple[list[float], list[float]]] = field(default_factory=dict)
     timelines: dict[tuple, Timeline] = field(default_factory=dict)       # simulated schedules
     tp_comm: dict[tuple, dict] = field(default_factory=dict)   # (itemsize, tp, spans nodes) -> collective times
+    layer_inputs: dict[tuple, tuple] = field(default_factory=dict)    # bytes of each layer's input
+    sources: dict[int, dict[str, str]] = field(default_factory=dict)  # the instance each one copies
     held: dict[int, AxisSharding] = field(default_factory=dict)
 
     def hold(self, sh: AxisSharding) -> None:
@@ -708,31 +710,32 @@ class CostModel:
         layers = {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
         # every unit: its nodes outside any layer, plus the instances in it (its layer,
         # and instances of smaller repeated groups, e.g. inside the embedding)
-        parts: list[list[_Sums]] = [[outside.get(k, _Sums())] for k in range(n)]
+        empty = _Sums()
+        parts: list[list[_Sums]] = [[outside.get(k, empty)] for k in range(n)]
+        source = self._sources(sh)
         for inst in self._instances():
-            src = per_inst.get(_source(sh.copied_from, inst))
+            src = per_inst.get(source[inst])
             if src is not None:
                 parts[layers.get(inst) or u.of_node[self._first_node(inst)]].append(src)
         layer_in = self._layer_input_bytes(sh, shapes, cfg.tp)
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         out = UnitCosts(n)
+        summed: dict[tuple, tuple] = {}    # units of the same sums (the copies of a layer) add up alike
         for k in range(n):
-            fwd = sum(p_.fwd for p_ in parts[k])
-            comm = sum(p_.comm for p_ in parts[k])
-            saved = sum(sum(p_.saved.values()) for p_ in parts[k])
-            transient = max(p_.transient for p_ in parts[k])
+            ids = tuple(map(id, parts[k]))
+            if ids not in summed:
+                summed[ids] = _unit_sums(parts[k])
+            fwd, comm, saved, transient, refwd, kept, extra = summed[ids]
             out.fwd[k] = fwd + comm / 2
-            out.time[k] = passes * fwd + sum(p_.refwd for p_ in parts[k]) + comm
+            out.time[k] = passes * fwd + refwd + comm
             out.comm[k] = comm
             inst = u.labels[k] if 0 < k < n - 1 else None
             if cfg.recompute == "full" and inst is not None:
-                kept = sum(parts[k][0].saved.values())   # outside the recomputed layer: kept
-                out.act[k] = layer_in.get(inst, 0.0) + kept
+                out.act[k] = layer_in.get(inst, 0.0) + kept   # outside the recomputed layer: kept
                 out.fixed[k] = 2 * transient + (saved - kept)
             elif cfg.recompute == "selective" and inst is not None:
                 out.act[k] = layer_in.get(inst, 0.0) + saved
-                out.fixed[k] = 2 * transient + sum(sum(p_.full.values()) - sum(p_.saved.values())
-                                                   for p_ in parts[k][1:])
+                out.fixed[k] = 2 * transient + extra
             else:
                 out.act[k] = saved
                 out.fixed[k] = 2 * transient
@@ -811,10 +814,31 @@ class CostModel:
 
     def _layer_input_bytes(self, sh: AxisSharding, shapes: dict, tp: int) -> dict[str, float]:
         """Bytes of the input of every repeated-layer instance (what full
-        recompute keeps of it)."""
-        out, isz = sh.out, self.itemsize
-        return {inst: _numel(shapes.get(i)) * isz / (tp if is_shard(out.get(i, R)) else 1)
-                for inst, i in self._layer_inputs_of}
+        recompute keeps of it; kept per decisions, shapes and tp, with the
+        shapes, so that their id stays theirs)."""
+        key = (id(sh), id(shapes), tp)
+        hit = self.cache.layer_inputs.get(key)
+        if hit is None or hit[0] is not shapes:
+            self.cache.hold(sh)
+            out, isz = sh.out, self.itemsize
+            hit = self.cache.layer_inputs[key] = (shapes, {
+                inst: _numel(shapes.get(i)) * isz / (tp if is_shard(out.get(i, R)) else 1)
+                for inst, i in self._layer_inputs_of})
+        return hit[1]
+
+    def _sources(self, sh: AxisSharding) -> dict[str, str]:
+        """Per repeated-layer instance, the instance whose decisions (and
+        costs) it copies, itself when none (kept per decisions)."""
+        hit = self.cache.sources.get(id(sh))
+        if hit is None:
+            self.cache.hold(sh)
+            copied = sh.copied_from
+            hit = {}
+            for inst in self._instances():    # in graph order: a copy's source is resolved first
+                prev = copied.get(inst)
+                hit[inst] = inst if prev is None else hit.get(prev) or _source(copied, prev)
+            self.cache.sources[id(sh)] = hit
+        return hit
 
     @cached_property
     def _layer_inputs_of(self) -> list[tuple[str, str]]:
@@ -964,7 +988,7 @@ class CostModel:
         activations (outside the layers; per layer instance) of one
         microbatch."""
         outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
-        copied = sh.copied_from
+        source = self._sources(sh)
         fwd = sum(s_.fwd for s_ in outside.values())
         tp_comm = sum(s_.comm for s_ in outside.values())
         transient = max((s_.transient for s_ in outside.values()), default=0.0)
@@ -972,7 +996,7 @@ class CostModel:
         inst_full: dict[str, float] = {}
         refwd = 0.0
         for inst in self._instances():
-            s_ = per_inst.get(_source(copied, inst))
+            s_ = per_inst.get(source[inst])
             if s_ is None:
                 continue
             fwd += s_.fwd
@@ -1056,6 +1080,17 @@ def _source(copied: dict[str, str], inst: str) -> str:
     while inst in copied:
         inst = copied[inst]
     return inst
+
+
+def _unit_sums(parts: list[_Sums]) -> tuple[float, float, float, float, float, float, float]:
+    """What :meth:`CostModel.unit_costs` reads of one unit's sums (its nodes
+    outside any layer first): forward time, tp comm, saved bytes, the largest
+    transient, the forward run again, the saved bytes outside the layer, and
+    what selective recompute holds again."""
+    return (sum(p_.fwd for p_ in parts), sum(p_.comm for p_ in parts),
+            sum(sum(p_.saved.values()) for p_ in parts), max(p_.transient for p_ in parts),
+            sum(p_.refwd for p_ in parts), sum(parts[0].saved.values()),
+            sum(sum(p_.full.values()) - sum(p_.saved.values()) for p_ in parts[1:]))
 
 
 class UnitCosts:

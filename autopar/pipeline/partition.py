@@ -200,20 +200,17 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
     pre_t, pre_s, pre_a = _prefix(time), _prefix(states), _prefix(act)
     fixed = list(fixed)
 
-    def fits(start: int, end: int, peak: float, bound: float, v: int) -> bool:
-        mem = pre_s[end] - pre_s[start] + in_flight[v] * (pre_a[end] - pre_a[start]) + peak
-        return pre_t[end] - pre_t[start] <= bound and mem <= cap
-
     def pack(bound: float) -> list[int] | None:
         starts: list[int] = []
         end = n
         for v in range(stages - 1, -1, -1):
+            t_end, s_end, a_end, f = pre_t[end], pre_s[end], pre_a[end], in_flight[v]
             if v == 0:
                 start, peak = 0, max(fixed[:end])
             else:
-                # leave at least one unit for each earlier stage; fits(start - 1, ...) inlined
+                # leave at least one unit for each earlier stage; whether units start - 1
+                # to end - 1 fit inlined (the search packs thousands of times)
                 start, peak = end - 1, fixed[end - 1]
-                t_end, s_end, a_end, f = pre_t[end], pre_s[end], pre_a[end], in_flight[v]
                 while start > v:
                     p = peak if peak >= fixed[start - 1] else fixed[start - 1]
                     if t_end - pre_t[start - 1] > bound or \
@@ -221,7 +218,8 @@ def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float]
                         break
                     start -= 1
                     peak = p
-            if not fits(start, end, peak, bound, v):
+            if not (t_end - pre_t[start] <= bound and
+                    s_end - pre_s[start] + f * (a_end - pre_a[start]) + peak <= cap):
                 return None
             starts.append(start)
             end = start

@@ -303,8 +303,9 @@ class _Problem:
         self.grad = needs_grad(graph)
         # which nodes share a decision, and the edges between decisions, do not
         # depend on the shapes: computed once per graph and pins
+        self._pins_key = tuple(sorted(pins.items()))
         self.by_name, self.key, self.mult, self.copied_from, self.edges, self.reps = graph.memo(
-            ("ilp_structure", tuple(sorted(pins.items()))), self._structure)
+            ("ilp_structure", self._pins_key), self._structure)
         self._choices()
         self._placed_nodes: list[tuple[str, str, int]] | None = None
         self._edges_planned: list[tuple] | None = None
@@ -675,27 +676,37 @@ class _Problem:
     def _placements(self) -> list[tuple[str, str, int]]:
         """(node, its decision, 0 for a graph input / 1 for a parameter / 2
         for an op) of every node a solution places, in graph order: the same
-        for every solve of this problem, so listed once."""
+        for every solve of a problem with these pins and decisions (whatever
+        the shapes), so listed once per graph for them."""
         if self._placed_nodes is None:
-            out = []
-            for nd in self.graph.nodes:
-                k = self.key[nd.name]
-                if nd.kind == "input":
-                    out.append((nd.name, k, 0))
-                elif k in self.pplace:
-                    out.append((nd.name, k, 1))
-                elif k in self.cands:
-                    out.append((nd.name, k, 2))
-            self._placed_nodes = out
+            self._placed_nodes = self.graph.memo(self._decisions_key("ilp_placements"), self._list_placements)
         return self._placed_nodes
 
+    def _list_placements(self) -> list[tuple[str, str, int]]:
+        """:meth:`_placements`, uncached."""
+        out = []
+        for nd in self.graph.nodes:
+            k = self.key[nd.name]
+            if nd.kind == "input":
+                out.append((nd.name, k, 0))
+            elif k in self.pplace:
+                out.append((nd.name, k, 1))
+            elif k in self.cands:
+                out.append((nd.name, k, 2))
+        return out
+
+    def _decisions_key(self, what: str) -> tuple:
+        """A :meth:`Graph.memo` key of ``what`` for this problem's pins and decisions."""
+        return (what, self._pins_key, frozenset(self.cands), frozenset(self.pplace))
+
     def _counts(self) -> tuple[int, int]:
-        """Nodes with a decision, and nodes sharing another's (for :class:`IlpInfo`)."""
+        """Nodes with a decision, and nodes sharing another's (for :class:`IlpInfo`;
+        kept as :meth:`_placements` is)."""
         if self._node_counts is None:
-            key = self.key
-            self._node_counts = (
-                sum(1 for nd in self.graph.nodes if key[nd.name] in self.cands or key[nd.name] in self.pplace),
-                sum(1 for nd in self.graph.nodes if key[nd.name] != nd.name))
+            key, cands, pplace = self.key, self.cands, self.pplace
+            self._node_counts = self.graph.memo(self._decisions_key("ilp_counts"), lambda: (
+                sum(1 for nd in self.graph.nodes if key[nd.name] in cands or key[nd.name] in pplace),
+                sum(1 for nd in self.graph.nodes if key[nd.name] != nd.name)))
         return self._node_counts
 
     def _runners_up(self, pick: dict[str, int], ppick: dict[str, str]) -> dict[str, list[tuple[str, str, float]]]:
