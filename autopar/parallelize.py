@@ -171,12 +171,14 @@ def resolve_plan(graph: Graph, model: nn.Module, strategy: str | Plan | os.PathL
     raises.
     """
     plan: Plan | None = None
-    if isinstance(strategy, (str, os.PathLike)) and str(strategy).endswith(".json") or isinstance(strategy, Path):
+    if isinstance(strategy, (str, os.PathLike)) and (str(strategy).endswith(".json") or os.path.isfile(strategy)) \
+            or isinstance(strategy, Path):     # a plan file, whatever its extension
         plan = Plan.load(strategy)
     elif isinstance(strategy, Plan):
         plan = strategy
     if plan is not None:
         plan.check_model(graph.fingerprint, type(model).__name__)
+        plan.check_graph(graph)
         cfg = plan.config
         if cfg.devices != world:
             raise PlanError(f"the plan is for {cfg.devices} devices (dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}), "

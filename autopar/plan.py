@@ -171,6 +171,7 @@ class Plan:
         except jsonschema.ValidationError as e:
             path = "/".join(str(p) for p in e.absolute_path) or "<top>"
             raise PlanError(f"{where}: invalid plan at '{path}': {e.message}") from None
+        _check_consistent(d, where)
         return cls(d)
 
     @classmethod
@@ -183,6 +184,39 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"plan file {str(p)!r} is not valid JSON: {e}") from None
         return cls.from_dict(d, where=f"plan file {str(p)!r}")
+
+    def check_graph(self, graph: Any) -> None:
+        """Refuse a plan whose placements cannot be this graph's: a parameter
+        missing from ``params`` (or one the graph lacks), a shard dim a
+        tensor does not have or that the tensor-parallel size does not
+        divide, and a parameter placed one way in ``params`` and read another
+        way by an op in ``ops`` (an edited plan would otherwise be run as
+        something else than it says)."""
+        where = f"plan for {self.data['model']['name']!r}"
+        tp = int(self.parallel.get("tp", 1))
+        params = self.data["params"]
+        names = {nd.param: nd for nd in graph.nodes if nd.param and nd.kind == "param"}
+        missing = sorted(set(names) - set(params))
+        extra = sorted(set(params) - {nd.param for nd in graph.nodes if nd.param})
+        if missing or extra:
+            raise PlanError(f"{where}: its 'params' do not match the model: "
+                            + "; ".join(x for x in (f"missing {', '.join(missing[:3])}" if missing else "",
+                                                    f"unknown {', '.join(extra[:3])}" if extra else "") if x))
+        state = {nd.param: nd for nd in graph.nodes if nd.param}
+        for pname, (_, place) in params.items():
+            nd = state[pname]
+            _check_shard(f"{where}: parameter {pname}", place, nd.out.shape if nd.out is not None else (), tp)
+        by_node = {nd.name: nd.param for nd in graph.nodes if nd.param}
+        for op, e in self.data["ops"].items():
+            if op not in graph:
+                continue        # another loss function's ops: the strategy's placements are derived again
+            nd = graph[op]
+            for i, ins in zip(nd.inputs, e["in"]):
+                pname = by_node.get(i)
+                if pname in params and ins[1] != params[pname][1]:
+                    raise PlanError(f"{where}: parameter {pname} is placed {params[pname][1]} in 'params' but op "
+                                    f"{op} reads it as {ins[1]} in 'ops'; the plan was edited inconsistently: "
+                                    "make a new one with autopar.plan(...)")
 
     def check_model(self, fingerprint: str, name: str = "") -> None:
         """Refuse to apply this plan to a different model."""
@@ -255,3 +289,40 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({self.data['model']['name']!r}, {self.strategy}, step {self.predicted['step_time_s']:.4g} s)"
+
+
+def _check_shard(what: str, place: str, shape: tuple[int, ...], n: int) -> None:
+    """A ``S(d)`` placement must name a dim of ``shape`` that ``n`` divides."""
+    if not place.startswith("S("):
+        return
+    d = int(place[2:-1])
+    if d >= len(shape):
+        raise PlanError(f"{what}: placement {place} splits dim {d}, but the tensor has {len(shape)} dims "
+                        f"(shape {tuple(shape)})")
+    if n > 1 and shape[d] % n:
+        raise PlanError(f"{what}: placement {place} splits dim {d} of size {shape[d]}, which tp={n} does not divide")
+
+
+def _check_consistent(d: dict[str, Any], where: str) -> None:
+    """The parts of a plan that restate each other must agree: ``parallel``
+    is a valid strategy, the mesh has its axes and sizes, ``devices`` is the
+    mesh's size."""
+    try:
+        cfg = ParallelConfig.from_dict({**d["parallel"], "precision": d["parallel"].get("precision") or "fp32"})
+    except (ValueError, TypeError, KeyError) as e:
+        raise PlanError(f"{where}: its 'parallel' section is not a valid strategy: {e}") from None
+    sizes = {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp}
+    axes, shape = d["mesh"]["axes"], d["mesh"]["shape"]
+    if len(axes) != len(shape) or len(set(axes)) != len(axes) or not set(axes) <= set(sizes):
+        raise PlanError(f"{where}: mesh axes {axes} with shape {shape} are malformed (axes among pp, dp, tp, "
+                        "one size each)")
+    mesh = dict(zip(axes, shape))
+    for axis, n in sizes.items():
+        if mesh.get(axis, 1) != n:
+            raise PlanError(f"{where}: the mesh gives {axis}={mesh.get(axis, 1)} but 'parallel' says {axis}={n}; "
+                            "the plan was edited inconsistently: make a new one with autopar.plan(...)")
+    total = 1
+    for n in shape:
+        total *= n
+    if d["devices"] != total:
+        raise PlanError(f"{where}: 'devices' is {d['devices']} but the mesh {dict(zip(axes, shape))} has {total}")

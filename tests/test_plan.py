@@ -124,7 +124,12 @@ def test_parallel_schema_is_generated_from_the_strategy_keys(gpt_plan):
             good, bad = k.minimum + 1, k.minimum - (1 if k.type is int else 0)
         d = copy.deepcopy(gpt_plan.to_dict())
         d["parallel"][k.name] = good
-        assert Plan.from_dict(d).parallel[k.name] == good
+        if k.name in ("dp", "tp", "pp"):     # the mesh restates these: a plan that contradicts it is refused
+            d["parallel"][k.name] = 2 * gpt_plan.parallel[k.name]
+            with pytest.raises(PlanError, match=f"the mesh gives {k.name}="):
+                Plan.from_dict(d)
+        else:
+            assert Plan.from_dict(d).parallel[k.name] == good
         e = _bad(gpt_plan, lambda d: d["parallel"].__setitem__(k.name, bad))
         assert f"at 'parallel/{k.name}'" in str(e), (k.name, bad)
 
@@ -218,3 +223,33 @@ def test_sharding_from_plan(spec, strategy, devices):
 def test_sharding_from_plan_other_graph(gpt_plan):
     g = as_graph("mlp:layers=2,inp=8,hidden=16,classes=4")
     assert sharding_from_plan(g, gpt_plan) is None
+
+
+# ------------------------------------------------------------------ edited plans (issue 17)
+def _first_weight(plan: Plan, placement: str) -> str:
+    return next(k for k, v in sorted(plan.data["params"].items()) if k.endswith("weight") and v[1] == placement)
+
+
+def test_edited_plan_contradicting_its_mesh_is_refused(gpt_plan):
+    assert "the mesh gives tp=2 but 'parallel' says tp=4" in str(
+        _bad(gpt_plan, lambda d: d["parallel"].update(tp=4)))
+    assert "'devices' is 8" in str(_bad(gpt_plan, lambda d: d.update(devices=8)))
+    assert "malformed" in str(_bad(gpt_plan, lambda d: d["mesh"].update(axes=["dp", "dp"])))
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda p, d: d["params"].__setitem__(_first_weight(p, "S(0)"), ["R", "S(7)"]), ["S(7)", "splits dim 7"]),
+    (lambda p, d: d["params"].__setitem__(_first_weight(p, "S(0)"), ["R", "S(1)"]),
+     ["in 'params' but op", "reads it as S(0)"]),
+    (lambda p, d: d["params"].pop(_first_weight(p, "S(0)")), ["do not match the model", "missing"]),
+    (lambda p, d: d["params"].__setitem__("model.nope.weight", ["R", "R"]), ["unknown model.nope.weight"]),
+])
+def test_edited_plan_contradicting_the_model_is_refused(gpt_plan, gpt_graph, edit, words):
+    d = copy.deepcopy(gpt_plan.to_dict())
+    edit(gpt_plan, d)
+    edited = Plan.from_dict(d)        # each part is well formed on its own
+    with pytest.raises(PlanError) as e:
+        edited.check_graph(gpt_graph)
+    for w in words:
+        assert w in str(e.value)
+    gpt_plan.check_graph(gpt_graph)   # the plan as made passes
