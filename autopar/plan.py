@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,19 @@ class Plan:
         return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan atomically: to a temporary file beside ``path``,
+        then renamed over it, so a write that fails midway leaves the
+        previous file whole."""
         path = Path(path)
-        path.write_text(self.to_json())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.chmod(tmp, 0o644)      # mkstemp makes it private; a plan is shared like any file
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod

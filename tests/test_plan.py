@@ -253,3 +253,17 @@ def test_edited_plan_contradicting_the_model_is_refused(gpt_plan, gpt_graph, edi
     for w in words:
         assert w in str(e.value)
     gpt_plan.check_graph(gpt_graph)   # the plan as made passes
+
+
+def test_save_is_atomic(gpt_plan, tmp_path, monkeypatch):
+    """A write that fails midway leaves the previous plan whole (issue 17)."""
+    path = gpt_plan.save(tmp_path / "plan.json")
+    before = path.read_text()
+
+    def broken(self):
+        raise OSError("disk full")
+    monkeypatch.setattr(Plan, "to_json", broken)
+    with pytest.raises(OSError, match="disk full"):
+        gpt_plan.save(path)
+    assert path.read_text() == before and Plan.load(path) == gpt_plan
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]      # no temporary left behind
