@@ -20,6 +20,7 @@ runs forward, backward and the optimizer step.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 strategy: str | Plan | os.PathLike | ParallelConfig = "auto", cluster: Any = None,
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
                 seed_broadcast: bool = True, search_mode: str | None = None,
-                shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise") -> ParallelModule:
+                shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise",
+                timeout_s: float = 600) -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -80,6 +82,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       :class:`NonFiniteLossError` naming the step, its update not applied;
       ``"skip"`` drops the step (``skipped_steps`` counts it). fp16's loss
       scaler skips overflowing steps by itself.
+    * ``timeout_s`` (default 600): every wait of every process group this
+      job uses (the world's and each mesh axis's) ends after this many
+      seconds: a rank that stalls or dies makes the others raise
+      :class:`DistributedError` instead of waiting torch's 30 minutes.
     * ``search_mode`` and ``shardings`` (pins; :func:`autopar.shard`
       annotations on ``model`` count too): as for :func:`autopar.plan`. With a
       manual strategy and a ``search_mode``, the per-op placements on that
@@ -92,7 +98,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     if on_nonfinite not in ("raise", "skip"):
         raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
-    rank, world = init_process_group(backend)
+    rank, world = init_process_group(backend, timeout_s=timeout_s)
     inputs = as_tuple(example_inputs)
     target = _example_target(inputs, example_target)
     graph = trace(model, inputs, loss_fn=loss_fn, target=target)
@@ -101,7 +107,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                                      shardings=shardings)
     check_runnable(graph, cfg)
     graph = retrace_in_precision(graph, model, inputs, loss_fn, target, cfg)
-    mesh = build_mesh(cfg)
+    mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
     prog = apply_tp(graph, plan, cfg, mesh, gbatch, model=model)
@@ -130,6 +136,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    if pm.pipeline is not None:
+        pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
 
 
@@ -238,12 +246,13 @@ def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple, loss_fn:
             mod._buffers[name] = b
 
 
-def build_mesh(cfg: ParallelConfig) -> Mesh:
+def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     """The ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` with a pipeline (pp
-    outermost, tp fastest, as Megatron lays it out); collective."""
+    outermost, tp fastest, as Megatron lays it out), every wait on the world
+    and on each of its groups bounded by ``timeout_s``; collective."""
     if cfg.pp > 1:
-        return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"))
-    return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"))
+        return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
+    return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"), timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------- the steps

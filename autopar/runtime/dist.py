@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,20 @@ def init_process_group(backend: str | None = None, timeout_s: float = 600) -> tu
     return dist.get_rank(), dist.get_world_size()
 
 
+def set_timeout(timeout_s: float, groups: Sequence[Any] = ()) -> None:
+    """Bound every wait on the world group and on ``groups`` by ``timeout_s``
+    (a stalled or dead peer then raises on every other rank instead of
+    holding it for torch's default 30 minutes)."""
+    if timeout_s <= 0:
+        raise DistributedError(f"timeout_s must be > 0, got {timeout_s}")
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    td = datetime.timedelta(seconds=timeout_s)
+    for g in [None, *groups]:
+        if g is not None and dist.get_rank(g) < 0:
+            continue
+        _set_pg_timeout(td, g)
+
+
 def local_device() -> torch.device:
     """This rank's compute device: ``cuda:LOCAL_RANK`` under nccl, else cpu."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -123,12 +137,15 @@ class Mesh:
         self.device_mesh = device_mesh  # torch DeviceMesh when it was used, else None
 
     @classmethod
-    def build(cls, shape: Sequence[int], names: Sequence[str], *, use_device_mesh: bool = True) -> "Mesh":
+    def build(cls, shape: Sequence[int], names: Sequence[str], *, use_device_mesh: bool = True,
+              timeout_s: float | None = None) -> "Mesh":
         """Create the groups of a ``shape`` mesh with axis ``names`` over the default world.
 
         Uses ``torch.distributed.device_mesh.init_device_mesh`` when
         ``use_device_mesh`` (falls back to ``dist.new_group`` if that fails),
-        else ``dist.new_group`` for every group of every axis.
+        else ``dist.new_group`` for every group of every axis. ``timeout_s``
+        bounds every wait on every group (torch's default for a new group is
+        30 minutes whatever the world's is); None keeps torch's default.
         """
         shape, names = tuple(shape), tuple(names)
         if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
@@ -158,6 +175,8 @@ class Mesh:
                 device_mesh = None
         if device_mesh is None:
             groups = mesh._new_groups()
+        if timeout_s is not None:
+            set_timeout(timeout_s, [g for g, s in zip(groups, shape) if s > 1])
         mesh._groups = [g if s > 1 else None for g, s in zip(groups, shape)]
         mesh.device_mesh = device_mesh
         return mesh

@@ -74,12 +74,18 @@ def _failure_report(failed: dict[int, str], results, world_size: int, grace_s: f
     return f"run_distributed: rank {first} of {world_size} failed:\n{failed[first]}{tail}"
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: int = 1) -> list:
+_GRACE_S = 3.0     # how long a rank that exited with code 0 may take to have its result read
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: int = 1,
+                    dead_ok: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
     A rank that raises makes this raise ``RuntimeError`` with that rank and its
-    traceback (the other ranks are killed); a rank that dies without reporting,
-    or a run that exceeds ``timeout`` seconds, raises ``RuntimeError`` / ``TimeoutError``.
+    traceback (the other ranks are killed); a rank that dies without reporting
+    raises ``RuntimeError`` (or, with ``dead_ok``, has the result None while the
+    others are waited for: fault tests), and a run that exceeds ``timeout``
+    seconds ``TimeoutError``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -90,6 +96,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: i
         p.start()
     deadline = time.monotonic() + timeout
     out: dict[int, object] = {}
+    gone: dict[int, float] = {}      # rank -> when its exit counts as dying unreported
     try:
         while len(out) < world_size:
             try:
@@ -100,10 +107,16 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: i
                     raise TimeoutError(
                         f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}): "
                         f"rank(s) {missing} did not finish within {timeout}s (hung in a collective?)") from None
-                dead = [p for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"run_distributed: {dead[0].name} died with exit code {dead[0].exitcode} without reporting")
+                now = time.monotonic()
+                for r, p in enumerate(procs):     # exit code 0: its result may still be in the queue
+                    if r not in out and p.exitcode is not None:
+                        gone.setdefault(r, now + (_GRACE_S if p.exitcode == 0 else 0.0))
+                dead = [r for r, at in gone.items() if r not in out and now >= at]
+                if dead and not dead_ok:
+                    p = procs[dead[0]]
+                    raise RuntimeError(f"run_distributed: {p.name} died with exit code {p.exitcode} without reporting")
+                for r in dead:
+                    out[r] = None
                 continue
             if not ok:
                 raise RuntimeError(_failure_report({rank: payload}, results, world_size))

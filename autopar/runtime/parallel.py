@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import NonFiniteLossError, StrategyError, UnsupportedError
+from ..errors import DistributedError, NonFiniteLossError, StrategyError, UnsupportedError
 from ..pipeline.schedule import Timeline
 from ..spec import ParallelConfig, is_shard, shard_dim
 from . import collectives as C
@@ -172,8 +172,26 @@ class ParallelModule(nn.Module):
     def train_step(self, inputs: Any, target: torch.Tensor) -> float:
         """Forward, backward and optimizer step on this rank; returns the
         global mean loss as a Python float, equal on every rank. Raises
-        :class:`StrategyError` for a batch of another size than the plan's."""
+        :class:`StrategyError` for a batch of another size than the plan's,
+        :class:`NonFiniteLossError` for a NaN / inf loss (unless
+        ``on_nonfinite="skip"``), and :class:`DistributedError` naming this
+        rank and the step when a collective fails (a peer stalled past the
+        timeout, or died)."""
         t0 = time.perf_counter()
+        try:
+            return self._train_step(inputs, target, t0)
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            if not isinstance(e, dist.DistBackendError) and not any(w in first.lower() for w in (
+                    "gloo", "nccl", "timed out", "timeout", "connection closed", "connection reset", "pair closure")):
+                raise
+            where = first.split("] ", 1)[-1] if first.startswith("[") else first
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}, step {len(self.step_times) + 1}: a collective failed after "
+                f"{time.perf_counter() - t0:.1f} s ({where}); another rank stalled past the timeout or died: its "
+                "own error names it") from None
+
+    def _train_step(self, inputs: Any, target: torch.Tensor, t0: float) -> float:
         inputs = tuple(self._local_batch(x).to(self.device) for x in as_tuple(inputs))
         target = self._local_batch(target).to(self.device)
         m = self.config.microbatches

@@ -14,6 +14,7 @@ ranks hold sum their gradients.
 """
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -99,6 +100,8 @@ class PipelineExecutor:
         self.device = device
         self.events: list[Event] = []       # the last step's actions as they ran on this rank
         self.loss_scale = 1.0               # fp16: the backward of the loss is scaled by it
+        #: bound on every receive and send (gloo's blocking receive has none of its own)
+        self.timeout: datetime.timedelta | None = None
 
     def run(self, micro: Sequence[Sequence[torch.Tensor]], t0: float) -> torch.Tensor | None:
         """One step over the microbatches ``micro`` (each the graph inputs in
@@ -114,8 +117,15 @@ class PipelineExecutor:
             start, end = run(step, self.by_stage[v], a.microbatch)
             self.events.append(Event(self.pp_rank, v, a.kind, a.microbatch, a.chunk, start - t0, end - t0))
         for work, _ in step.sends:
-            work.wait()
+            self._wait(work)
         return torch.stack(step.losses).mean() if step.losses else None
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a send or receive, at most :attr:`timeout`."""
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
 
     # -- actions ----------------------------------------------------------------
     def _forward(self, step: _Step, st: StageModule, i: int) -> tuple[float, float]:
@@ -178,10 +188,10 @@ class PipelineExecutor:
         if self._owner(src) == self._owner(st.stage):
             return step.local.pop(key)
         h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(h, self._owner(src), group=self.group, tag=self._tag(*key, 0))
+        self._wait(dist.irecv(h, self._owner(src), group=self.group, tag=self._tag(*key, 0)))
         ndim, code, grad = h[:3].tolist()
         t = torch.empty(h[3:3 + ndim].tolist(), dtype=_DTYPES[code], device=self.device)
-        dist.recv(t, self._owner(src), group=self.group, tag=self._tag(*key, 1))
+        self._wait(dist.irecv(t, self._owner(src), group=self.group, tag=self._tag(*key, 1)))
         return t.requires_grad_(bool(grad))
 
     def _recv_grad(self, step: _Step, st: StageModule, name: str, value: torch.Tensor, i: int) -> torch.Tensor:
@@ -193,7 +203,7 @@ class PipelineExecutor:
                 g = step.local.pop(key)
             else:
                 g = torch.empty_like(value, memory_format=torch.contiguous_format)
-                dist.recv(g, self._owner(c), group=self.group, tag=self._tag(*key, 1))
+                self._wait(dist.irecv(g, self._owner(c), group=self.group, tag=self._tag(*key, 1)))
             total = g if total is None else total + g
         return total
 
