@@ -122,11 +122,14 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
 
 def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
-                     memory_options: bool = True) -> list[ParallelConfig]:
+                     memory_options: bool = True, devices_per_node: int | None = None) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
-    multiple of ``pp`` when interleaved)."""
+    multiple of ``pp`` when interleaved). With ``devices_per_node``, a
+    stage of more devices than a node that are not whole nodes is left out
+    (its groups would straddle nodes, which the cluster model does not
+    describe: 1920 A100 at pp=32 gives stages of 60)."""
     try:
         n_layers = units(graph).layers
     except StrategyError:   # no repeated layers in sequence: nothing to pipeline
@@ -137,6 +140,9 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
         for pp in divisors(devices // tp):
             if pp == 1 or pp > n_layers:
+                continue
+            stage = devices // pp
+            if devices_per_node and stage > devices_per_node and stage % devices_per_node:
                 continue
             dp = devices // (tp * pp)
             if global_batch % dp:
@@ -244,7 +250,8 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
     piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
-                             memory_options=memory_options) if pipeline else []
+                             memory_options=memory_options,
+                             devices_per_node=planner.cluster.devices_per_node) if pipeline else []
     steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "

@@ -1,0 +1,125 @@
+"""Every GPT shape of Megatron-LM's Table 1 planned on its published GPU count.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: ten GPT
+models from 1.7B to 1T parameters (sequence 2048, vocabulary 51,200) on 32 to
+3072 A100 GPUs, with the tensor / pipeline sizes, global batch and measured
+teraFLOP/s per GPU the paper reports.
+
+For each row, ``autopar.plan`` searches the full space on ``dgx-a100-80g``
+(zoo string to plan; planning time, chosen strategy, predicted TFLOP/s per
+GPU), and ``autopar.evaluate`` predicts the published configuration (its tp
+and pp, dp = GPUs / (tp x pp), microbatch size 1, 1F1B, full recompute as the
+paper's runs used, bf16). Two of these requests used to crash the planner
+(issue 17): 145B on 1536 GPUs tried sequence parallelism with tp=3, and
+310B / 530B tried pipeline stages of 60 and 72 GPUs straddling nodes.
+
+    python -m benchmarks.megatron_table1 [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, NamedTuple
+
+from rich.console import Console
+
+import autopar
+
+from .common import timed_run
+
+NAME = "megatron_table1"
+CLUSTER = "dgx-a100-80g"
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Row(NamedTuple):
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float       # achieved teraFLOP/s per GPU, as published
+
+    @property
+    def spec(self) -> str:
+        return f"gpt:layers={self.layers},hidden={self.hidden},heads={self.heads},seq=2048,vocab=51200"
+
+    @property
+    def published(self) -> str:
+        dp = self.gpus // (self.tp * self.pp)
+        m = self.batch // dp
+        pipe = f",pp={self.pp},schedule=1f1b" if self.pp > 1 else ""
+        return f"dp={dp},tp={self.tp}{pipe},microbatches={m},recompute=full,precision=bf16"
+
+
+TABLE1 = [
+    Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    Row("18B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Row("39B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    Row("76B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Row("145B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    Row("310B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Row("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    Row("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def plan_row(row: Row) -> dict[str, Any]:
+    """Plan one row from its zoo string; evaluate its published configuration."""
+    t0 = time.perf_counter()
+    p = autopar.plan(row.spec, cluster=CLUSTER, devices=row.gpus, global_batch=row.batch)
+    took = time.perf_counter() - t0
+    pub = autopar.evaluate(row.spec, cluster=CLUSTER, devices=row.gpus, global_batch=row.batch,
+                           strategy=row.published)
+    return {"model": row.name, "gpus": row.gpus, "batch": row.batch, "plan_s": took, "strategy": p.strategy,
+            "predicted_tflops": p.predicted["tflops_per_device"], "published": row.published,
+            "published_predicted_tflops": pub.tflops_per_device, "published_fits": pub.fits,
+            "published_measured_tflops": row.tflops}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    rows = TABLE1[:4] if quick else TABLE1
+    records = []
+    for row in rows:
+        rec = plan_row(row)
+        console.print(f"{row.name:>5} on {row.gpus:>4} GPUs: {rec['plan_s']:5.1f} s  {rec['strategy']}  "
+                      f"{rec['predicted_tflops']:.0f} TFLOP/s (published config: predicted "
+                      f"{rec['published_predicted_tflops']:.0f}, measured {row.tflops:.0f})")
+        records.append(rec)
+    return {
+        "title": "Megatron-LM Table 1 shapes planned on their published GPU counts",
+        "description": (
+            "Each GPT of Narayanan et al. 2021 (arXiv:2104.04473) Table 1, planned by `autopar.plan` over the full "
+            "search space on dgx-a100-80g from its zoo string (cold, one process), and the paper's own "
+            "configuration (its tp and pp, microbatch size 1, 1F1B, full recompute, bf16) predicted by "
+            "`autopar.evaluate`, beside the teraFLOP/s per GPU the paper measured."),
+        "params": {"cluster": CLUSTER, "rows": [r._asdict() for r in rows]},
+        "table": {"columns": ["model", "GPUs", "batch", "plan s", "autopar's plan", "predicted TFLOP/s",
+                              "published config", "its predicted TFLOP/s", "fits", "published TFLOP/s"],
+                  "rows": [[r["model"], r["gpus"], r["batch"], round(r["plan_s"], 1), r["strategy"],
+                            round(r["predicted_tflops"]), r["published"], round(r["published_predicted_tflops"]),
+                            r["published_fits"], r["published_measured_tflops"]] for r in records]},
+        "records": records,
+    }
+
+
+def main(quick: bool = False, save_result: bool = True) -> dict[str, Any]:
+    return timed_run(NAME, lambda: run(quick), quick, save_result=save_result, log=console.print)
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the four smallest rows only")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    main(quick=args.quick, save_result=not args.no_save)
+
+
+if __name__ == "__main__":
+    cli()
