@@ -98,10 +98,16 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     if on_nonfinite not in ("raise", "skip"):
         raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
+    if optimizer is not None and not callable(optimizer):
+        raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
+                            f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
     rank, world = init_process_group(backend, timeout_s=timeout_s)
     inputs = as_tuple(example_inputs)
     target = _example_target(inputs, example_target)
     graph = trace(model, inputs, loss_fn=loss_fn, target=target)
+    check_loss(graph)
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
@@ -136,9 +142,53 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
+
+
+def check_loss(graph: Graph) -> None:
+    """The traced program must end in one number: a loss that is not reduced
+    (``reduction='none'``, or no ``loss_fn`` on a model returning a tensor)
+    cannot be back-propagated as a training loss."""
+    out = graph[graph.output] if graph.output else None
+    if out is None or out.out is None:
+        return
+    numel = 1
+    for n in out.out.shape:
+        numel *= n
+    if numel != 1:
+        raise StrategyError(f"the loss has shape {tuple(out.out.shape)}, not a single number: make loss_fn return "
+                            "the mean (e.g. F.cross_entropy(..., reduction='mean')); without loss_fn the model's "
+                            "output is taken as the loss")
+
+
+def example_specs(graph: Graph, inputs: tuple, target: Any) -> tuple[list, tuple | None]:
+    """What :meth:`ParallelModule.check_batch` compares a batch with: per
+    input and for the target, its traced shape, dtype and, for token ids, the
+    rows of the embedding (the classes of the cross-entropy) they index."""
+    rows: dict[str, int] = {}
+    for nd in graph.nodes:
+        if nd.kind not in ("embedding", "cross_entropy"):
+            continue
+        if nd.kind == "embedding":
+            w = next((graph[i] for i in nd.inputs if graph[i].is_state), None)
+            ids = [i for i in nd.inputs if not graph[i].is_state]
+            n = w.out.shape[0] if w is not None and w.out is not None else None
+        else:
+            ids = nd.inputs[1:2]
+            logits = graph[nd.inputs[0]].out
+            n = logits.shape[1] if logits is not None and len(logits.shape) > 1 else None
+        for i in ids:
+            while graph[i].kind in ("view", "transpose") and graph[i].inputs:   # through reshapes
+                i = graph[i].inputs[0]
+            if n is not None and graph[i].kind == "input":
+                rows[i] = n
+    names = [n for n in graph.inputs]
+    specs = [(tuple(t.shape), t.dtype, rows.get(name)) if isinstance(t, torch.Tensor) else ((), torch.float32, None)
+             for t, name in zip([*inputs, target], names + [None] * (len(inputs) + 1 - len(names)))]
+    return specs[:len(inputs)], (specs[len(inputs)] if isinstance(target, torch.Tensor) else None)
 
 
 def default_cluster() -> str:

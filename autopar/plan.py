@@ -193,8 +193,10 @@ class Plan:
             d = json.loads(p.read_text())
         except FileNotFoundError:
             raise PlanError(f"plan file {str(p)!r} does not exist") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(f"plan file {str(p)!r} is not valid JSON: {e}") from None
+        except OSError as e:      # a directory, no permission
+            raise PlanError(f"plan file {str(p)!r} cannot be read: {e.strerror or e}") from None
         return cls.from_dict(d, where=f"plan file {str(p)!r}")
 
     def check_graph(self, graph: Any) -> None:

@@ -273,6 +273,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
             raise TraceError("loss_fn was given without an example target to trace it with")
         root = with_loss(model, loss_fn, len(example_inputs))
         args = example_inputs + (target,)
+    args = _unaliased(args)
     if frontend not in ("auto", "fx", "export"):
         raise TraceError(f"unknown frontend {frontend!r}; valid: 'auto', 'fx', 'export'")
 
@@ -290,6 +291,25 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
         if fx_error:
             raise TraceError(f"{fx_error}\n  and torch.export failed too: {e}") from None
         raise
+
+
+def _unaliased(args: tuple) -> tuple:
+    """``args`` with every tensor sharing storage with an earlier one cloned:
+    torch.export merges inputs that are one tensor, so an LM traced with its
+    token ids as the example target (``target=ids``) read the target where
+    the model reads its input, and trained on the wrong tensor."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and not a.is_meta and a.numel():
+            key = (a.untyped_storage().data_ptr(), a.untyped_storage().nbytes())
+            if key in seen:
+                a = a.clone()
+            seen.add(key)
+        elif isinstance(a, torch.Tensor) and a.is_meta:
+            a = a.clone() if any(a is b for b in out) else a
+        out.append(a)
+    return tuple(out)
 
 
 def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:

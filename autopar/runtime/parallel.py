@@ -134,6 +134,10 @@ class ParallelModule(nn.Module):
         #: what a NaN / inf loss does (not with fp16, whose loss scaler skips such steps itself):
         #: "raise" (NonFiniteLossError, the update not applied) or "skip" (the step is dropped)
         self.on_nonfinite = "raise"
+        #: per input, then the target: (traced shape, dtype, embedding rows for token ids or None);
+        #: set by parallelize, checked by train_step (None: unchecked)
+        self.example_inputs: list[tuple[tuple[int, ...], torch.dtype, int | None]] | None = None
+        self.example_target: tuple[tuple[int, ...], torch.dtype, int | None] | None = None
         self.pipeline = pipeline
         self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
         if pipeline is not None:
@@ -191,8 +195,39 @@ class ParallelModule(nn.Module):
                 f"{time.perf_counter() - t0:.1f} s ({where}); another rank stalled past the timeout or died: its "
                 "own error names it") from None
 
+    def check_batch(self, inputs: tuple, target: Any) -> None:
+        """Refuse a batch unlike the example the model was traced with, in
+        one line, before any rank runs it: a list instead of a tuple is fine;
+        another count, a non-tensor, another dtype kind (float tokens), other
+        sizes past the batch dim, token ids outside an embedding's rows."""
+        if not isinstance(target, torch.Tensor):
+            raise StrategyError(f"train_step: the target must be a tensor, got {type(target).__name__}")
+        if len(inputs) != len(self.example_inputs):
+            raise StrategyError(f"train_step: {len(inputs)} input(s), but the model was traced with "
+                                f"{len(self.example_inputs)}")
+        given = (*inputs, target) if self.example_target is not None else inputs
+        for i, (x, (shape, dtype, rows)) in enumerate(zip(given, (*self.example_inputs, self.example_target))):
+            what = f"input {i}" if i < len(inputs) else "the target"
+            if not isinstance(x, torch.Tensor):
+                raise StrategyError(f"train_step: {what} must be a tensor, got {type(x).__name__}")
+            if x.dim() != len(shape) or tuple(x.shape[1:]) != shape[1:]:
+                want = "(batch" + "".join(f", {n}" for n in shape[1:]) + ")"
+                raise StrategyError(f"train_step: {what} has shape {tuple(x.shape)}, but the model was traced "
+                                    f"with {want}; the plan's shapes are fixed past the batch dim")
+            if x.is_floating_point() != dtype.is_floating_point:
+                raise StrategyError(f"train_step: {what} is {x.dtype}, but the model was traced with {dtype}")
+            # token ids past an embedding's rows (the target: past the classes; negative ones may be ignored)
+            low = 0 if i < len(inputs) else None
+            if rows is not None and x.numel() and (int(x.max()) >= rows or low is not None and int(x.min()) < low):
+                kind = "embedding's rows" if i < len(inputs) else "loss's classes"
+                raise StrategyError(f"train_step: {what} holds ids in [{int(x.min())}, {int(x.max())}], outside "
+                                    f"the {kind} (0..{rows - 1})")
+
     def _train_step(self, inputs: Any, target: torch.Tensor, t0: float) -> float:
-        inputs = tuple(self._local_batch(x).to(self.device) for x in as_tuple(inputs))
+        inputs = as_tuple(inputs)
+        if self.example_inputs is not None:
+            self.check_batch(inputs, target)
+        inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
         target = self._local_batch(target).to(self.device)
         m = self.config.microbatches
         expected = self.global_batch // self.config.dp
