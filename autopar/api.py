@@ -26,7 +26,7 @@ from .search.planner import Planner, PlannerState, SearchRecord, Sharder
 from .sharding import AxisSharding, track_batch
 from .spec import ParallelConfig, parse_strategy
 from .spec.placement import R
-from .strategies.rules import Strategy
+from .strategies.rules import Strategy, grouped_warnings
 from .trace import trace
 
 ModelLike = "nn.Module | str | Graph"
@@ -119,7 +119,7 @@ def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: i
     check_batch(graph, global_batch)
     cfg = _config(strategy, devices)
     planner = planner_for(graph, cluster, optimizer, precision, devices=devices, global_batch=global_batch)
-    with _cluster_errors():   # as written: Megatron placements, equal pipeline stages
+    with _cluster_errors(), grouped_warnings():   # as written: Megatron placements, equal pipeline stages
         return planner.evaluate(cfg, layers="even")
 
 
@@ -275,7 +275,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
     planner = Planner(graph, spec, global_batch=global_batch, devices=devices, optimizer=optimizer,
                       precision=precision, mode=SEARCH_MODES[search_mode] if search_mode else "grid",
                       pins=tuple(pins), state=state, solver=solver)
-    with _cluster_errors(), _pin_errors(graph, user_pins):
+    with _cluster_errors(), _pin_errors(graph, user_pins), grouped_warnings():
         spec.check_devices(devices)
         if strategy == "auto":
             res = search_grid(planner, memory_options=memory_options, progress=progress)

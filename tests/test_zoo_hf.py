@@ -186,3 +186,18 @@ def test_llama3_8b_plans_on_32_h100():
     assert p.graph.num_params == pytest.approx(8.03e9, rel=0.01)
     assert p.config.devices == 32
     assert p.data["predicted"]["fits"]
+
+
+def test_ops_without_a_rule_are_named_in_one_warning(graphs):
+    """A Hugging Face model's mask code has several ops without a sharding rule:
+    one warning names them all (issue 18: one warning and source line each)."""
+    import autopar.strategies.rules as rules
+    rules._warned.clear()
+    spec = TINY["hf-llama"][0]
+    z = zoo.build_for_planning(spec)
+    g = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.plan(g, cluster="cpu", devices=4, global_batch=8, strategy="tp=4")
+    mine = [str(w.message) for w in caught if "sharding rule" in str(w.message)]
+    assert len(mine) == 1 and "cumsum" in mine[0] and "diff" in mine[0], mine

@@ -10,9 +10,10 @@ one record there, a new kind one record there plus one rule here.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .. import ops
 from ..graph import STATE_KINDS, Node
@@ -483,6 +484,26 @@ def _source(ctx: Ctx) -> list[Strategy]:
 
 
 _warned: set[str] = set()
+_pending: list[str] | None = None     # inside grouped_warnings(): the ops to name in one warning
+
+
+@contextlib.contextmanager
+def grouped_warnings() -> Iterator[None]:
+    """Name every op without a sharding rule met inside in one warning at the
+    end (a Hugging Face model has a dozen such ops in its mask code: one line
+    each, with a source line each, buried the output)."""
+    global _pending
+    if _pending is not None:      # nested: the outer one reports
+        yield
+        return
+    _pending = []
+    try:
+        yield
+    finally:
+        names, _pending = _pending, None
+        if names:
+            warnings.warn(f"autopar: no sharding rule for {len(names)} op kind(s), run replicated: "
+                          f"{', '.join(sorted(names))}", stacklevel=3)
 
 
 def has_rule(kind: str) -> bool:
@@ -499,8 +520,11 @@ def candidates(ctx: Ctx) -> list[Strategy]:
         key = f"{ctx.node.kind}:{ctx.node.target}"
         if key not in _warned and ctx.n > 1:
             _warned.add(key)
-            warnings.warn(f"autopar: no sharding rule for op {ctx.node.target!r} (node {ctx.node.name}, "
-                          f"kind {ctx.node.kind}); it runs replicated", stacklevel=3)
+            if _pending is not None:
+                _pending.append(str(ctx.node.target))
+            else:
+                warnings.warn(f"autopar: no sharding rule for op {ctx.node.target!r} (node {ctx.node.name}, "
+                              f"kind {ctx.node.kind}); it runs replicated", stacklevel=3)
         return _replicated(ctx)
     return rule(ctx)
 
