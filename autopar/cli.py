@@ -421,13 +421,16 @@ def trace(
     """Trace a model and summarise its graph: nodes, parameters, FLOPs, repeated layers, op kinds."""
     graph = _load_graph(model, quiet=as_json)
     s = graph.summary()
-    s["frontend"] = graph.frontend
     if as_json:
         _echo_json(s)
         return
+    front = s["frontend"]
+    if s.get("fallback_reason"):    # what happened and what it costs: only tracing time, every strategy runs
+        front += (f" (symbolic torch.fx failed: {escape(s['fallback_reason'].splitlines()[0])}; torch.export "
+                  "traced it instead, slower to trace, every strategy runs)")
     out.print(_kv_table("autopar trace", [
         ("model", escape(s["name"])),
-        ("frontend", s["frontend"]),
+        ("frontend", front),
         ("nodes", str(s["nodes"])),
         ("parameters", f"{_count(s['params'])}  ({s['params']:,})"),
         ("forward FLOPs", f"{_count(s['forward_flops'])}  (example batch {s['batch_size']})"),

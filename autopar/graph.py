@@ -144,6 +144,8 @@ class Graph:
     #: tracer knows it exactly (torch.export with a symbolic batch size); None: inferred
     #: by following the batch through the op rules (:func:`autopar.sharding.batch_dims`)
     traced_batch_dims: dict[str, int | None] | None = field(default=None, repr=False, compare=False)
+    #: why symbolic torch.fx could not trace the model, when torch.export did ("" otherwise)
+    fallback_reason: str = field(default="", repr=False, compare=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
     #: analyses derived from the graph alone (needs_grad, the batch dims, the pipeline
     #: units, ...), filled by :meth:`memo`; the one place later stages keep state on a graph
@@ -250,4 +252,6 @@ class Graph:
                        for g in self.groups],
             "kinds": dict(sorted(kinds.items())),
             "fingerprint": self.fingerprint,
+            "frontend": self.frontend,
+            **({"fallback_reason": self.fallback_reason} if self.fallback_reason else {}),
         }

@@ -286,7 +286,10 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
                 raise
             fx_error = str(e)
     try:
-        return _trace_export(root, args, name)
+        graph = _trace_export(root, args, name)
+        if fx_error:
+            graph.fallback_reason = fx_error
+        return graph
     except TraceError as e:
         if fx_error:
             raise TraceError(f"{fx_error}\n  and torch.export failed too: {e}") from None

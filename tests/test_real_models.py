@@ -63,6 +63,7 @@ def test_real_models_need_torch_export(model):
     c = MODELS[model]()
     g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
     assert g.frontend == "export"
+    assert g.fallback_reason and g.summary()["fallback_reason"] == g.fallback_reason   # why fx failed
     assert g.traced_batch_dims is not None          # the batch size was a symbol
     assert [len(gr.instances) for gr in g.groups] == [c.layers]
 
