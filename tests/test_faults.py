@@ -44,7 +44,7 @@ def _run(rank, world, strategy, fault):
         return type(e).__name__, time.monotonic() - t0, str(e)
 
 
-@pytest.mark.parametrize("strategy,world", [("dp=2,tp=2", 4), ("pp=2,microbatches=2", 2)])
+@pytest.mark.parametrize("strategy,world", [("dp=2,tp=2", 4)])
 def test_a_stalled_rank_does_not_hold_the_others(strategy, world):
     results = run_distributed(_run, world, strategy, "stall", timeout=120)
     for rank, (what, took, msg) in enumerate(results[:-1]):
@@ -54,7 +54,7 @@ def test_a_stalled_rank_does_not_hold_the_others(strategy, world):
 
 
 def test_a_killed_rank_does_not_hold_the_others():
-    results = run_distributed(_run, 4, "dp=2,tp=2", "kill", timeout=120, dead_ok=True)
+    results = run_distributed(_run, 2, "pp=2,microbatches=2", "kill", timeout=120, dead_ok=True)
     assert results[-1] is None          # SIGKILLed
     for rank, (what, took, msg) in enumerate(results[:-1]):
         assert what == "DistributedError", (rank, what, msg)

@@ -16,38 +16,38 @@ def _loss(out, target):
     return ((out - target) ** 2).mean()
 
 
-def _run(rank, world, strategy, mode):
+def _run(rank, world, strategy):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     x, t = torch.randn(8, 8), torch.randn(8, 4)
     pm = autopar.parallelize(model, (x,), loss_fn=_loss, example_target=t, strategy=strategy,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), on_nonfinite=mode)
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     pm.train_step((x,), t)
-    before = {k: v.clone() for k, v in pm.full_state_dict().items()}
     bad = x.clone()
     bad[0, 0] = float("nan")     # one sample on one data-parallel rank: every rank must agree
-    try:
-        loss = pm.train_step((bad,), t)
-        outcome = ("skipped", loss != loss, pm.skipped_steps)
-    except NonFiniteLossError as e:
-        outcome = ("raised", str(e))
-    after = pm.full_state_dict()
-    same = all(torch.equal(before[k], after[k]) for k in before)
-    return outcome, same, pm.train_step((x,), t)      # and training goes on
+    out = {}
+    for mode in ("raise", "skip"):
+        pm.on_nonfinite = mode
+        before = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        try:
+            loss = pm.train_step((bad,), t)
+            outcome = ("skipped", loss != loss, pm.skipped_steps)
+        except NonFiniteLossError as e:
+            outcome = ("raised", str(e))
+        after = pm.full_state_dict()
+        out[mode] = (outcome, all(torch.equal(before[k], after[k]) for k in before))
+    out["next"] = pm.train_step((x,), t)      # and training goes on
+    return out
 
 
-@pytest.mark.parametrize("strategy", ["dp=2", "tp=2"])
-def test_nonfinite_loss_raises_on_every_rank(strategy):
-    for outcome, same, next_loss in run_distributed(_run, 2, strategy, "raise"):
+def test_nonfinite_loss_raises_or_skips_on_every_rank():
+    for res in run_distributed(_run, 4, "dp=2,tp=2"):
+        (outcome, same) = res["raise"]
         assert outcome[0] == "raised" and "step 2" in outcome[1] and "nan" in outcome[1]
-        assert same and next_loss == next_loss
-
-
-def test_nonfinite_loss_skipped_when_asked():
-    for outcome, same, next_loss in run_distributed(_run, 2, "dp=2", "skip"):
-        assert outcome == ("skipped", True, 1)
-        assert same and next_loss == next_loss
+        assert same
+        assert res["skip"] == (("skipped", True, 1), True)
+        assert res["next"] == res["next"]
 
 
 def test_on_nonfinite_is_checked():
