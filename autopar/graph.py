@@ -144,6 +144,8 @@ class Graph:
     #: tracer knows it exactly (torch.export with a symbolic batch size); None: inferred
     #: by following the batch through the op rules (:func:`autopar.sharding.batch_dims`)
     traced_batch_dims: dict[str, int | None] | None = field(default=None, repr=False, compare=False)
+    #: the keys of a keyword batch (``model(**batch)``), in the order of the graph's inputs; None: positional
+    input_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     #: why symbolic torch.fx could not trace the model, when torch.export did ("" otherwise)
     fallback_reason: str = field(default="", repr=False, compare=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)

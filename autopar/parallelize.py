@@ -49,7 +49,7 @@ from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import scaled_shapes
 from .spec import ParallelConfig, parse_strategy
-from .trace import trace
+from .trace import keyword_inputs, trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_pipeline",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
@@ -104,15 +104,19 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if not any(p.requires_grad for p in model.parameters()):
         raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
     rank, world = init_process_group(backend, timeout_s=timeout_s)
+    keys = None
+    if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
+        example_inputs, example_target, keys = keyword_inputs(example_inputs, example_target, loss_fn)
     inputs = as_tuple(example_inputs)
     target = _example_target(inputs, example_target)
-    graph = trace(model, inputs, loss_fn=loss_fn, target=target)
+    traced_inputs = dict(zip(keys, inputs)) if keys else inputs
+    graph = trace(model, traced_inputs, loss_fn=loss_fn, target=target)
     check_loss(graph)
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
     check_runnable(graph, cfg)
-    graph = retrace_in_precision(graph, model, inputs, loss_fn, target, cfg)
+    graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
@@ -143,6 +147,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
     pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
+    pm.input_keys = keys
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
@@ -265,7 +270,7 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
 
 
-def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple, loss_fn: Any, target: Any,
+def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,
                          cfg: ParallelConfig) -> Graph:
     """``graph``, or with bf16 / fp16 on a torch.export graph, the model
     traced again with its floating parameters, buffers and inputs in that
@@ -287,7 +292,9 @@ def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple, loss_fn:
             t.data = data.to(low)
         for mod, name, b in buffers:
             mod._buffers[name] = b.to(low)
-        cast = tuple(x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+        def low_(x: Any) -> Any:
+            return x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        cast = {k: low_(x) for k, x in inputs.items()} if isinstance(inputs, dict) else tuple(map(low_, inputs))
         return trace(model, cast, loss_fn=loss_fn, target=target, frontend="export", name=graph.name)
     finally:
         for t, data in params:

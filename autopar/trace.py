@@ -206,6 +206,10 @@ def check_loss_fn(loss_fn: Any) -> None:
                      f"model's own loss (model(*inputs, labels=target).loss); got {loss_fn!r}")
 
 
+def _no_loss(out: Any) -> Any:
+    return out
+
+
 def _model_loss(out: Any) -> Any:
     loss = getattr(out, "loss", None)
     if loss is None:
@@ -214,19 +218,28 @@ def _model_loss(out: Any) -> Any:
     return loss
 
 
-def with_loss(model: nn.Module, loss_fn: Callable | str, n_inputs: int) -> _WithLoss:
+def with_loss(model: nn.Module, loss_fn: Callable | str | None, n_inputs: int,
+              keys: tuple[str, ...] | None = None) -> _WithLoss:
     """Wrap ``model`` and ``loss_fn`` into one module taking ``(*inputs, target)``
-    (``loss_fn="labels"``: the model's own ``model(*inputs, labels=target).loss``).
+    (``loss_fn="labels"``: the model's own ``model(*inputs, labels=target).loss``;
+    ``None``: just ``(*inputs)``, the model's output). With ``keys`` the model
+    is called with keyword inputs, ``model(key_0=input_0, ...)``.
 
     fx cannot trace ``*args`` and reads ``forward`` from the class, so the
     class is made with one named argument per model input plus ``target``."""
     check_loss_fn(loss_fn)
     names = [f"input_{i}" for i in range(n_inputs)]
-    body = (f"self.loss_fn(self.model({', '.join(names)}, labels=target))" if loss_fn == MODEL_LOSS
-            else f"self.loss_fn(self.model({', '.join(names)}), target)")
+    call = ", ".join(f"{k}={n}" for k, n in zip(keys, names)) if keys else ", ".join(names)
+    if loss_fn is None:
+        body, params = f"self.model({call})", names
+        loss_fn = _no_loss
+    else:
+        body = (f"self.loss_fn(self.model({call}, labels=target))" if loss_fn == MODEL_LOSS
+                else f"self.loss_fn(self.model({call}), target)")
+        params = names + ["target"]
     if loss_fn == MODEL_LOSS:
         loss_fn = _model_loss
-    src = (f"def forward(self, {', '.join(names + ['target'])}):\n"
+    src = (f"def forward(self, {', '.join(params)}):\n"
            f"    return {body}\n")
     scope: dict[str, Any] = {}
     exec(src, scope)  # noqa: S102 - a fixed template, no user text
@@ -261,6 +274,9 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
         raise TraceError(f"expected an nn.Module or a zoo string, got {type(model).__name__}")
     if example_inputs is None:
         raise TraceError("example_inputs are required to trace an nn.Module (a tuple of tensors)")
+    keys: tuple[str, ...] | None = None
+    if isinstance(example_inputs, dict):     # model(**batch), the Hugging Face way
+        example_inputs, target, keys = keyword_inputs(example_inputs, target, loss_fn)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -271,9 +287,33 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     if loss_fn is not None:
         if target is None:
             raise TraceError("loss_fn was given without an example target to trace it with")
-        root = with_loss(model, loss_fn, len(example_inputs))
+        root = with_loss(model, loss_fn, len(example_inputs), keys)
         args = example_inputs + (target,)
+    elif keys is not None:
+        root = with_loss(model, None, len(example_inputs), keys)
     args = _unaliased(args)
+    graph = _trace_frontends(root, args, name, frontend)
+    graph.input_keys = keys
+    return graph
+
+
+def keyword_inputs(batch: dict, target: Any, loss_fn: Any) -> tuple[tuple, Any, tuple[str, ...]]:
+    """A keyword batch (``model(**batch)``) as positional inputs in the
+    batch's key order, the target and the keys. With ``loss_fn="labels"``
+    and no target, the batch's ``labels`` are the target."""
+    batch = dict(batch)
+    bad = [k for k in batch if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise TraceError(f"a keyword batch needs identifier keys (model(**batch)); got {bad}")
+    if target is None and loss_fn == MODEL_LOSS and "labels" in batch:
+        target = batch.pop("labels")
+    if not batch:
+        raise TraceError("the keyword batch holds no model inputs")
+    return tuple(batch.values()), target, tuple(batch)
+
+
+def _trace_frontends(root: nn.Module, args: tuple, name: str, frontend: str) -> Graph:
+    """torch.fx first (``frontend="auto"``), torch.export when fx fails, or the one asked for."""
     if frontend not in ("auto", "fx", "export"):
         raise TraceError(f"unknown frontend {frontend!r}; valid: 'auto', 'fx', 'export'")
 

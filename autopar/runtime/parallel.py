@@ -138,6 +138,8 @@ class ParallelModule(nn.Module):
         #: set by parallelize, checked by train_step (None: unchecked)
         self.example_inputs: list[tuple[tuple[int, ...], torch.dtype, int | None]] | None = None
         self.example_target: tuple[tuple[int, ...], torch.dtype, int | None] | None = None
+        #: the keys of a keyword batch the model was traced with (model(**batch)); None: positional
+        self.input_keys: tuple[str, ...] | None = None
         self.pipeline = pipeline
         self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
         if pipeline is not None:
@@ -173,7 +175,25 @@ class ParallelModule(nn.Module):
                                    "model, which run together in train_step(inputs, target)")
         return self.program(*inputs_and_target)
 
-    def train_step(self, inputs: Any, target: torch.Tensor) -> float:
+    def positional(self, inputs: Any, target: Any) -> tuple[tuple, Any]:
+        """A batch as the program takes it: a keyword batch (``model(**batch)``,
+        its ``labels`` the target when none is given) in the traced key order."""
+        if not isinstance(inputs, dict):
+            return as_tuple(inputs), target
+        if self.input_keys is None:
+            raise StrategyError("train_step got a keyword batch, but the model was traced with positional inputs; "
+                                "pass the batch to parallelize as a dict too")
+        batch = dict(inputs)
+        if target is None and "labels" in batch and "labels" not in self.input_keys:
+            target = batch.pop("labels")
+        missing = [k for k in self.input_keys if k not in batch]
+        extra = [k for k in batch if k not in self.input_keys]
+        if missing or extra:
+            raise StrategyError(f"train_step: the batch's keys {sorted(batch)} are not the traced ones "
+                                f"{list(self.input_keys)}")
+        return tuple(batch[k] for k in self.input_keys), target
+
+    def train_step(self, inputs: Any, target: torch.Tensor | None = None) -> float:
         """Forward, backward and optimizer step on this rank; returns the
         global mean loss as a Python float, equal on every rank. Raises
         :class:`StrategyError` for a batch of another size than the plan's,
@@ -224,7 +244,9 @@ class ParallelModule(nn.Module):
                                     f"the {kind} (0..{rows - 1})")
 
     def _train_step(self, inputs: Any, target: torch.Tensor, t0: float) -> float:
-        inputs = as_tuple(inputs)
+        inputs, target = self.positional(inputs, target)
+        if target is None:
+            raise StrategyError("train_step needs a target (or a keyword batch holding 'labels')")
         if self.example_inputs is not None:
             self.check_batch(inputs, target)
         inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
