@@ -71,3 +71,20 @@ def test_keyword_batch_errors():
                                      example_target=batch["labels"], strategy="dp=1")
     with pytest.raises(StrategyError, match="traced with positional inputs"):
         positional.train_step(batch)
+
+
+def _eval(rank, world, strategy):
+    warnings.simplefilter("ignore")
+    model, batch = _bert()
+    ref = model(**batch).loss.item()
+    pm = autopar.parallelize(model, batch, loss_fn="labels", strategy=strategy,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    before = pm.full_state_dict()
+    got = pm.eval_step(batch)
+    after = pm.full_state_dict()
+    return ref, got, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_eval_step_is_the_loss_without_an_update():
+    for ref, got, unchanged in run_distributed(_eval, 4, "dp=2,tp=2"):
+        assert got == pytest.approx(ref, rel=1e-5) and unchanged

@@ -309,6 +309,35 @@ class ParallelModule(nn.Module):
                 f"inputs and the learning rate, or pass on_nonfinite='skip' to parallelize() to skip such steps")
         self.skipped_steps += 1
 
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, target: torch.Tensor | None = None) -> float:
+        """The global mean loss of one batch without a backward or an update
+        (a keyword batch as for :meth:`train_step`), equal on every rank.
+        It runs the traced program: ops traced in training mode (dropout)
+        stay so, as ``model.eval()`` cannot change a traced graph; trace with
+        dropout 0 to evaluate exactly. Not with a pipeline yet
+        (:class:`UnsupportedError`)."""
+        if self.pipeline is not None:
+            raise UnsupportedError("eval_step with a pipeline (pp > 1) is not supported yet: its stages run only "
+                                   "in train_step's schedule")
+        inputs, target = self.positional(inputs, target)
+        if target is None:
+            raise StrategyError("eval_step needs a target (or a keyword batch holding 'labels')")
+        if self.example_inputs is not None:
+            self.check_batch(inputs, target)
+        inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
+        if self.compute_dtype != torch.float32:
+            inputs = tuple(x.to(self.compute_dtype) if x.is_floating_point() else x for x in inputs)
+        target = self._local_batch(target).to(self.device)
+        m = self.config.microbatches
+        total = torch.zeros((), device=self.device)
+        for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
+            total += self.program(*xs, tg).float() / m
+        if self.config.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.config.dp
+        return float(total)
+
     # -- inspection -----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights, keyed like the original model's ``state_dict()``
