@@ -243,21 +243,26 @@ class ParallelModule(nn.Module):
                 raise StrategyError(f"train_step: {what} holds ids in [{int(x.min())}, {int(x.max())}], outside "
                                     f"the {kind} (0..{rows - 1})")
 
-    def _train_step(self, inputs: Any, target: torch.Tensor, t0: float) -> float:
+    def _prepare(self, inputs: Any, target: Any, what: str) -> tuple[tuple, torch.Tensor]:
+        """This rank's share of a batch, checked, on its device, in the compute dtype."""
         inputs, target = self.positional(inputs, target)
         if target is None:
-            raise StrategyError("train_step needs a target (or a keyword batch holding 'labels')")
+            raise StrategyError(f"{what} needs a target (or a keyword batch holding 'labels')")
         if self.example_inputs is not None:
             self.check_batch(inputs, target)
         inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
         target = self._local_batch(target).to(self.device)
-        m = self.config.microbatches
         expected = self.global_batch // self.config.dp
         if inputs[0].shape[0] != expected:
             raise StrategyError(f"this plan runs a global batch of {self.global_batch} "
                                 f"({expected} per data-parallel rank); got {inputs[0].shape[0]} per rank")
         if self.compute_dtype != torch.float32:
             inputs = tuple(x.to(self.compute_dtype) if x.is_floating_point() else x for x in inputs)
+        return inputs, target
+
+    def _train_step(self, inputs: Any, target: torch.Tensor, t0: float) -> float:
+        inputs, target = self._prepare(inputs, target, "train_step")
+        m = self.config.microbatches
         dopt = self.dist_optimizer
         if dopt is not None:
             dopt.zero_grad()
@@ -320,15 +325,7 @@ class ParallelModule(nn.Module):
         if self.pipeline is not None:
             raise UnsupportedError("eval_step with a pipeline (pp > 1) is not supported yet: its stages run only "
                                    "in train_step's schedule")
-        inputs, target = self.positional(inputs, target)
-        if target is None:
-            raise StrategyError("eval_step needs a target (or a keyword batch holding 'labels')")
-        if self.example_inputs is not None:
-            self.check_batch(inputs, target)
-        inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
-        if self.compute_dtype != torch.float32:
-            inputs = tuple(x.to(self.compute_dtype) if x.is_floating_point() else x for x in inputs)
-        target = self._local_batch(target).to(self.device)
+        inputs, target = self._prepare(inputs, target, "eval_step")
         m = self.config.microbatches
         total = torch.zeros((), device=self.device)
         for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
