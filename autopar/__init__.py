@@ -10,12 +10,13 @@ __version__ = "0.1.0"
 
 from .api import evaluate, load_cluster, plan, plan_and_record  # noqa: E402
 from .cost import Estimate  # noqa: E402
-from .errors import (AutoparError, ClusterError, CompileError, DistributedError,  # noqa: E402
+from .errors import (AutoparError, CheckpointError, ClusterError, CompileError, DistributedError,  # noqa: E402
                      NoFeasibleStrategyError, NonFiniteLossError, PlanError, StrategyError, TraceError,
                      UnsupportedError, ZooError)
 from .graph import Graph  # noqa: E402
 from .parallelize import parallelize  # noqa: E402  (the function: it shadows its module's name)
 from .plan import Plan  # noqa: E402
+from .runtime.checkpoint import load_full_state_dict  # noqa: E402
 from .search.pins import shard  # noqa: E402
 from .spec import ParallelConfig, parse_strategy  # noqa: E402
 from .trace import trace  # noqa: E402
@@ -24,5 +25,5 @@ __all__ = [
     "trace", "evaluate", "plan", "plan_and_record", "parallelize", "shard", "load_cluster", "Plan", "Graph", "Estimate",
     "ParallelConfig", "parse_strategy", "AutoparError", "TraceError", "ZooError", "StrategyError", "PlanError",
     "ClusterError", "NoFeasibleStrategyError", "NonFiniteLossError", "CompileError", "UnsupportedError",
-    "DistributedError",
+    "DistributedError", "CheckpointError", "load_full_state_dict",
 ]

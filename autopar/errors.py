@@ -48,3 +48,8 @@ class DistributedError(AutoparError, RuntimeError):
 
 class NonFiniteLossError(AutoparError, FloatingPointError):
     """A training step's loss was NaN or infinite (names the step); the update was not applied."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint could not be written or read: a missing or incomplete
+    checkpoint, one of another model, or a failed write (names the path)."""

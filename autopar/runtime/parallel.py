@@ -23,6 +23,7 @@ import torch.nn as nn
 from ..errors import DistributedError, NonFiniteLossError, StrategyError, UnsupportedError
 from ..pipeline.schedule import Timeline
 from ..spec import ParallelConfig, is_shard, shard_dim
+from . import checkpoint
 from . import collectives as C
 from .dist import Mesh, local_device
 from .optim import DistributedOptimizer
@@ -334,6 +335,28 @@ class ParallelModule(nn.Module):
             dist.all_reduce(total, group=self.dp_group)
             total /= self.config.dp
         return float(total)
+
+    # -- checkpoints ----------------------------------------------------------
+    #: steps taken before this module loaded a checkpoint (``steps`` counts them too)
+    start_step = 0
+
+    @property
+    def steps(self) -> int:
+        """Training steps taken, those before the checkpoint it resumed from included."""
+        return self.start_step + len(self.step_times)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> Path:
+        """Save weights, optimizer state (master weights, ZeRO / FSDP2 shards),
+        step count and loss scale to the directory ``path``, in a form any
+        plan or world size loads (collective: every rank calls it); atomic.
+        See :mod:`autopar.runtime.checkpoint`."""
+        return checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
+        """Load a checkpoint written under any plan or world size
+        (collective); ``optimizer=False``: only the weights and step count.
+        Returns its metadata. Raises :class:`~autopar.errors.CheckpointError`."""
+        return checkpoint.load(self, path, optimizer=optimizer)
 
     # -- inspection -----------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
