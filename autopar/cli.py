@@ -28,7 +28,7 @@ from rich.table import Table
 import cost_models
 from cost_models.memory import OPTIMIZERS
 
-from . import __version__
+from . import __version__, units
 from .errors import AutoparError
 
 app = typer.Typer(
@@ -119,25 +119,7 @@ def _echo_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.4g} GiB"
-
-
-def _seconds(s: float) -> str:
-    if s == 0:
-        return "0"
-    if s < 1e-3:
-        return f"{s * 1e6:.3g} µs"
-    if s < 1:
-        return f"{s * 1e3:.4g} ms"
-    return f"{s:.4g} s"
-
-
-def _count(n: float) -> str:
-    for unit, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= k:
-            return f"{n / k:.4g} {unit}"
-    return f"{n:.4g}"
+_gib, _seconds, _count = units.nbytes, units.seconds, units.count     # human units (autopar/units.py)
 
 
 def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
@@ -327,7 +309,7 @@ def evaluate(
         ("  tp comm", _seconds(est.tp_comm_time_s)),
         ("  dp comm", _seconds(est.dp_comm_time_s)),
         ("  optimizer", _seconds(est.optimizer_time_s)),
-        ("throughput", f"{est.tflops_per_device:.4g} TFLOP/s per device"),
+        ("throughput", f"{units.flops_rate(est.tflops_per_device * 1e12)} per device"),
         ("peak memory", f"[bold]{_gib(est.peak_memory_bytes)}[/] of {_gib(est.device_memory_bytes)}  ({fits})"),
     ]
     rows += [(f"  {k}", _gib(v)) for k, v in est.memory.items()]

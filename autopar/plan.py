@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonschema
 
-from . import __version__
+from . import __version__, units
 from .errors import PlanError
 from .spec import PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema
 
@@ -85,13 +85,6 @@ PLAN_SCHEMA: dict[str, Any] = {
         "search": {"type": "object", "required": ["mode"]},
     },
 }
-
-
-def _count(n: float) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.3g} {unit}"
-    return str(int(n))
 
 
 def _round(x: Any) -> Any:
@@ -253,29 +246,35 @@ class Plan:
         t.add_column("value")
         mem = pred.get("memory", {})
         rows = [
-            ("model", f"{d['model']['name']}  ({_count(d['model']['num_params'])} params, "
+            ("model", f"{d['model']['name']}  ({units.count(d['model']['num_params'])} params, "
                       f"fingerprint {d['model']['fingerprint']})"),
             ("cluster", f"{d['cluster']['name']}  x {d['devices']} devices"),
             ("mesh", " x ".join(f"{a}={s}" for a, s in zip(d["mesh"]["axes"], d["mesh"]["shape"]))),
             ("strategy", self.strategy),
             ("global batch", f"{d['global_batch']}  ({d['precision']} precision, {d['optimizer']})"),
-            ("step time", f"{pred['step_time_s']:.4g} s  (compute {pred.get('compute_time_s', 0):.4g} s, "
-                          f"tp comm {pred.get('tp_comm_time_s', 0):.4g} s, dp comm {pred.get('dp_comm_time_s', 0):.4g} s)"),
-            ("throughput", f"{pred['tflops_per_device']:.4g} TFLOP/s per device"),
-            ("peak memory", f"{pred['peak_memory_bytes'] / 2**30:.4g} GiB of "
-                            f"{pred.get('device_memory_bytes', 0) / 2**30:.4g} GiB "
+            ("step time", f"{units.seconds(pred['step_time_s'])}  (compute "
+                          f"{units.seconds(pred.get('compute_time_s', 0))}, tp comm "
+                          f"{units.seconds(pred.get('tp_comm_time_s', 0))}, dp comm "
+                          f"{units.seconds(pred.get('dp_comm_time_s', 0))})"),
+            ("throughput", f"{units.flops_rate(pred['tflops_per_device'] * 1e12)} per device"),
+            ("peak memory", f"{units.nbytes(pred['peak_memory_bytes'])} of "
+                            f"{units.nbytes(pred.get('device_memory_bytes', 0))} "
                             f"({'fits' if pred['fits'] else 'DOES NOT FIT'})"),
         ]
         if mem:
             order = ["weights", "gradients", "optimizer", "activations", "transient"]
             keys = [k for k in order if k in mem] + sorted(k for k in mem if k not in order)
-            rows.append(("memory", ", ".join(f"{k} {mem[k] / 2**30:.3g} GiB" for k in keys)))
+            rows.append(("memory", ", ".join(f"{k} {units.nbytes(mem[k])}" for k in keys)))
         pipe = d.get("pipeline")
         if pipe:
             rows.append(("pipeline", f"{pipe['schedule']}, layers per stage {pipe['layers']}, "
                                      f"bubble {pipe.get('bubble_fraction', 0):.1%}"))
         sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
-        rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors"))
+        par = d["parallel"]
+        zero = {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}
+        by_zero = (f"; ZeRO-{par['zero']} shards {zero[par['zero']]} over dp={par['dp']}"
+                   if par.get("zero") and par.get("dp", 1) > 1 else "")
+        rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors by tp{by_zero}"))
         s = d["search"]
         if s.get("candidates"):
             took = f", {self.planning_time_s:.3g} s" if self.planning_time_s is not None else ""
