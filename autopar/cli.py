@@ -326,6 +326,40 @@ def _param_pattern(name: str) -> str:
 
 
 @app.command()
+def diff(
+    a: Path = typer.Argument(..., help="The plan to compare from (JSON, from `autopar plan --out`)."),
+    b: Path = typer.Argument(..., help="The plan to compare to."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """What changed between two plans, and what it does to the predictions."""
+    from .plan import Plan
+    with _errors():
+        d = Plan.load(a).diff(Plan.load(b))
+    if as_json:
+        _echo_json(d)
+        return
+    rows = [("model", "the same" if d["same_model"] else "DIFFERENT models (fingerprints differ)")]
+    rows += [(k, f"{x} -> {y}") for k, (x, y) in d["request"].items()]
+    rows += [(k, f"{x} -> {y}") for k, (x, y) in d["parallel"].items()] or [("strategy", "the same")]
+    for what in ("params", "ops"):
+        c = d[what]
+        text = f"{c['changed']} of {c['of']} placed otherwise"
+        if c["examples"]:
+            pair = lambda v: ",".join(v) if v else "absent"     # noqa: E731 - (dp, tp) placements
+            text += ", e.g. " + "; ".join(f"{escape(k)} {pair(v[0])} -> {pair(v[1])}"
+                                          for k, v in list(c["examples"].items())[:3])
+        rows.append((what, text))
+    fmt = {"peak_memory_bytes": units.nbytes, "tflops_per_device": lambda v: units.flops_rate(v * 1e12)}
+    label = {"step_time_s": "step time", "compute_time_s": "compute", "tp_comm_time_s": "tp comm",
+             "dp_comm_time_s": "dp comm", "peak_memory_bytes": "peak memory", "tflops_per_device": "per device"}
+    for k, ch in d["predicted"].items():
+        f = fmt.get(k, units.seconds if k.endswith("_s") else str)
+        rel = f"  ({ch['relative']:+.1%})" if "relative" in ch else ""
+        rows.append((label.get(k, k), f"{f(ch['from'])} -> {f(ch['to'])}{rel}"))
+    out.print(_kv_table(f"autopar diff: {escape(str(a))} -> {escape(str(b))}", rows))
+
+
+@app.command()
 def show(
     path: Path = typer.Argument(..., help="A plan JSON file written by `autopar plan --out`."),
     limit: int = typer.Option(20, "--limit", min=0, help="Parameter patterns to list (0: all)."),

@@ -233,6 +233,39 @@ class Plan:
                             f"{' (' + name + ')' if name else ''} has fingerprint {fingerprint}; "
                             "make a new plan for it with autopar.plan(...)")
 
+    def diff(self, other: "Plan") -> dict[str, Any]:
+        """What changes from this plan to ``other``: the model (same
+        fingerprint or not), cluster, devices, global batch, every strategy
+        key that differs, the parameters and ops placed otherwise (counts and
+        a few names), and each prediction's change (absolute and relative)."""
+        a, b = self.data, other.data
+
+        def changed(x: dict, y: dict) -> dict[str, list]:
+            return {k: [x.get(k), y.get(k)] for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)}
+
+        params = changed(a["params"], b["params"])
+        ops = changed({k: v["out"] for k, v in a["ops"].items()}, {k: v["out"] for k, v in b["ops"].items()})
+        pred = {}
+        for k in ("step_time_s", "compute_time_s", "tp_comm_time_s", "dp_comm_time_s", "peak_memory_bytes",
+                  "tflops_per_device", "fits"):
+            x, y = a["predicted"].get(k), b["predicted"].get(k)
+            if x != y:
+                rel = (y - x) / x if isinstance(x, (int, float)) and not isinstance(x, bool) and x else None
+                pred[k] = {"from": x, "to": y, **({"relative": rel} if rel is not None else {})}
+        return {
+            "same_model": a["model"]["fingerprint"] == b["model"]["fingerprint"],
+            "request": changed({k: a[k] for k in ("devices", "global_batch", "precision", "optimizer")} |
+                               {"cluster": a["cluster"]["name"]},
+                               {k: b[k] for k in ("devices", "global_batch", "precision", "optimizer")} |
+                               {"cluster": b["cluster"]["name"]}),
+            "parallel": changed(a["parallel"], b["parallel"]),
+            "params": {"changed": len(params), "of": len(set(a["params"]) | set(b["params"])),
+                       "examples": dict(list(params.items())[:5])},
+            "ops": {"changed": len(ops), "of": len(set(a["ops"]) | set(b["ops"])),
+                    "examples": dict(list(ops.items())[:5])},
+            "predicted": pred,
+        }
+
     # -- presentation ---------------------------------------------------------
     def summary(self) -> str:
         """A readable table of the plan (rich, rendered to text)."""

@@ -175,3 +175,18 @@ def test_pipeline_plan_and_timeline(tmp_path, saved_plan):
     assert png.stat().st_size > 0 and "pipeline" in res.stdout and "bubble" in res.stdout
     assert "no pipeline" in fails("show", saved_plan, "--timeline", tmp_path / "none.png")
     assert "micro_batch_num" in fails("plan", TINY, *WHERE, "--strategy", "pp=4,microbatches=2")
+
+
+def test_diff_two_plans(tmp_path):
+    """issue 18: `autopar diff a.json b.json`: what changed and what it does to the predictions."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    ok("plan", TINY, *WHERE, "--strategy", "dp=2,tp=2", "--out", a)
+    ok("plan", TINY, *WHERE, "--strategy", "dp=4", "--out", b)
+    d = json.loads(ok("diff", a, b, "--json").stdout)
+    assert d["same_model"] and d["parallel"]["dp"] == [2, 4] and d["parallel"]["tp"] == [2, 1]
+    assert 0 < d["params"]["changed"] <= d["params"]["of"] and "step_time_s" in d["predicted"]
+    text = ok("diff", a, b).stdout
+    assert "2 -> 4" in text and "placed otherwise" in text and "step time" in text
+    same = json.loads(ok("diff", a, a, "--json").stdout)
+    assert same["parallel"] == {} and same["params"]["changed"] == 0 and same["predicted"] == {}
+    assert "does not exist" in fails("diff", a, tmp_path / "none.json")
