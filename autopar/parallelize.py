@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
                 seed_broadcast: bool = True, search_mode: str | None = None,
                 shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise",
-                timeout_s: float = 600) -> ParallelModule:
+                timeout_s: float = 600, lr_scheduler: Callable[[Any], Any] | None = None) -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -82,6 +82,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       :class:`NonFiniteLossError` naming the step, its update not applied;
       ``"skip"`` drops the step (``skipped_steps`` counts it). fp16's loss
       scaler skips overflowing steps by itself.
+    * ``lr_scheduler``: a factory ``optimizer -> torch.optim.lr_scheduler``
+      over the optimizer that updates the weights (the master weights under
+      ZeRO or low precision); stepped after every applied update, not after a
+      skipped one.
     * ``timeout_s`` (default 600): every wait of every process group this
       job uses (the world's and each mesh axis's) ends after this many
       seconds: a rank that stalls or dies makes the others raise
@@ -98,6 +102,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     if on_nonfinite not in ("raise", "skip"):
         raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
+                            f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
     if optimizer is not None and not callable(optimizer):
         raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
                             f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
@@ -148,6 +155,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.on_nonfinite = on_nonfinite
     pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
     pm.input_keys = keys
+    if lr_scheduler is not None:
+        pm.lr_scheduler = lr_scheduler(pm.optimizer)
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm

@@ -53,3 +53,31 @@ def test_nonfinite_loss_raises_or_skips_on_every_rank():
 def test_on_nonfinite_is_checked():
     with pytest.raises(StrategyError, match="on_nonfinite"):
         autopar.parallelize(nn.Linear(2, 2), (torch.randn(2, 2),), loss_fn=_loss, on_nonfinite="ignore")
+
+
+def _sched(rank, world, strategy):
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, t = torch.randn(8, 8), torch.randn(8, 4)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = _loss(ref(x), t)
+        loss.backward()
+        opt.step()
+        sched.step()
+        want.append(loss.item())
+    pm = autopar.parallelize(model, (x,), loss_fn=_loss, example_target=t, strategy=strategy,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                             lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    return want, [pm.train_step((x,), t) for _ in range(3)], pm.optimizer.param_groups[0]["lr"]
+
+
+def test_lr_scheduler_steps_with_the_updates():
+    for want, got, lr in run_distributed(_sched, 2, "dp=2,zero=1"):
+        assert got == pytest.approx(want, rel=1e-5) and lr == pytest.approx(0.1 * 0.5 ** 3)

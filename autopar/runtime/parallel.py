@@ -141,6 +141,8 @@ class ParallelModule(nn.Module):
         self.example_target: tuple[tuple[int, ...], torch.dtype, int | None] | None = None
         #: the keys of a keyword batch the model was traced with (model(**batch)); None: positional
         self.input_keys: tuple[str, ...] | None = None
+        #: stepped after every applied update (not after a skipped one); set by parallelize(lr_scheduler=...)
+        self.lr_scheduler: Any = None
         self.pipeline = pipeline
         self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
         if pipeline is not None:
@@ -297,8 +299,12 @@ class ParallelModule(nn.Module):
         elif dopt is not None:   # weights tied across pipeline ranks are summed there first
             if not dopt.step():
                 self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         else:
             self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.step_times.append(time.perf_counter() - t0)
         return float(total)
 
