@@ -64,11 +64,16 @@ def _dcp():
     return dcp
 
 
-def _reraise_interrupts(e: BaseException) -> None:
-    """DCP raises ``CheckpointException``, a ``BaseException``: catch that,
-    not a Ctrl-C (importing DCP just to name it costs a second per process)."""
+def _cause(e: BaseException) -> str:
+    """One line naming what failed: DCP raises a ``CheckpointException``
+    (a ``BaseException``) holding each failed rank's exception; a Ctrl-C is
+    re-raised (importing DCP just to name its exception costs a second)."""
     if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
         raise e
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {type(x[0]).__name__}: {x[0]}" for r, x in sorted(failures.items()))
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _dist() -> bool:
@@ -306,10 +311,9 @@ def save(pm, path: str | os.PathLike) -> Path:
     try:
         _dcp().save(sd, storage_writer=storage_writer(tmp))
     except BaseException as e:    # DCP gathers every rank's failure and raises it on every rank
-        _reraise_interrupts(e)
+        cause = _cause(e)
         _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), f"saving to {path} failed")
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"saving the checkpoint to {path} failed ({first}); the previous checkpoint "
+        raise CheckpointError(f"saving the checkpoint to {path} failed ({cause}); the previous checkpoint "
                               "there, if any, is unchanged") from e
 
     def commit() -> None:
@@ -358,9 +362,7 @@ def _read(sd: dict[str, torch.Tensor], path: Path, no_dist: bool) -> None:
     try:
         _dcp().load(sd, storage_reader=_dcp().FileSystemReader(path), no_dist=no_dist)
     except BaseException as e:
-        _reraise_interrupts(e)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"reading the checkpoint {path} failed: {first}") from e
+        raise CheckpointError(f"reading the checkpoint {path} failed: {_cause(e)}") from e
 
 
 def _restore_hyper(group: dict, saved: dict) -> dict:
@@ -376,15 +378,10 @@ def _restore_hyper(group: dict, saved: dict) -> dict:
     return out
 
 
-@torch.no_grad()
-def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
-    """Load the checkpoint at ``path`` into ``pm``, whatever plan and world
-    size wrote it (collective). ``optimizer=False`` loads only the weights
-    and the step count (the optimizer stays as it is). Returns the
-    checkpoint's metadata. Raises :class:`CheckpointError` for a missing or
-    incomplete checkpoint, one of another model (fingerprint) or of other
-    parameter shapes, or (``optimizer=True``) one written with another
-    optimizer class."""
+def _plan_load(pm, path: str | os.PathLike, optimizer: bool) -> tuple:
+    """What :func:`load` reads on this rank: ``(path, meta, held, empty state
+    dict, weight key, optimizer key by program name)``; raises
+    :class:`CheckpointError` for what it cannot load."""
     path, meta = _resolve(path)
     ours = (getattr(pm.plan, "data", None) or {}).get("model", {})
     theirs = meta.get("model") or {}
@@ -415,8 +412,33 @@ def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
             okey[name] = ok
             for s in [f for f in md if f.startswith(f"optim/{ok}/")]:
                 sd.setdefault(s, torch.empty(tuple(md[s].size), dtype=md[s].properties.dtype))
-    _read(sd, path, no_dist=not _dist())
+    return path, meta, held, sd, wkey, okey
 
+
+@torch.no_grad()
+def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
+    """Load the checkpoint at ``path`` into ``pm``, whatever plan and world
+    size wrote it (collective). ``optimizer=False`` loads only the weights
+    and the step count (the optimizer stays as it is). Returns the
+    checkpoint's metadata. Raises :class:`CheckpointError` for a missing or
+    incomplete checkpoint, one of another model (fingerprint) or of other
+    parameter shapes, or (``optimizer=True``) one written with another
+    optimizer class. Every rank raises the same error: they agree before reading."""
+    err = planned = None
+    try:
+        planned = _plan_load(pm, path, optimizer)
+    except CheckpointError as e:
+        err = str(e)
+    if _dist() and dist.get_world_size() > 1:   # one rank's refusal must not leave the others waiting
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, err)
+        err = next((e for e in every if e), None)
+    if err:
+        raise CheckpointError(err)
+    path, meta, held, sd, wkey, okey = planned
+    _read(sd, path, no_dist=not _dist())
+    om = meta["optimizer"]
+    inner = _inner(pm)
     numbers, elementwise = set(om["numbers"]), set(om["elementwise"])
     dopt = pm.dist_optimizer
     weights: dict[int, torch.Tensor] = {}     # id(param) -> tp-local value
