@@ -419,7 +419,9 @@ def _plan_load(pm, path: str | os.PathLike, optimizer: bool) -> tuple:
 def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
     """Load the checkpoint at ``path`` into ``pm``, whatever plan and world
     size wrote it (collective). ``optimizer=False`` loads only the weights
-    and the step count (the optimizer stays as it is). Returns the
+    and the step count (the optimizer stays as it is); with the state come
+    the param groups' hyperparameters (``lr``...), as torch's
+    ``Optimizer.load_state_dict`` restores them. Returns the
     checkpoint's metadata. Raises :class:`CheckpointError` for a missing or
     incomplete checkpoint, one of another model (fingerprint) or of other
     parameter shapes, or (``optimizer=True``) one written with another
