@@ -250,10 +250,10 @@ def test_checkpoint_errors(runs, tmp_path):
         autopar.load_full_state_dict(tmp_path / "empty")
 
 
-def test_fp16_keeps_the_fp32_masters_and_the_loss_scale(tmp_path):
+def test_fp16_keeps_the_fp32_masters_the_loss_scale_and_the_lr_schedule(tmp_path):
     x, t = _mlp_batch(0)
     pm = autopar.parallelize(_mlp(), (x,), loss_fn=_loss, example_target=t, strategy="dp=1,precision=fp16",
-                             optimizer=_adamw)
+                             optimizer=_adamw, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     _train(pm, _mlp_batch, range(K))
     dopt = pm.dist_optimizer
     dopt.loss_scale = 1024.0
@@ -267,4 +267,6 @@ def test_fp16_keeps_the_fp32_masters_and_the_loss_scale(tmp_path):
     pm.load_checkpoint(tmp_path / "c")
     assert torch.equal(dopt.master, master) and torch.equal(dopt.optimizer.state[dopt.master]["exp_avg"], state)
     assert dopt.loss_scale == 1024.0 and pm.steps == K
+    assert pm.lr_scheduler.last_epoch == K and pm.lr_scheduler.get_last_lr() == [1e-2 * 0.5 ** K]
+    assert dopt.optimizer.param_groups[0]["lr"] == 1e-2 * 0.5 ** K
     assert torch.equal(dopt._pbuf, master.half())       # the fp16 parameters: rounded masters

@@ -13,8 +13,8 @@ The saved form knows nothing of the plan that wrote it. It is a
 
 and ``autopar.json``: the format version, the model's name and fingerprint,
 the strategy and world that wrote it, the step count, the fp16 loss scale,
-the optimizer's class and its param groups' hyperparameters by parameter
-name. That file is written last: a directory without it is no checkpoint.
+the LR scheduler's ``state_dict``, the optimizer's class and its param
+groups' hyperparameters by parameter name. That file is written last: a directory without it is no checkpoint.
 
 How, in this first version: every rank assembles the full logical tensors of
 the parameters it holds (tensor-parallel shards gathered over tp, ZeRO-1/2
@@ -180,10 +180,14 @@ def _inner(pm) -> torch.optim.Optimizer:
 
 def _hyper(group: dict) -> dict:
     """A param group's JSON-able hyperparameters (tensors as floats, tuples as lists)."""
+    return _jsonable({k: v for k, v in group.items() if k != "params"})
+
+
+def _jsonable(d: dict) -> dict:
+    """The entries of ``d`` JSON can hold (tensors as floats, tuples as lists;
+    functions, e.g. a LambdaLR's, left out)."""
     out = {}
-    for k, v in group.items():
-        if k == "params":
-            continue
+    for k, v in d.items():
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, tuple):
@@ -282,6 +286,7 @@ def _state_dict(pm) -> tuple[dict[str, torch.Tensor], dict]:
         "steps": pm.steps, "skipped_steps": pm.skipped_steps,
         "loss_scale": dopt.loss_scale if dopt is not None else 1.0,
         "good_steps": dopt._good_steps if dopt is not None else 0,
+        "lr_scheduler": _jsonable(sched.state_dict()) if (sched := getattr(pm, "lr_scheduler", None)) else None,
         "optimizer": {"class": type(_inner(pm)).__name__, "elementwise": sorted(elementwise),
                       "numbers": sorted({n for _, ns in every for n in ns}),
                       "param_groups": hyper, "group_of": group_of},
@@ -475,9 +480,26 @@ def load(pm, path: str | os.PathLike, *, optimizer: bool = True) -> dict:
         _load_optimizer(pm, inner, states, elementwise, hyper_of)
         if dopt is not None and dopt.precision == "fp16" and meta.get("precision") == "fp16":
             dopt._scale, dopt._good_steps = float(meta["loss_scale"]), int(meta["good_steps"])
+        sched, saved = getattr(pm, "lr_scheduler", None), meta.get("lr_scheduler")
+        if sched is not None and saved:
+            sched.load_state_dict(_restore_scheduler(sched.state_dict(), saved))
     pm.start_step, pm.step_times = int(meta["steps"]), []
     pm.skipped_steps = int(meta["skipped_steps"])
     return meta
+
+
+def _restore_scheduler(current: dict, saved: dict) -> dict:
+    """``current`` (a scheduler's ``state_dict``) with the saved entries; a
+    per-group list (``base_lrs``, ``_last_lr``) saved for another number of
+    param groups (ZeRO's one flat group against plain mode's several) takes
+    its first value for every group."""
+    out = dict(current)
+    for k, v in saved.items():
+        cur = current.get(k)
+        if isinstance(v, list) and isinstance(cur, (list, tuple)) and len(v) != len(cur) and v:
+            v = [v[0]] * len(cur)
+        out[k] = v
+    return out
 
 
 def _load_optimizer(pm, inner: torch.optim.Optimizer, states: dict[int, dict], elementwise: set[str],
