@@ -9,7 +9,6 @@ import torch.nn as nn
 
 import autopar
 from autopar.errors import TraceError
-from autopar.runtime.launch import run_distributed
 
 
 @pytest.fixture(autouse=True)
@@ -105,15 +104,4 @@ def test_batchnorm_state_update_stays():
     assert "relu_" not in kinds and "relu" in kinds          # the in-place relu is out of place
     assert any(t == "add_" for t in kinds)                   # num_batches_tracked += 1 is the model's state
 
-
-def _train(rank, world, strategy):
-    m, x, t = _state()
-    ref = _loss(m(x), t).item()
-    pm = autopar.parallelize(m, (x,), loss_fn=_loss, example_target=t,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), strategy=strategy)
-    return ref, pm.train_step((x,), t)
-
-
-def test_inplace_model_trains_like_one_process():
-    for ref, got in run_distributed(_train, 4, "dp=2,tp=2"):
-        assert got == pytest.approx(ref, rel=1e-6)
+# the distributed run of InPlace is in test_runtime_scenarios.py (one spawn for several scenarios)

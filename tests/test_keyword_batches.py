@@ -8,7 +8,6 @@ import torch
 
 import autopar
 from autopar.errors import StrategyError, TraceError
-from autopar.runtime.launch import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,29 +24,6 @@ def _bert():
     mask = torch.ones(4, 16, dtype=torch.long)
     mask[:, 12:] = 0
     return model, {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
-
-
-def _train(rank, world, strategy):
-    warnings.simplefilter("ignore")
-    model, batch = _bert()
-    ref_model, _ = _bert()
-    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = ref_model(**batch).loss
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
-    pm = autopar.parallelize(model, batch, loss_fn="labels", strategy=strategy,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    return ref, [pm.train_step(batch) for _ in range(2)], pm.input_keys
-
-
-def test_keyword_batch_trains_like_one_process():
-    for ref, got, keys in run_distributed(_train, 2, "dp=2"):
-        assert got == pytest.approx(ref, rel=1e-5)
-        assert keys == ("input_ids", "attention_mask")      # labels became the target
 
 
 def test_keyword_batch_traces_with_keys():
@@ -72,19 +48,4 @@ def test_keyword_batch_errors():
     with pytest.raises(StrategyError, match="traced with positional inputs"):
         positional.train_step(batch)
 
-
-def _eval(rank, world, strategy):
-    warnings.simplefilter("ignore")
-    model, batch = _bert()
-    ref = model(**batch).loss.item()
-    pm = autopar.parallelize(model, batch, loss_fn="labels", strategy=strategy,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    before = pm.full_state_dict()
-    got = pm.eval_step(batch)
-    after = pm.full_state_dict()
-    return ref, got, all(torch.equal(before[k], after[k]) for k in before)
-
-
-def test_eval_step_is_the_loss_without_an_update():
-    for ref, got, unchanged in run_distributed(_eval, 4, "dp=2,tp=2"):
-        assert got == pytest.approx(ref, rel=1e-5) and unchanged
+# training and eval_step on 4 processes are in test_runtime_scenarios.py
