@@ -23,8 +23,23 @@ def _both(rank: int, world: int) -> tuple[dict, list[dict]]:
     return ov, fi
 
 
-def test_pipeline_cases_run():
-    res = run_distributed(_both, 4, timeout=300)
+@pytest.fixture(scope="module")
+def spawned():
+    """One spawn for both tests: the overhead and fidelity pipeline cases, and the hf suite's."""
+    return run_distributed(_all, 4, timeout=400)
+
+
+def _all(rank: int, world: int) -> tuple[dict, list[dict], list[dict] | None]:
+    ov, fi = _both(rank, world)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return ov, fi, None
+    return ov, fi, _hf(rank, world)
+
+
+def test_pipeline_cases_run(spawned):
+    res = [(ov, fi) for ov, fi, _ in spawned]
     for key in OVERHEAD_RUNS:
         r = res[0][0][key]
         # the benchmark fails beyond 1e-4; the same arithmetic on both sides lands far closer
@@ -55,7 +70,7 @@ def _hf(rank: int, world: int) -> list[dict]:
     return fidelity._worker(rank, world, HF_RUNS, "cpu", 1, TINY_HF)
 
 
-def test_hf_suite_runs():
+def test_hf_suite_runs(spawned):
     """``--suite hf``: its cases cover every strategy family, and the worker runs tiny
     hf-gpt2 / hf-llama (torch.export graphs, the zoo's loss on the ModelOutput)."""
     pytest.importorskip("transformers")
@@ -67,7 +82,7 @@ def test_hf_suite_runs():
     assert {k for k, _, _ in runs} == set(fidelity.SUITES["hf"].specs)
     assert {k for k, s, _ in runs if "pp=" in s} == {"hf-gpt2-4l", "hf-llama-4l"}
     assert fidelity.cases(True) == fidelity.cases(True, "default")
-    res = run_distributed(_hf, 4, timeout=300)
+    res = [hf for _, _, hf in spawned]
     for j, (key, strategy, gb) in enumerate(HF_RUNS):
         rows = [pr[j] for pr in res]
         assert all(r["model"] == key and r["global_batch"] == gb and r["pipeline"] is None for r in rows)

@@ -14,7 +14,7 @@ import torch.nn as nn
 import autopar
 from autopar.runtime.launch import run_distributed
 
-TIMEOUT = 3
+TIMEOUT = 2
 
 
 def _loss(out, target):

@@ -109,10 +109,25 @@ def _check(spec_runs, results_per_rank):
         assert got == full, key
 
 
+# GPT with lm_head.weight tied to the embedding: one shard, one gradient from both uses
+OTHERS = [(MLP, "dp=2,tp=2", "sgd"), (MLP, "tp=4", "adamw"), (CNN, "tp=4", "sgd"),
+          (GPT + ",tie=1", "tp=4", "adamw"), (GPT + ",tie=1", "dp=2,tp=2", "sgd")]
+
+
+def _dp_tp_runs(spec):
+    return [(spec, s, o) for s in STRATEGIES for o in OPTIMIZERS]
+
+
+@pytest.fixture(scope="module")
+def parallel_results():
+    """Every run of this module in one spawn of 4 processes (the suite's time budget)."""
+    return run_distributed(_worker, 4, _dp_tp_runs(GPT) + _dp_tp_runs(LLAMA) + OTHERS, timeout=900)
+
+
 @pytest.mark.parametrize("spec", [GPT, LLAMA])
-def test_dp_tp_numerics_match_single_process(spec):
-    runs = [(spec, s, o) for s in STRATEGIES for o in OPTIMIZERS]
-    res = run_distributed(_worker, 4, runs, timeout=400)
+def test_dp_tp_numerics_match_single_process(spec, parallel_results):
+    runs = _dp_tp_runs(spec)
+    res = parallel_results
     _check(runs, res)
     tp4 = res[1][(spec, "tp=4", "sgd")]
     # the shards really are shards: a q projection holds a quarter of the rows
@@ -123,9 +138,5 @@ def test_dp_tp_numerics_match_single_process(spec):
     assert "fp16" in res[0]["zero"] and "bf16" in res[0]["zero"]
 
 
-def test_mlp_cnn_and_tied_gpt_tensor_parallel_numerics():
-    # GPT with lm_head.weight tied to the embedding: one shard, one gradient from both uses
-    runs = [(MLP, "dp=2,tp=2", "sgd"), (MLP, "tp=4", "adamw"), (CNN, "tp=4", "sgd"),
-            (GPT + ",tie=1", "tp=4", "adamw"), (GPT + ",tie=1", "dp=2,tp=2", "sgd")]
-    res = run_distributed(_worker, 4, runs, timeout=400)
-    _check(runs, res)
+def test_mlp_cnn_and_tied_gpt_tensor_parallel_numerics(parallel_results):
+    _check(OTHERS, parallel_results)

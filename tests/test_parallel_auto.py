@@ -74,10 +74,19 @@ def _single_per_replica_bn(spec: str, opt: str, dp: int) -> list[float]:
     return out
 
 
+LABELS = ["ilp", "greedy", "ilp-h100", "ilp-tp4", "pins", "pins-ilp", "auto"]
+
+
+@pytest.fixture(scope="module")
+def searched():
+    """Every model's runs in one spawn of 4 processes (the suite's time budget)."""
+    return run_distributed(_worker, 4, _runs([GPT, MLP, LLAMA, CNN], LABELS), timeout=700)
+
+
 @pytest.mark.parametrize("specs", [[GPT, MLP], [LLAMA, CNN]], ids=["gpt-mlp", "llama-cnn"])
-def test_searched_and_pinned_plans_match_single_process(specs, monkeypatch):
-    runs = _runs(specs, ["ilp", "greedy", "ilp-h100", "ilp-tp4", "pins", "pins-ilp", "auto"])
-    res = run_distributed(_worker, 4, runs, timeout=500)
+def test_searched_and_pinned_plans_match_single_process(specs, monkeypatch, searched):
+    runs = _runs(specs, LABELS)
+    res = searched
     single = test_parallel._single
     for dp in (1, 2, 4):
         # the CNN's BatchNorm has per-replica statistics over dp (DDP semantics)
