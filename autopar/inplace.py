@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -30,6 +31,8 @@ from .errors import TraceError
 _OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
               operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
               operator.ipow: operator.pow, operator.iand: operator.and_, operator.ior: operator.or_}
+#: in-place methods whose out-of-place form is a function of the same arguments
+_METHOD_FUNCS = {"fill_": torch.full_like, "zero_": torch.zeros_like}
 #: ops whose output shares the input's storage (method / function / aten names)
 VIEWS = frozenset({
     "view", "_unsafe_view", "reshape", "view_as", "transpose", "t", "permute", "expand", "expand_as",
@@ -79,14 +82,18 @@ def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
         return None
     base = name[:-1]
     if n.op == "call_method":
-        return name, base, dict(n.kwargs)
+        if name in _METHOD_FUNCS:       # fill_ / zero_ have no Tensor method without the "_"
+            return name, _METHOD_FUNCS[name], dict(n.kwargs)
+        if hasattr(torch.Tensor, base):
+            return name, base, dict(n.kwargs)
+        if not n.users:                 # copy_ and the like: kept, but say so (nothing reads them)
+            warnings.warn(f"autopar: in-place {name} (node {n.name}) has no out-of-place form here; it is kept as "
+                          "written, and a sharded program may drop it: write it out of place", stacklevel=4)
+        return None
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         packet = getattr(torch.ops.aten, base, None)
         overload = getattr(packet, n.target._overloadname, None) if packet is not None else None
-        if overload is None:
-            raise TraceError(f"in-place op {name} (node {n.name}) has no out-of-place form; write the model "
-                             f"out of place")
-        return name, overload, dict(n.kwargs)
+        return (name, overload, dict(n.kwargs)) if overload is not None else None
     if n.op == "call_function" and hasattr(torch, base) and getattr(torch, name, None) is n.target:
         return name, getattr(torch, base), dict(n.kwargs)
     return None
@@ -142,7 +149,7 @@ def out_of_place(gm: fx.GraphModule) -> int:
             n.target = target if n.op == "call_function" else n.target
             continue
         with g.inserting_before(n):
-            new = g.create_node("call_method" if n.op == "call_method" else "call_function", target,
+            new = g.create_node("call_method" if isinstance(target, str) else "call_function", target,
                                 n.args, kwargs)
         new.meta = dict(n.meta)
         order[new] = order[n]

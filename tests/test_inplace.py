@@ -105,3 +105,27 @@ def test_batchnorm_state_update_stays():
     assert any(t == "add_" for t in kinds)                   # num_batches_tracked += 1 is the model's state
 
 # the distributed run of InPlace is in test_runtime_scenarios.py (one spawn for several scenarios)
+
+
+class FillZero(nn.Module):
+    """fill_ / zero_ have no Tensor method without the underscore: they become full_like / zeros_like."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        m = torch.zeros_like(x)
+        m.fill_(2.0)
+        k = torch.ones_like(x)
+        k.zero_()
+        return (self.a(x) * m).sum() + k.sum()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_fill_and_zero_are_rewritten(frontend):
+    m, x = FillZero(), torch.randn(2, 4)
+    g = autopar.trace(m, (x,), frontend=frontend)
+    assert not [nd.target for nd in g.nodes if nd.target.endswith("_")]
+    if frontend == "fx":
+        torch.testing.assert_close(g.gm(x), m(x))

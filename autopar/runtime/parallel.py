@@ -241,7 +241,9 @@ class ParallelModule(nn.Module):
                 raise StrategyError(f"train_step: {what} is {x.dtype}, but the model was traced with {dtype}")
             # token ids past an embedding's rows (the target: past the classes; negative ones may be ignored)
             low = 0 if i < len(inputs) else None
-            if rows is not None and x.numel() and (int(x.max()) >= rows or low is not None and int(x.min()) < low):
+            # host tensors only: on a GPU this would wait for the device every step (its kernels assert anyway)
+            if rows is not None and x.numel() and x.device.type == "cpu" and (
+                    int(x.max()) >= rows or low is not None and int(x.min()) < low):
                 kind = "embedding's rows" if i < len(inputs) else "loss's classes"
                 raise StrategyError(f"train_step: {what} holds ids in [{int(x.min())}, {int(x.max())}], outside "
                                     f"the {kind} (0..{rows - 1})")
