@@ -199,9 +199,9 @@ def example_specs(graph: Graph, inputs: tuple, target: Any) -> tuple[list, tuple
                 i = graph[i].inputs[0]
             if n is not None and graph[i].kind == "input":
                 rows[i] = n
-    names = [n for n in graph.inputs]
+    names = [*graph.inputs, None]      # the target has no input of its own when no loss was traced
     specs = [(tuple(t.shape), t.dtype, rows.get(name)) if isinstance(t, torch.Tensor) else ((), torch.float32, None)
-             for t, name in zip([*inputs, target], names + [None] * (len(inputs) + 1 - len(names)))]
+             for t, name in zip([*inputs, target], names)]
     return specs[:len(inputs)], (specs[len(inputs)] if isinstance(target, torch.Tensor) else None)
 
 

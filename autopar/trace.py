@@ -341,16 +341,15 @@ def _unaliased(args: tuple) -> tuple:
     torch.export merges inputs that are one tensor, so an LM traced with its
     token ids as the example target (``target=ids``) read the target where
     the model reads its input, and trained on the wrong tensor."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[Any] = set()
     out = []
     for a in args:
-        if isinstance(a, torch.Tensor) and not a.is_meta and a.numel():
-            key = (a.untyped_storage().data_ptr(), a.untyped_storage().nbytes())
+        if isinstance(a, torch.Tensor):     # meta and empty tensors have no storage to compare: the object
+            key = id(a) if a.is_meta or not a.numel() else (a.untyped_storage().data_ptr(),
+                                                              a.untyped_storage().nbytes())
             if key in seen:
                 a = a.clone()
             seen.add(key)
-        elif isinstance(a, torch.Tensor) and a.is_meta:
-            a = a.clone() if any(a is b for b in out) else a
         out.append(a)
     return tuple(out)
 

@@ -104,6 +104,7 @@ def test_batchnorm_state_update_stays():
     assert "relu_" not in kinds and "relu" in kinds          # the in-place relu is out of place
     assert any(t == "add_" for t in kinds)                   # num_batches_tracked += 1 is the model's state
 
+
 # the distributed run of InPlace is in test_runtime_scenarios.py (one spawn for several scenarios)
 
 
