@@ -43,12 +43,12 @@ from .plan import Plan
 from .runtime import collectives as C
 from .runtime import regions as R_
 from .runtime.dist import Mesh, init_process_group, local_device
-from .runtime.optim import DistributedOptimizer
+from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import scaled_shapes
-from .spec import ParallelConfig, parse_strategy
+from .spec import ParallelConfig, is_shard, parse_strategy
 from .trace import keyword_inputs, trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_pipeline",
@@ -61,7 +61,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 full_batch: bool = True, global_batch: int | None = None, backend: str | None = None,
                 seed_broadcast: bool = True, search_mode: str | None = None,
                 shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise",
-                timeout_s: float = 600, lr_scheduler: Callable[[Any], Any] | None = None) -> ParallelModule:
+                timeout_s: float = 600, lr_scheduler: Callable[[Any], Any] | None = None,
+                max_grad_norm: float | None = None) -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -86,6 +87,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       over the optimizer that updates the weights (the master weights under
       ZeRO or low precision); stepped after every applied update, not after a
       skipped one.
+    * ``max_grad_norm``: clip the gradients to this global 2-norm before
+      each update, as ``torch.nn.utils.clip_grad_norm_`` on the single-device
+      model would (the norm over every shard, each tp replica and tied
+      copy counted once; ``pm.grad_norm`` is the last step's norm before
+      clipping). None (default): no clipping.
     * ``timeout_s`` (default 600): every wait of every process group this
       job uses (the world's and each mesh axis's) ends after this many
       seconds: a rank that stalls or dies makes the others raise
@@ -105,6 +111,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
                             f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
+    try:
+        max_grad_norm = check_max_norm(max_grad_norm)
+    except ValueError as e:
+        raise StrategyError(str(e)) from None
     if optimizer is not None and not callable(optimizer):
         raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
                             f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
@@ -140,7 +150,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     else:
         pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
         modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg), cfg, mesh)]
-    opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied)
+    copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp) if max_grad_norm is not None else {}
+    opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
+                                    copies=copies)
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
     for alias, canon in graph.aliases.items():
         aliases.setdefault(canon, []).append(alias)
@@ -153,6 +165,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
     pm.input_keys = keys
     if lr_scheduler is not None:
@@ -413,16 +426,34 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
                                   offload=cfg.offload == "optimizer")
 
 
+def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
+                tp: int) -> dict[str, int]:
+    """Program name -> how many ranks hold the same reduced gradient of that
+    parameter besides its dp replicas: ``tp`` for a weight replicated over
+    tp, times the ranks of its tie group for a weight tied across pipeline
+    stages. Only entries above 1 (what gradient clipping must not count twice)."""
+    tie = {id(t): dist.get_world_size(g) for t, g in tied}
+    out = {}
+    for name, t in local.items():
+        if isinstance(t, nn.Parameter) and t.requires_grad:
+            n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1)
+            if n > 1:
+                out[name] = n
+    return out
+
+
 def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
                     factory: Callable[[Any], torch.optim.Optimizer] | None, *,
-                    tied: list[tuple[torch.Tensor, Any]] = ()) -> tuple[torch.optim.Optimizer,
-                                                                         DistributedOptimizer | None]:
+                    tied: list[tuple[torch.Tensor, Any]] = (), max_grad_norm: float | None = None,
+                    copies: dict[str, int] | None = None) -> tuple[torch.optim.Optimizer,
+                                                                    DistributedOptimizer | None]:
     """The optimizer over the trainable parameters of ``modules`` (``factory``
     builds the inner one; default SGD lr 0.01) and the
     :class:`~autopar.runtime.optim.DistributedOptimizer` around it, which
     reduces gradients over dp (ZeRO 1/2, mixed precision, overlap; ``tied``
-    copies summed first), or None under FSDP2 (``zero=3``), which reduces
-    them itself. With a low precision and no FSDP2, floating buffers (rotary
+    copies summed first) and clips them (``max_grad_norm``, with ``copies``
+    from :func:`grad_copies`), or None under FSDP2 (``zero=3``), which
+    reduces them itself (the ParallelModule clips then). With a low precision and no FSDP2, floating buffers (rotary
     tables, masks) are cast to the compute dtype here, as the distributed
     optimizer casts the parameters."""
     factory = factory or (lambda ps: torch.optim.SGD(ps, lr=0.01))
@@ -438,7 +469,8 @@ def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
     dist_opt = DistributedOptimizer(
         params, factory, mesh.group("dp"), zero=cfg.zero, precision=cfg.precision or "fp32",
         reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
-        offload=cfg.offload == "optimizer", tied=list(tied))
+        offload=cfg.offload == "optimizer", tied=list(tied), max_grad_norm=max_grad_norm,
+        grad_copies=[(t, (copies or {}).get(name, 1)) for name, t in local_tensors(modules).items()])
     return dist_opt.optimizer, dist_opt
 
 

@@ -7,7 +7,9 @@ spawn instead of five keeps the suite inside its time budget):
   skipped with on_nonfinite="skip", the weights untouched either way (issue 17);
 * lr_scheduler steps with the updates (issue 18);
 * keyword batches (model(**batch), labels in the batch) train and evaluate
-  like one process (issue 18).
+  like one process (issue 18);
+* gradient clipping (max_grad_norm) gives one process's norms and losses under
+  tp replicas, ZeRO-1 shards, FSDP2 and weights tied across pipeline stages (issue 18).
 """
 import warnings
 
@@ -110,8 +112,35 @@ def _keyword(strategy):
             "got": [pm.train_step(batch) for _ in range(2)], "keys": pm.input_keys}
 
 
+CLIP_GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64,tie=1"
+CLIP_STRATEGIES = ["dp=2,tp=2", "dp=2,tp=2,zero=1", "dp=4,zero=3", "pp=2,tp=2,microbatches=2",
+                   "pp=2,dp=2,zero=1,microbatches=2"]
+
+
+def _clip(strategies):
+    from test_parallel import _data
+    z, x, y = _data(CLIP_GPT)
+    opt = torch.optim.SGD(z.model.parameters(), lr=0.1)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = z.loss_fn(z.model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(z.model.parameters(), 0.05)
+        opt.step()
+        want.append((loss.item(), norm.item()))
+    got = {}
+    for strategy in strategies:
+        z, x, y = _data(CLIP_GPT)
+        pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y, strategy=strategy,
+                                 optimizer=_sgd, max_grad_norm=0.05)
+        got[strategy] = [(pm.train_step((x,), y), pm.grad_norm) for _ in range(3)]
+    return want, got
+
+
 SCENARIOS = {"inplace": (_inplace, "dp=2,tp=2"), "nonfinite": (_nonfinite, "dp=2,tp=2"),
-             "scheduler": (_scheduler, "dp=4,zero=1"), "keyword": (_keyword, "dp=2,tp=2")}
+             "scheduler": (_scheduler, "dp=4,zero=1"), "keyword": (_keyword, "dp=2,tp=2"),
+             "clip": (_clip, CLIP_STRATEGIES)}
 
 
 def _worker(rank, world):
@@ -155,3 +184,12 @@ def test_keyword_batch_trains_and_evaluates_like_one_process(results):
         assert k["eval"] == pytest.approx(k["first"], rel=1e-5) and k["unchanged"]
         assert k["got"] == pytest.approx(k["ref"], rel=1e-5)
         assert k["keys"] == ("input_ids", "attention_mask")      # labels became the target
+
+
+def test_gradient_clipping_matches_one_process(results):
+    for r in results:
+        want, got = r["clip"]
+        assert want[0][1] > 0.05 * 2           # the clipping is active
+        for strategy, steps in got.items():
+            assert [s[0] for s in steps] == pytest.approx([w[0] for w in want], rel=1e-4), strategy
+            assert [s[1] for s in steps] == pytest.approx([w[1] for w in want], rel=1e-4), strategy

@@ -120,7 +120,7 @@ from autopar.errors import DistributedError
 from .collectives import (_all_gather_single, _buckets, _reduce_scatter_single, _unique, group_rank, group_size,
                           pack_grads)
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "clip_grad_norm_"]
 
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -142,6 +142,47 @@ def _as_dtype(x: Any) -> torch.dtype | None:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def check_max_norm(max_norm: float | None) -> float | None:
+    """``max_norm`` as a float (None: no clipping); raises ValueError unless it is a finite number > 0."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_grad_norm={max_norm!r} must be a finite number > 0 (or None: no clipping)")
+    return float(max_norm)
+
+
+@torch.no_grad()
+def clip_grad_norm_(terms: Iterable[tuple[torch.Tensor, float]], grads: Iterable[torch.Tensor], max_norm: float,
+                    group: Any = None, device: torch.device | None = None) -> float:
+    """Clip gradients that several ranks hold parts (and copies) of by their global 2-norm.
+
+    ``terms``: ``(tensor, weight)`` pairs whose weighted sum of squares,
+    summed over ``group`` (default: the world), is the squared global norm; a
+    weight is 1 over the number of ranks holding the same values (a weight
+    replicated over tp has weight ``1/tp``), so every gradient element counts
+    once. ``grads``: the tensors to scale, by ``max_norm / (norm + 1e-6)`` when
+    that is below 1 (as :func:`torch.nn.utils.clip_grad_norm_`); ``device``
+    is where the norm is summed (default: the first grad's). Returns the
+    norm before clipping, equal on every rank (collective: every rank of
+    ``group`` must call it)."""
+    grads = list(grads)
+    device = device or (grads[0].device if grads else torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for t, w in terms:
+        if t.numel() and w:
+            total += w * torch.linalg.vector_norm(t, dtype=torch.float32).square().to(device)
+    if dist.is_available() and dist.is_initialized():
+        group = group if group is not None else dist.group.WORLD
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 class _Bucket:
@@ -179,7 +220,14 @@ class DistributedOptimizer:
     * ``overlap``: launch bucket reductions from the grad hooks (async).
     * ``offload``: master weights, master grads and optimizer state on the host.
     * ``tied``: ``[(param, group)]``: grads summed over ``group`` in ``step()`` before the dp mean.
-    * ``world_group``: group agreeing on fp16 overflows (default: the whole world).
+    * ``world_group``: group agreeing on fp16 overflows and summing the
+      gradient norm (default: the whole world).
+    * ``max_grad_norm``: clip the reduced gradients to this global 2-norm
+      before the update (None: no clipping); ``grad_copies``: ``[(param,
+      n)]``, parameters whose reduced gradient ``n`` ranks of the world
+      hold besides the dp replicas (replicated over tp, tied copies), so
+      that each element counts once. ``grad_norm`` is the last step's norm
+      before clipping (None without clipping).
     """
 
     growth_interval = 1000   # fp16: good steps in a row before the loss scale doubles
@@ -187,7 +235,8 @@ class DistributedOptimizer:
     def __init__(self, params: Iterable[torch.Tensor], factory: Callable[[list], torch.optim.Optimizer] | None,
                  dp_group: Any, *, zero: int = 0, precision: str = "fp32", reduce_dtype: Any = None,
                  bucket_mb: float = 25.0, overlap: bool = True, offload: bool = False,
-                 tied: Iterable[tuple[torch.Tensor, Any]] = (), world_group: Any = None) -> None:
+                 tied: Iterable[tuple[torch.Tensor, Any]] = (), world_group: Any = None,
+                 max_grad_norm: float | None = None, grad_copies: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
         if zero not in (0, 1, 2) or isinstance(zero, bool):
             raise ValueError(f"zero={zero!r} is not supported: use 0, 1 or 2")
         if precision not in _PRECISIONS:
@@ -226,6 +275,9 @@ class DistributedOptimizer:
                 raise ValueError(f"a tied parameter of shape {tuple(p.shape)} is not among the trainable params")
             self.tied.append((index[id(p)], group))
         tied_ids = {i for i, _ in self.tied}
+        self.max_grad_norm = check_max_norm(max_grad_norm)
+        self.grad_norm: float | None = None
+        self._copies = {index[id(p)]: int(n) for p, n in grad_copies if id(p) in index and int(n) > 1}
 
         cast = _PRECISIONS[precision]
         rdtype = _as_dtype(reduce_dtype)
@@ -429,6 +481,8 @@ class DistributedOptimizer:
         self._drain()
         self._reset_step()
         if self.mode == "plain":
+            if self.max_grad_norm is not None:
+                self._clip_plain()
             self.optimizer.step()
             return True
         mg = self._mgrad
@@ -443,6 +497,8 @@ class DistributedOptimizer:
             mg.div_(self.dp)
         if self._scale != 1.0:
             mg.div_(self._scale)
+        if self.max_grad_norm is not None:
+            self._clip_flat(mg)
         self.master.grad = mg
         self.optimizer.step()
         self._write_back()
@@ -452,6 +508,32 @@ class DistributedOptimizer:
                 self._scale *= 2.0
                 self._good_steps = 0
         return True
+
+    def _clip_plain(self) -> None:
+        """Clip ``p.grad`` (the dp means, equal on every dp rank) by the global norm."""
+        grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        terms = [(g, 1.0 / (self.dp * self._copies.get(i, 1))) for i, g in grads]
+        self.grad_norm = clip_grad_norm_(terms, [g for _, g in grads], self.max_grad_norm, self.world_group,
+                                         self.device)
+
+    def _clip_flat(self, mg: torch.Tensor) -> None:
+        """Clip this rank's reduced master-grad shard ``mg`` by the global norm.
+
+        Each shard element is one dp rank's alone with ZeRO (zero >= 1), the
+        same on every dp rank without; a parameter with copies (tp
+        replicas, tied) also subtracts the extra weight of its segment."""
+        base = 1.0 if self.zero >= 1 else 1.0 / self.dp
+        terms = [(mg, base)]
+        r = self.dp_rank if self.zero >= 1 else 0
+        for b in self.buckets:
+            lo_b = r * b.shard                    # this rank's shard of the bucket, in bucket coordinates
+            for i, off in zip(b.params, b.offsets):
+                n = self._copies.get(i, 1)
+                lo, hi = max(off, lo_b), min(off + self.params[i].numel(), lo_b + b.shard)
+                if n > 1 and lo < hi:
+                    seg = mg[b.shard_start + lo - lo_b:b.shard_start + hi - lo_b]
+                    terms.append((seg, base * (1.0 / n - 1.0)))
+        self.grad_norm = clip_grad_norm_(terms, [mg], self.max_grad_norm, self.world_group, self.device)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this object holds, by kind (see the module docstring for the per-element model).

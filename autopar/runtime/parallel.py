@@ -26,7 +26,7 @@ from ..spec import ParallelConfig, is_shard, shard_dim
 from . import checkpoint
 from . import collectives as C
 from .dist import Mesh, local_device
-from .optim import DistributedOptimizer
+from .optim import DistributedOptimizer, clip_grad_norm_
 from .pipeline import PipelineExecutor
 from .regions import full_tensor
 
@@ -143,6 +143,11 @@ class ParallelModule(nn.Module):
         self.input_keys: tuple[str, ...] | None = None
         #: stepped after every applied update (not after a skipped one); set by parallelize(lr_scheduler=...)
         self.lr_scheduler: Any = None
+        #: clip the gradients to this global 2-norm before each update (None: no clipping); set by
+        #: parallelize(max_grad_norm=...). ``grad_copies``: program name -> how many ranks hold the same
+        #: reduced gradient besides the dp replicas (tp replicas, tied copies)
+        self.max_grad_norm: float | None = None
+        self.grad_copies: dict[str, int] = {}
         self.pipeline = pipeline
         self.stages_held: list[int] = sorted(pipeline.by_stage) if pipeline is not None else []
         if pipeline is not None:
@@ -304,11 +309,29 @@ class ParallelModule(nn.Module):
             elif self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
+            if self.max_grad_norm is not None:
+                self._clip_fsdp()
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.step_times.append(time.perf_counter() - t0)
         return float(total)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global 2-norm of the last step's gradients before clipping
+        (None unless ``max_grad_norm`` is set); the same on every rank."""
+        return self.dist_optimizer.grad_norm if self.dist_optimizer is not None else self._fsdp_grad_norm
+
+    _fsdp_grad_norm: float | None = None
+
+    def _clip_fsdp(self) -> None:
+        """Clip under FSDP2 (zero=3): each dp rank holds its own shard of every grad."""
+        grads = [(name, p.grad) for name, p in self._local_tensors().items()
+                 if isinstance(p, nn.Parameter) and p.grad is not None]
+        local = [(name, g.to_local() if hasattr(g, "to_local") else g) for name, g in grads]
+        terms = [(g, 1.0 / self.grad_copies.get(name, 1)) for name, g in local]
+        self._fsdp_grad_norm = clip_grad_norm_(terms, [g for _, g in local], self.max_grad_norm, device=self.device)
 
     def _non_finite(self, loss: float) -> None:
         """A NaN / inf loss: drop the step's gradients, then skip the update
