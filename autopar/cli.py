@@ -1,4 +1,4 @@
-"""The ``autopar`` command: plan, evaluate, show, trace, zoo, presets, calibrate.
+"""The ``autopar`` command: plan, evaluate, show, trace, zoo, presets, calibrate, import, export.
 
 Every command that reports something takes ``--json`` and then writes only
 JSON to stdout (progress bars and spinners go to stderr), so scripts can pipe
@@ -607,6 +607,109 @@ def calibrate(
         out.print("[dim]no collectives measured (one process); the base's link values are kept[/]")
     out.print(f"cluster written to [bold]{escape(str(out_path))}[/]  (use it with `--cluster "
               f"{escape(str(out_path))}`)")
+
+
+# -------------------------------------------------------------------------------- other frameworks' configs
+def _notes(notes: Any, label: str) -> None:
+    for n in notes:
+        err.print(f"[yellow]{label}:[/] {escape(n)}")
+
+
+@app.command("import")
+def import_config(
+    fmt: str = typer.Argument(..., metavar="FORMAT", help="colossal, mindformers or torchtitan."),
+    path: Path = typer.Argument(..., help="The config: a Colossal-AI Python file (read with ast, never run), a "
+                                          "MindFormers YAML or a torchtitan TOML."),
+    devices: int = DevicesOpt,
+    evaluate_model: Optional[str] = typer.Option(None, "--evaluate", metavar="MODEL",
+                                                 help="Predict the imported strategy on MODEL (as `autopar evaluate`)."),
+    plan_model: Optional[str] = typer.Option(None, "--plan", metavar="MODEL",
+                                             help="Plan MODEL with the imported strategy (as `autopar plan`; a "
+                                                  "search for MindFormers' parallel_mode 2)."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="With --evaluate / --plan: cluster preset "
+                                                                         "or cluster JSON file."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", "-b", min=1,
+                                               help="With --evaluate / --plan: samples per optimizer step."),
+    optimizer: str = OptimizerOpt,
+    precision: Optional[str] = PrecisionOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="With --plan: write the plan JSON here."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Read a Colossal-AI, MindFormers or torchtitan config as an autopar strategy (notes on stderr)."""
+    from . import compat
+    if fmt not in compat.FORMATS:
+        _fail(f"unknown config format {fmt!r}; valid: {', '.join(compat.FORMATS)}")
+    with _errors():
+        got = compat.READERS[fmt](path, devices)
+    _notes(got.notes, "note")
+    model = evaluate_model or plan_model
+    if model is None:
+        if as_json:
+            _echo_json({"strategy": got.strategy, "search_mode": got.search_mode, "notes": list(got.notes),
+                        "parallel": None if got.config is None else got.config.as_dict()})
+        else:
+            typer.echo(got.strategy)
+            if got.search_mode:
+                err.print(f"search mode: {got.search_mode} (autopar plan --search-mode {got.search_mode})")
+        return
+    if evaluate_model and plan_model:
+        _fail("give --evaluate or --plan, not both")
+    if cluster is None or global_batch is None:
+        _fail(f"--{'evaluate' if evaluate_model else 'plan'} needs --cluster and --global-batch")
+    if not as_json:
+        out.print(f"imported strategy: [bold]{escape(got.strategy)}[/]")
+    if evaluate_model:
+        if got.config is None:
+            _fail("this config asks for a search (parallel_mode 2): there is no fixed strategy to evaluate; "
+                  "use --plan")
+        evaluate(model=model, cluster=cluster, devices=devices, strategy=got.strategy, global_batch=global_batch,
+                 optimizer=optimizer, precision=precision, as_json=as_json)
+        return
+    plan(model=model, cluster=cluster, devices=devices, global_batch=global_batch, strategy=got.strategy,
+         optimizer=optimizer, precision=precision, plain=False, out_path=out_path, search_mode=got.search_mode,
+         pin=None, explain=False, solver="highs", as_json=as_json)
+
+
+@app.command()
+def export(
+    source: str = typer.Argument(..., help="A plan JSON file (`autopar plan --out`), or a strategy such as "
+                                           "'dp=2,tp=4' (with --devices)."),
+    fmt: str = typer.Option("json", "--format", "-f", help="colossal, mindformers, torchtitan or json."),
+    devices: Optional[int] = typer.Option(None, "--devices", "-n", min=1,
+                                          help="For a strategy: the world size (a missing dp is inferred)."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", "-b", min=1,
+                                               help="torchtitan, for a strategy: the batch, to write the batch and "
+                                                    "microbatch sizes (a plan has its own)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the config to this file."),
+) -> None:
+    """Write a plan or strategy as a Colossal-AI, MindFormers or torchtitan config (what is lost on stderr)."""
+    from . import compat
+    from .plan import Plan
+    from .spec import parse_strategy
+    if fmt not in (*compat.FORMATS, "json"):
+        _fail(f"unknown format {fmt!r}; valid: {', '.join(compat.FORMATS)}, json")
+    if global_batch is not None and fmt != "torchtitan":
+        _fail("--global-batch is for --format torchtitan (the other formats carry no batch size)")
+    with _errors():
+        what = Plan.load(source) if source.endswith(".json") or Path(source).is_file() else \
+            parse_strategy(source, devices)
+        if fmt == "json":
+            cfg = what.config if isinstance(what, Plan) else what
+            text, notes = json.dumps({"strategy": cfg.to_string(), "parallel": cfg.as_dict()}, indent=1,
+                                     sort_keys=True) + "\n", ()
+        else:
+            kw = {"global_batch": global_batch} if fmt == "torchtitan" else {}
+            exported = compat.WRITERS[fmt](what, **kw)
+            text, notes = exported.text, exported.notes
+    _notes(notes, "lost")
+    if out_path is None:
+        sys.stdout.write(text)
+        return
+    try:
+        out_path.write_text(text)
+    except OSError as e:
+        _fail(f"cannot write the config to {str(out_path)!r}: {e.strerror or e}")
+    err.print(f"{fmt} config written to [bold]{escape(str(out_path))}[/]")
 
 
 def main() -> None:

@@ -22,6 +22,11 @@ class StrategyError(AutoparError, ValueError):
     """A manual strategy is malformed or does not fit the model / world size."""
 
 
+class ConfigError(StrategyError):
+    """A Colossal-AI, MindFormers or torchtitan config is malformed or breaks
+    one of that framework's rules (names the file, the field and what would be valid)."""
+
+
 class PlanError(AutoparError, ValueError):
     """A plan file is invalid, of an unknown version, or for another model."""
 

@@ -33,6 +33,8 @@ RUNTIME_ALLOWED = {"errors", "runtime", "spec", "pipeline.schedule"}
 # the leaf vocabulary and the op registry import nothing of autopar but the errors
 SPEC_ALLOWED = {"errors", "spec"}
 OPS_ALLOWED = {"errors", "ops"}
+# other frameworks' configs in and out: strategies and plans only, nothing that plans or runs
+COMPAT_ALLOWED = {"errors", "spec", "plan", "compat"}
 
 
 def _modules(package: str) -> list[Path]:
@@ -115,17 +117,26 @@ def test_runtime_is_a_leaf():
         ":\n" + "\n".join(bad)
 
 
+def _imports_outside(package: str, allowed: set[str]) -> list[str]:
+    """``file:line imports name`` for every autopar import of ``package`` outside the ``allowed`` layers."""
+    return [f"{p.relative_to(ROOT)}:{line} imports {n}" for p in _modules(package)
+            for n, line in imports(p) if layer(n) not in (None, *allowed) and _existing(n)]
+
+
 def test_spec_is_a_leaf():
     assert (ROOT / "autopar" / "spec").is_dir(), "the strategy vocabulary lives in autopar/spec"
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {n}" for p in _modules("autopar/spec")
-           for n, line in imports(p) if layer(n) not in (None, *SPEC_ALLOWED) and _existing(n)]
+    bad = _imports_outside("autopar/spec", SPEC_ALLOWED)
     assert not bad, "\n".join(bad)
 
 
 def test_ops_is_a_leaf():
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {n}" for p in _modules("autopar/ops")
-           for n, line in imports(p) if layer(n) not in (None, *OPS_ALLOWED) and _existing(n)]
+    bad = _imports_outside("autopar/ops", OPS_ALLOWED)
     assert not bad, "\n".join(bad)
+
+
+def test_compat_reads_and_writes_only_strategies_and_plans():
+    bad = _imports_outside("autopar/compat", COMPAT_ALLOWED)
+    assert not bad, "autopar.compat imports only " + ", ".join(sorted(COMPAT_ALLOWED)) + ":\n" + "\n".join(bad)
 
 
 def test_cost_models_is_standalone():
