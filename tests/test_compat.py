@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from autopar import Plan, compat
 from autopar.cli import app
 from autopar.errors import ConfigError, StrategyError, UnsupportedError
+from autopar.compat.common import CP
 from autopar.spec import parse_strategy
 
 runner = CliRunner()
@@ -159,8 +160,6 @@ def test_colossal_accepted_forms():
     got = col(dict(pipeline=2), schedule=dict(num_microbatches=4), gradient_accumulation=2, fp16=dict(mode="x"))
     assert (got.config.microbatches, got.config.precision) == (8, "fp16")
     assert any("gradient_accumulation=2" in n for n in got.notes)
-    with pytest.raises(UnsupportedError, match="ring self-attention"):
-        col(dict(tensor=dict(size=4, mode="sequence")))
     with pytest.raises(ConfigError, match="give the device count"):
         compat.from_colossal({"parallel": {"pipeline": 2}})
 
@@ -253,12 +252,35 @@ def test_torchtitan_reading():
         compat.from_torchtitan(titan(data_parallel_replicate_degree=2, data_parallel_shard_degree=2), 4)
     with pytest.raises(UnsupportedError, match="ZBVZeroBubble"):
         compat.from_torchtitan(titan(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"), 4)
-    with pytest.raises(UnsupportedError, match="context parallel"):
-        compat.from_torchtitan(titan(context_parallel_degree=2), 4)
     with pytest.raises(ConfigError, match="give the device count"):
         compat.from_torchtitan(titan())
     got = compat.from_torchtitan({"parallelism": {"data_parallel_shard_degree": 4}})   # torchtitan's defaults
     assert got.config.recompute == "full" and len(got.notes) == 2
+
+
+# ------------------------------------------------------------------ context parallel (a strategy key in newer trees)
+@pytest.mark.skipif(not CP, reason="this tree's strategies have no cp key")
+def test_context_parallel_in_and_out():
+    got = col(dict(tensor=dict(size=4, mode="sequence")), devices=8)
+    assert got.config == parse_strategy("dp=2,cp=4", 8) and "ring" in got.notes[0]
+    for strategy, devices, formats in [("dp=2,cp=4", 8, ("colossal", "mindformers")),
+                                       ("dp=2,tp=2,cp=2,sequence_parallel=true", 8, ("mindformers",)),
+                                       ("dp=2,tp=2,cp=2,sequence_parallel=true,precision=bf16", 8, ("torchtitan",))]:
+        cfg = parse_strategy(strategy, devices)
+        for fmt in formats:
+            assert compat.READERS[fmt](compat.WRITERS[fmt](cfg).data, devices).config == cfg, fmt
+    with pytest.raises(UnsupportedError, match="one tensor mode"):
+        compat.to_colossal(parse_strategy("dp=1,tp=2,cp=2", 4))
+
+
+@pytest.mark.skipif(CP, reason="this tree's strategies have a cp key")
+def test_context_parallel_refused_without_cp():
+    with pytest.raises(UnsupportedError, match="ring self-attention.*Megatron's"):
+        col(dict(tensor=dict(size=4, mode="sequence")))
+    with pytest.raises(UnsupportedError, match="context_parallel_degree=2 is context parallelism"):
+        compat.from_torchtitan({"parallelism": {"context_parallel_degree": 2}}, 4)
+    with pytest.raises(UnsupportedError, match="parallel_config.context_parallel=2"):
+        mf(data_parallel=4, context_parallel=2)
 
 
 # ------------------------------------------------------------------ CLI

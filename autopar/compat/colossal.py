@@ -12,8 +12,9 @@ Parallelization") are each a :class:`ConfigError` naming the field: a tensor
 size without a mode, a mode without a size, 2D on a non-square size, 2.5D
 whose size is not ``depth x q^2``, 3D on a non-cube, pipeline x tensor not
 dividing the world, a data size that is not what the world leaves. ``1d`` is
-autopar's ``tp``; valid 2D, 2.5D and 3D configs and the ``sequence`` mode (ring
-self-attention) are :class:`UnsupportedError`: autopar does not run them yet.
+autopar's ``tp``, ``sequence`` (ring self-attention: the sequence split over
+the group) its context parallel ``cp``; valid 2D, 2.5D and 3D configs are
+:class:`UnsupportedError`: autopar does not run them yet.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from typing import Any
 from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig, divisors
-from .common import Exported, Imported, Source, build, common_losses, mapping, positive_int, source
+from .common import (Exported, Imported, Source, build, common_losses, context_parallel, cp_of, mapping,
+                     positive_int, source)
 
 MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 SPELLED = {"dp": "parallel.data", "tp": "parallel.tensor.size", "pp": "parallel.pipeline",
@@ -108,8 +110,8 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
     ``devices`` is the world size; without it ``parallel.data`` must be given.
 
     Raises :class:`ConfigError` for a config that breaks one of the seed's
-    rules (naming the field), :class:`UnsupportedError` for a valid 2D, 2.5D,
-    3D or sequence tensor mode."""
+    rules (naming the field), :class:`UnsupportedError` for a valid 2D, 2.5D
+    or 3D tensor mode (and for the sequence mode where the strategy has no ``cp``)."""
     if isinstance(cfg_or_path, Mapping):
         where = "Colossal-AI config"
         cfg = dict(cfg_or_path) if "parallel" in cfg_or_path or not set(cfg_or_path) <= {"data", "pipeline", "tensor"} \
@@ -142,13 +144,16 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
     if mode in ("2d", "2.5d", "3d"):
         raise UnsupportedError(f"{where}: tensor mode {mode!r} (size {tp}) is valid, but 2D, 2.5D and 3D tensor "
                                f"parallel are not implemented in autopar yet; mode='1d' is (tp={tp})")
-    if mode == "sequence":
-        raise UnsupportedError(f"{where}: tensor mode 'sequence' is Colossal-AI's ring self-attention sequence "
-                               "parallelism (Li et al., 2021), which autopar does not implement; autopar's "
-                               "sequence_parallel=true is Megatron's (norms and dropout split along the sequence "
-                               "inside a 1D tensor-parallel group): use tensor=dict(size=N, mode='1d') and add "
-                               "sequence_parallel=true to the strategy")
     keys, notes = _extras(cfg, pp, where)
+    if mode == "sequence":    # Li et al. 2021: the sequence split over the group, ring self-attention
+        keys.update(context_parallel(tp, "parallel.tensor.size with mode='sequence' (ring self-attention)", where,
+                                     "; autopar's sequence_parallel=true is Megatron's (norms and dropout split "
+                                     "along the sequence inside a 1D tensor-parallel group): use "
+                                     "tensor=dict(size=N, mode='1d') and add sequence_parallel=true"))
+        notes.append(f"tensor mode 'sequence' read as cp={tp} (context parallel): the same split of the sequence, "
+                     "weights replicated; autopar's attention all-gathers keys and values instead of passing "
+                     "them around a ring")
+        tp = 1
     return Imported(build({"dp": dp, "tp": tp, "pp": pp, **keys}, devices, where, SPELLED), tuple(notes))
 
 
@@ -275,8 +280,11 @@ def to_colossal(what: Source) -> Exported:
     par: dict[str, Any] = {}
     if cfg.pp > 1:
         par["pipeline"] = {"size": cfg.pp}
-    if cfg.tp > 1:
-        par["tensor"] = {"size": cfg.tp, "mode": "1d"}
+    if cfg.tp > 1 and cp_of(cfg) > 1:
+        raise UnsupportedError(f"{cfg.to_string()}: Colossal-AI's parallel dict has one tensor mode, so tp={cfg.tp} "
+                               f"(mode='1d') and cp={cp_of(cfg)} (mode='sequence') cannot both be written")
+    if cfg.tp > 1 or cp_of(cfg) > 1:
+        par["tensor"] = {"size": cfg.tp, "mode": "1d"} if cfg.tp > 1 else {"size": cp_of(cfg), "mode": "sequence"}
     data: dict[str, Any] = {"parallel": par}
     if cfg.pp > 1:
         data["NUM_MICRO_BATCHES"] = cfg.microbatches
@@ -307,6 +315,9 @@ def _python(value: Any) -> str:
 def _losses(cfg: ParallelConfig, plan: Plan | None) -> list[str]:
     """What Colossal-AI's config does not carry, and where Colossal-AI puts it."""
     notes = common_losses(cfg, plan, "Colossal-AI config")
+    if cp_of(cfg) > 1:
+        notes.append(f"cp={cp_of(cfg)} written as tensor mode 'sequence': Colossal-AI runs ring self-attention "
+                     "there, autopar all-gathers keys and values (the same split of the sequence)")
     if cfg.zero:
         notes.append(f"zero={cfg.zero}: not in `parallel`; Colossal-AI sets ZeRO in its legacy zero=dict(...) "
                      f"config or with the booster's plugins (LowLevelZeroPlugin(stage=1|2), GeminiPlugin, "

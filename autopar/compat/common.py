@@ -8,11 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..errors import ConfigError, StrategyError
+from ..errors import ConfigError, StrategyError, UnsupportedError
 from ..plan import Plan
 from ..spec import FIELDS, ParallelConfig, divisors, parse_strategy
 
 Source = Union[Plan, ParallelConfig, str]
+# context parallelism is a strategy key (cp) only in newer trees: read where it is one, refused where not
+CP = any(k.name == "cp" for k in FIELDS)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,22 @@ def mapping(value: Any, field: str, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: {field} must be a mapping of keys to values, got {value!r}")
     return value
+
+
+def cp_of(cfg: ParallelConfig) -> int:
+    """The context-parallel degree of ``cfg`` (1 where the strategy has no ``cp`` key)."""
+    return getattr(cfg, "cp", 1)
+
+
+def context_parallel(size: int, what: str, where: str, hint: str = "") -> dict[str, int]:
+    """``{"cp": size}`` for a context-parallel degree > 1 (``{}`` for 1);
+    :class:`UnsupportedError` naming ``what`` where the strategy has no ``cp`` key."""
+    if size == 1:
+        return {}
+    if not CP:
+        raise UnsupportedError(f"{where}: {what}={size} is context parallelism (the sequence split over "
+                               f"devices), which this autopar does not implement{hint}")
+    return {"cp": size}
 
 
 def check_world(degrees: Mapping[str, int], devices: int, where: str) -> None:

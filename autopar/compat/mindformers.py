@@ -10,7 +10,7 @@ Mapping (the seed's MindFormers parallel manual):
   ``recursive_programming``); 3 (hybrid) is the strategy of ``parallel_config``
   as written. The names ``data_parallel`` ... ``hybrid_parallel`` are read too.
 * ``data_parallel``, ``model_parallel``, ``pipeline_stage`` are ``dp``, ``tp``,
-  ``pp``; ``micro_batch_num`` the pipeline's microbatches (without a pipeline,
+  ``pp`` (``context_parallel``: ``cp``); ``micro_batch_num`` the pipeline's microbatches (without a pipeline,
   ``runner_config.gradient_accumulation_steps`` accumulates);
   ``use_seq_parallel`` is ``sequence_parallel``; ``enable_parallel_optimizer``
   (MindSpore's optimizer parallel, which shards the weight update over the
@@ -36,8 +36,8 @@ import yaml
 from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig
-from .common import (Exported, Imported, Source, boolean, build, check_world, common_losses, mapping, positive_int,
-                     search_of, source)
+from .common import (Exported, Imported, Source, boolean, build, check_world, common_losses, context_parallel, cp_of,
+                     mapping, positive_int, search_of, source)
 
 PARALLEL_MODES = ("data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel")
 SEARCH_MODES = ("dynamic_programming", "sharding_propagation", "recursive_programming")
@@ -46,7 +46,7 @@ SPELLED = {"dp": "parallel_config.data_parallel", "tp": "parallel_config.model_p
            "microbatches": "parallel_config.micro_batch_num (runner_config.gradient_accumulation_steps without a "
                            "pipeline)",
            "sequence_parallel": "parallel_config.use_seq_parallel", "zero": "parallel.enable_parallel_optimizer",
-           "recompute": "recompute_config"}
+           "recompute": "recompute_config", "cp": "parallel_config.context_parallel"}
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
 
     Raises :class:`ConfigError` for a config that breaks one of the seed's
     rules (naming the field), :class:`UnsupportedError` for multi-copy
-    parallel, expert or context parallel."""
+    parallel and expert parallel."""
     if isinstance(cfg_or_path, Mapping):
         where, cfg = "MindFormers config", cfg_or_path
     else:
@@ -104,12 +104,16 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
                          "dp, tp and pp")
         return Imported(None, tuple(notes + _notes(cfg, par, pc, mode, tp)), search or "dynamic_programming")
     if devices is None:
-        devices = positive_int(pc.get("data_parallel", 1), "parallel_config.data_parallel", where) * tp * pp
+        devices = positive_int(pc.get("data_parallel", 1), "parallel_config.data_parallel", where) * tp * pp * \
+            positive_int(pc.get("context_parallel", 1), "parallel_config.context_parallel", where)
     positive_int(devices, "the device count", where)
-    dp = pc.get("data_parallel", devices // (tp * pp) or 1)
+    cp = positive_int(pc.get("context_parallel", 1), "parallel_config.context_parallel", where)
+    context = context_parallel(cp, "parallel_config.context_parallel", where)
+    dp = pc.get("data_parallel", devices // (tp * pp * cp) or 1)
     check_world({"parallel_config.data_parallel": positive_int(dp, "parallel_config.data_parallel", where),
-                 "model_parallel": tp, "pipeline_stage": pp}, devices, where)
-    keys = {"dp": dp, "tp": tp, "pp": pp, "microbatches": _microbatches(cfg, pc, pp, where, notes),
+                 "model_parallel": tp, "pipeline_stage": pp, **({"context_parallel": cp} if cp > 1 else {})},
+                devices, where)
+    keys = {"dp": dp, "tp": tp, "pp": pp, **context, "microbatches": _microbatches(cfg, pc, pp, where, notes),
             "sequence_parallel": boolean(pc.get("use_seq_parallel", False), "parallel_config.use_seq_parallel", where),
             "zero": 1 if _parallel_optimizer(par, pc, where) else 0, "recompute": _recompute(cfg, pc, where, notes)}
     if search is not None and mode == 1:
@@ -135,17 +139,16 @@ def _parallel_mode(value: Any, where: str, notes: list[str]) -> int:
 
 
 def _refuse(cfg: Mapping[str, Any], pc: Mapping[str, Any], where: str) -> None:
-    """:class:`UnsupportedError` for what autopar does not run: multi-copy, expert and context parallel."""
+    """:class:`UnsupportedError` for what autopar does not run: multi-copy and expert parallel."""
     interleave = cfg.get("micro_batch_interleave_num", pc.get("micro_batch_interleave_num", 1))
     copies = positive_int(interleave, "micro_batch_interleave_num", where)
     if copies > 1:
         raise UnsupportedError(f"{where}: micro_batch_interleave_num={copies} is MindSpore's multi-copy parallel "
                                "(the batch split in copies so one computes while another communicates), which "
                                "autopar does not implement yet; use micro_batch_interleave_num: 1")
-    for key, what in (("expert_parallel", "expert parallel (MoE)"), ("context_parallel", "context parallel")):
-        if positive_int(pc.get(key, 1), f"parallel_config.{key}", where) > 1:
-            raise UnsupportedError(f"{where}: parallel_config.{key}={pc[key]}: {what} is not implemented in "
-                                   f"autopar; use {key}: 1")
+    if positive_int(pc.get("expert_parallel", 1), "parallel_config.expert_parallel", where) > 1:
+        raise UnsupportedError(f"{where}: parallel_config.expert_parallel={pc['expert_parallel']}: expert "
+                               "parallel (MoE) is not implemented in autopar; use expert_parallel: 1")
 
 
 def _microbatches(cfg: Mapping[str, Any], pc: Mapping[str, Any], pp: int, where: str, notes: list[str]) -> int:
@@ -243,6 +246,8 @@ def to_mindformers(what: Source) -> Exported:
         "micro_batch_interleave_num": 1,
         "recompute_config": {"recompute": cfg.recompute == "full", "select_recompute": cfg.recompute == "selective"},
     }
+    if cp_of(cfg) > 1:
+        data["parallel_config"]["context_parallel"] = cp_of(cfg)
     if cfg.pp == 1 and cfg.microbatches > 1:
         data["runner_config"] = {"gradient_accumulation_steps": cfg.microbatches}
     text = f"# MindFormers parallel config written by autopar for {cfg.to_string()}\n" + \

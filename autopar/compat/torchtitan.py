@@ -3,7 +3,7 @@
 Key names follow torchtitan's ``JobConfig`` (``torchtitan/config/job_config.py``):
 ``data_parallel_replicate_degree`` (DDP), ``data_parallel_shard_degree`` (FSDP;
 -1: what the other degrees leave), ``fsdp_reshard_after_forward``,
-``tensor_parallel_degree``, ``pipeline_parallel_degree``,
+``tensor_parallel_degree``, ``pipeline_parallel_degree``, ``context_parallel_degree``,
 ``pipeline_parallel_schedule`` (``GPipe``, ``1F1B``, ``Interleaved1F1B``),
 ``pipeline_parallel_microbatch_size`` (samples per microbatch: torchtitan
 counts microbatches as ``training.local_batch_size`` / it), and
@@ -26,14 +26,16 @@ from typing import Any
 from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig
-from .common import Exported, Imported, Source, build, check_world, common_losses, mapping, positive_int, source
+from .common import (Exported, Imported, Source, build, check_world, common_losses, context_parallel, cp_of, mapping,
+                     positive_int, source)
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 PRECISIONS = {"bf16": "bfloat16", "fp32": "float32"}
 SPELLED = {"dp": "data_parallel_replicate_degree x data_parallel_shard_degree", "tp": "tensor_parallel_degree",
            "pp": "pipeline_parallel_degree", "schedule": "pipeline_parallel_schedule",
            "microbatches": "training.local_batch_size / pipeline_parallel_microbatch_size",
-           "recompute": "activation_checkpoint.mode", "zero": "data_parallel_shard_degree"}
+           "recompute": "activation_checkpoint.mode", "zero": "data_parallel_shard_degree",
+           "cp": "context_parallel_degree"}
 
 
 # ------------------------------------------------------------------ strategy -> config
@@ -51,7 +53,7 @@ def to_torchtitan(what: Source, global_batch: int | None = None) -> Exported:
         "tensor_parallel_degree": cfg.tp,
         "enable_async_tensor_parallel": False,
         "pipeline_parallel_degree": cfg.pp,
-        "context_parallel_degree": 1,
+        "context_parallel_degree": cp_of(cfg),
     }
     if cfg.zero:
         par["fsdp_reshard_after_forward"] = "default" if cfg.zero == 3 else "never"
@@ -128,7 +130,8 @@ def from_torchtitan(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices:
     default). Missing keys take torchtitan's defaults.
 
     Raises :class:`ConfigError` for invalid degrees, :class:`UnsupportedError`
-    for HSDP, context or expert parallel, and schedules autopar does not run."""
+    for HSDP, expert parallel (context parallel where the strategy has no
+    ``cp``), and schedules autopar does not run."""
     where, cfg = ("torchtitan config", cfg_or_path) if isinstance(cfg_or_path, Mapping) else \
         (f"torchtitan config {str(cfg_or_path)!r}", _read_toml(cfg_or_path))
     par = mapping(cfg.get("parallelism"), "parallelism", where)
@@ -137,19 +140,22 @@ def from_torchtitan(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices:
     rep = positive_int(par.get("data_parallel_replicate_degree", 1), "data_parallel_replicate_degree", where)
     tp = positive_int(par.get("tensor_parallel_degree", 1), "tensor_parallel_degree", where)
     pp = positive_int(par.get("pipeline_parallel_degree", 1), "pipeline_parallel_degree", where)
-    for key, what in (("context_parallel_degree", "context parallel"), ("expert_parallel_degree", "expert parallel")):
-        if positive_int(par.get(key, 1), key, where) > 1:
-            raise UnsupportedError(f"{where}: {key}={par[key]}: {what} is not implemented in autopar; use 1")
+    if positive_int(par.get("expert_parallel_degree", 1), "expert_parallel_degree", where) > 1:
+        raise UnsupportedError(f"{where}: expert_parallel_degree={par['expert_parallel_degree']}: expert parallel "
+                               "is not implemented in autopar; use 1")
+    cp = positive_int(par.get("context_parallel_degree", 1), "context_parallel_degree", where)
+    context = context_parallel(cp, "context_parallel_degree", where)
     shard = par.get("data_parallel_shard_degree", -1)
     if shard == -1:
         if devices is None:
             raise ConfigError(f"{where}: data_parallel_shard_degree=-1 takes what the devices leave: give the "
                               "device count")
-        shard = max(1, devices // (rep * tp * pp))
+        shard = max(1, devices // (rep * tp * pp * cp))
     shard = positive_int(shard, "data_parallel_shard_degree", where)
-    devices = rep * shard * tp * pp if devices is None else positive_int(devices, "the device count", where)
+    devices = rep * shard * tp * pp * cp if devices is None else positive_int(devices, "the device count", where)
     check_world({"data_parallel_shard_degree": shard, "data_parallel_replicate_degree": rep,
-                 "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp}, devices, where)
+                 "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+                 **({"context_parallel_degree": cp} if cp > 1 else {})}, devices, where)
     if rep > 1 and shard > 1:
         raise UnsupportedError(f"{where}: data_parallel_replicate_degree={rep} with data_parallel_shard_degree="
                                f"{shard} is HSDP (shard within groups, replicate across); autopar's ZeRO shards "
@@ -159,7 +165,7 @@ def from_torchtitan(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices:
         notes.append(f"FSDP with a pipeline read as zero=1 (autopar allows at most ZeRO-1 with pp > 1; FSDP was "
                      f"zero={zero})")
         zero = 1
-    keys = {"dp": rep * shard, "tp": tp, "pp": pp, "zero": zero, "sequence_parallel": tp > 1,
+    keys = {"dp": rep * shard, "tp": tp, "pp": pp, **context, "zero": zero, "sequence_parallel": tp > 1,
             **_pipeline(par, training, pp, rep * shard, where, notes),
             "recompute": _recompute(mapping(cfg.get("activation_checkpoint"), "activation_checkpoint", where), notes),
             "precision": _precision(training, where, notes)}
