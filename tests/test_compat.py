@@ -228,6 +228,8 @@ def test_mindformers_modes_and_options():
         compat.from_mindformers({"parallel_config": {"data_parallel": 4}, "micro_batch_interleave_num": 2})
     with pytest.raises(UnsupportedError, match="expert parallel"):
         mf(data_parallel=8, expert_parallel=2)
+    with pytest.raises(ConfigError, match="without parallel_config.data_parallel, give the device count"):
+        compat.from_mindformers({"parallel_config": {"model_parallel": 2}})
 
 
 def test_mindformers_yaml_errors(tmp_path):
@@ -254,6 +256,10 @@ def test_torchtitan_reading():
         compat.from_torchtitan(titan(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"), 4)
     with pytest.raises(ConfigError, match="give the device count"):
         compat.from_torchtitan(titan())
+    with pytest.raises(ConfigError, match="activation_checkpoint.mode='some' is invalid"):
+        compat.from_torchtitan({"parallelism": {}, "activation_checkpoint": {"mode": "some"}}, 2)
+    with pytest.raises(ConfigError, match="global batch 6 is not a multiple of dp=4"):
+        compat.to_torchtitan(parse_strategy("dp=4", 4), global_batch=6)
     got = compat.from_torchtitan({"parallelism": {"data_parallel_shard_degree": 4}})   # torchtitan's defaults
     assert got.config.recompute == "full" and len(got.notes) == 2
 

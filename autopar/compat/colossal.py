@@ -30,7 +30,7 @@ from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig, divisors
 from .common import (Exported, Imported, Source, build, common_losses, context_parallel, cp_of, mapping,
-                     positive_int, source)
+                     positive_int, read_config, source, uneven_layers)
 
 MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 SPELLED = {"dp": "parallel.data", "tp": "parallel.tensor.size", "pp": "parallel.pipeline",
@@ -48,14 +48,7 @@ def read_python_config(path: str | os.PathLike) -> dict[str, Any]:
     Raises :class:`ConfigError` for a missing or unparsable file, and for a
     ``parallel`` assignment that is not a literal (naming its line)."""
     p = Path(path)
-    try:
-        tree = ast.parse(p.read_text(), str(p))
-    except FileNotFoundError:
-        raise ConfigError(f"Colossal-AI config {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"Colossal-AI config {str(p)!r} cannot be read: {e}") from None
-    except SyntaxError as e:
-        raise ConfigError(f"Colossal-AI config {str(p)!r} is not valid Python: {e.msg} at line {e.lineno}") from None
+    tree = read_config(p, "Colossal-AI", lambda text: ast.parse(text, str(p)), SyntaxError, "Python")
     names: dict[str, Any] = {}
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else \
@@ -338,9 +331,7 @@ def _losses(cfg: ParallelConfig, plan: Plan | None) -> list[str]:
     if cfg.offload != "none":
         notes.append(f"offload={cfg.offload}: not in `parallel`; Colossal-AI offloads through its booster "
                      "plugins (GeminiPlugin, LowLevelZeroPlugin(cpu_offload=True))")
-    if plan is not None and cfg.pp > 1:
-        layers = plan.data.get("pipeline", {}).get("layers")
-        if layers and len(set(layers)) > 1:
-            notes.append(f"layers per stage {layers}: Colossal-AI partitions the layers itself "
-                         "(PipelinableContext / build_pipeline_model)")
+    if layers := uneven_layers(cfg, plan):
+        notes.append(f"layers per stage {layers}: Colossal-AI partitions the layers itself "
+                     "(PipelinableContext / build_pipeline_model)")
     return notes

@@ -4,8 +4,10 @@ fields through autopar's own grammar (so every rule of
 :func:`autopar.spec.parse_strategy` applies to an imported config too)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 from ..errors import ConfigError, StrategyError, UnsupportedError
@@ -44,6 +46,27 @@ class Exported:
     data: dict[str, Any]
     text: str
     notes: tuple[str, ...] = ()
+
+
+def read_config(path: str | os.PathLike, framework: str, parse: Callable[[str], Any],
+                syntax: type[Exception], language: str) -> Any:
+    """``parse`` of the text of ``path``; :class:`ConfigError` for a missing or
+    unreadable file, or a ``syntax`` error (the file is not valid ``language``)."""
+    p = Path(path)
+    try:
+        return parse(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{framework} config {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{framework} config {str(p)!r} cannot be read: {e}") from None
+    except syntax as e:
+        raise ConfigError(f"{framework} config {str(p)!r} is not valid {language}: {e}") from None
+
+
+def uneven_layers(cfg: ParallelConfig, plan: Plan | None) -> list[int] | None:
+    """A pipelined plan's layers per stage when they are not all equal (no format says so), else ``None``."""
+    layers = plan.data.get("pipeline", {}).get("layers") if plan is not None and cfg.pp > 1 else None
+    return layers if layers and len(set(layers)) > 1 else None
 
 
 def source(what: Source) -> tuple[ParallelConfig, Plan | None]:

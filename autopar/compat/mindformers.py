@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -37,7 +36,7 @@ from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig
 from .common import (Exported, Imported, Source, boolean, build, check_world, common_losses, context_parallel, cp_of,
-                     mapping, positive_int, search_of, source)
+                     mapping, positive_int, read_config, search_of, source, uneven_layers)
 
 PARALLEL_MODES = ("data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel")
 SEARCH_MODES = ("dynamic_programming", "sharding_propagation", "recursive_programming")
@@ -52,17 +51,9 @@ SPELLED = {"dp": "parallel_config.data_parallel", "tp": "parallel_config.model_p
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """The MindFormers YAML file ``path`` as a dict (``yaml.safe_load``: no
     Python objects are built). Raises :class:`ConfigError`."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"MindFormers config {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"MindFormers config {str(p)!r} cannot be read: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"MindFormers config {str(p)!r} is not valid YAML: {e}") from None
+    data = read_config(path, "MindFormers", yaml.safe_load, yaml.YAMLError, "YAML")
     if not isinstance(data, dict):
-        raise ConfigError(f"MindFormers config {str(p)!r} is not a mapping of keys to values")
+        raise ConfigError(f"MindFormers config {str(path)!r} is not a mapping of keys to values")
     return data
 
 
@@ -71,7 +62,7 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
     """The strategy of a MindFormers config (a YAML file or its dict) on ``devices``.
 
     A missing ``data_parallel`` is what the devices leave; without
-    ``devices`` the degrees' product is the device count. ``parallel_mode: 2``
+    ``devices`` the degrees' product is the device count (``data_parallel`` is then needed). ``parallel_mode: 2``
     gives ``Imported(config=None, search_mode=...)``: a search.
 
     Raises :class:`ConfigError` for a config that breaks one of the seed's
@@ -104,7 +95,10 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
                          "dp, tp and pp")
         return Imported(None, tuple(notes + _notes(cfg, par, pc, mode, tp)), search or "dynamic_programming")
     if devices is None:
-        devices = positive_int(pc.get("data_parallel", 1), "parallel_config.data_parallel", where) * tp * pp * \
+        if "data_parallel" not in pc:
+            raise ConfigError(f"{where}: without parallel_config.data_parallel, give the device count (data "
+                              "parallel takes what the other degrees leave)")
+        devices = positive_int(pc["data_parallel"], "parallel_config.data_parallel", where) * tp * pp * \
             positive_int(pc.get("context_parallel", 1), "parallel_config.context_parallel", where)
     positive_int(devices, "the device count", where)
     cp = positive_int(pc.get("context_parallel", 1), "parallel_config.context_parallel", where)
@@ -271,9 +265,7 @@ def _losses(cfg: ParallelConfig, plan: Plan | None) -> list[str]:
     if cfg.offload != "none":
         notes.append(f"offload={cfg.offload}: MindSpore's host/device heterogeneous storage is set outside "
                      "parallel and parallel_config")
-    if plan is not None and cfg.pp > 1:
-        layers = plan.data.get("pipeline", {}).get("layers")
-        if layers and len(set(layers)) > 1:
-            notes.append(f"layers per stage {layers}: MindFormers splits the layers evenly over pipeline_stage "
-                         "(its model_config.offset shifts them)")
+    if layers := uneven_layers(cfg, plan):
+        notes.append(f"layers per stage {layers}: MindFormers splits the layers evenly over pipeline_stage "
+                     "(its model_config.offset shifts them)")
     return notes

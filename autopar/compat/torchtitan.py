@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedError
 from ..plan import Plan
 from ..spec import ParallelConfig
 from .common import (Exported, Imported, Source, build, check_world, common_losses, context_parallel, cp_of, mapping,
-                     positive_int, source)
+                     positive_int, read_config, source, uneven_layers)
 
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 PRECISIONS = {"bf16": "bfloat16", "fp32": "float32"}
@@ -67,7 +66,9 @@ def to_torchtitan(what: Source, global_batch: int | None = None) -> Exported:
         if layers and len(set(layers)) == 1:
             par["pipeline_parallel_layers_per_stage"] = layers[0]
     if batch is not None:
-        positive_int(batch, "global_batch", "torchtitan export")
+        if positive_int(batch, "global_batch", "torchtitan export") % (cfg.dp * cfg.microbatches):
+            raise ConfigError(f"torchtitan export: global batch {batch} is not a multiple of dp={cfg.dp} x "
+                              f"microbatches={cfg.microbatches}, so no whole local and microbatch sizes exist")
         local = batch // cfg.dp if cfg.pp > 1 else batch // (cfg.dp * cfg.microbatches)
         training.update(global_batch_size=batch, local_batch_size=local)
         if cfg.pp > 1:
@@ -115,11 +116,9 @@ def _losses(cfg: ParallelConfig, plan: Plan | None, batch: int | None) -> list[s
         notes.append(f"microbatches={cfg.microbatches}: torchtitan derives them from training.local_batch_size "
                      + ("/ pipeline_parallel_microbatch_size" if cfg.pp > 1 else "and global_batch_size")
                      + "; give the global batch (a plan, or --global-batch) to write them")
-    if plan is not None and cfg.pp > 1:
-        layers = plan.data.get("pipeline", {}).get("layers")
-        if layers and len(set(layers)) > 1:
-            notes.append(f"layers per stage {layers} are uneven: set pipeline_parallel_split_points to the first "
-                         "module of each stage")
+    if layers := uneven_layers(cfg, plan):
+        notes.append(f"layers per stage {layers} are uneven: set pipeline_parallel_split_points to the first "
+                     "module of each stage")
     return notes
 
 
@@ -167,7 +166,8 @@ def from_torchtitan(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices:
         zero = 1
     keys = {"dp": rep * shard, "tp": tp, "pp": pp, **context, "zero": zero, "sequence_parallel": tp > 1,
             **_pipeline(par, training, pp, rep * shard, where, notes),
-            "recompute": _recompute(mapping(cfg.get("activation_checkpoint"), "activation_checkpoint", where), notes),
+            "recompute": _recompute(mapping(cfg.get("activation_checkpoint"), "activation_checkpoint", where), where,
+                                    notes),
             "precision": _precision(training, where, notes)}
     if par.get("enable_async_tensor_parallel"):
         notes.append("enable_async_tensor_parallel is not read: autopar's tensor parallel collectives are not "
@@ -180,15 +180,7 @@ def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
         import tomllib
     except ModuleNotFoundError:          # Python 3.10
         raise UnsupportedError("reading a torchtitan TOML needs Python 3.11 or later (tomllib)") from None
-    p = Path(path)
-    try:
-        return tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"torchtitan config {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"torchtitan config {str(p)!r} cannot be read: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"torchtitan config {str(p)!r} is not valid TOML: {e}") from None
+    return read_config(path, "torchtitan", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
 
 
 def _pipeline(par: Mapping[str, Any], training: Mapping[str, Any], pp: int, dp: int, where: str,
@@ -222,12 +214,11 @@ def _pipeline(par: Mapping[str, Any], training: Mapping[str, Any], pp: int, dp: 
     return keys
 
 
-def _recompute(ac: Mapping[str, Any], notes: list[str]) -> str:
+def _recompute(ac: Mapping[str, Any], where: str, notes: list[str]) -> str:
     """``[activation_checkpoint]`` as autopar's recompute (torchtitan's default: selective, every 2nd layer)."""
     mode = ac.get("mode", "selective")
     if mode not in ("none", "full", "selective"):
-        raise ConfigError(f"torchtitan config: activation_checkpoint.mode={mode!r} is invalid; valid: none, "
-                          "selective, full")
+        raise ConfigError(f"{where}: activation_checkpoint.mode={mode!r} is invalid; valid: none, selective, full")
     if mode != "selective":
         return mode
     option = str(ac.get("selective_ac_option", "2"))
