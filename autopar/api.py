@@ -18,7 +18,7 @@ from . import __version__
 from .cost import CostModel, Estimate
 from .errors import ClusterError, StrategyError
 from .graph import Graph
-from .plan import PLAN_VERSION, Plan
+from .plan import PLAN_VERSION, Plan, rounded
 from .search import pins as _pins
 from .search.grid import search_grid
 from .search.ilp import InfeasiblePins
@@ -349,7 +349,7 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
         if st.kernel:
             entry["kernel"] = st.kernel
         if st.scale != 1.0 or sd.scale != 1.0:
-            entry["scale"] = [sd.scale, st.scale]
+            entry["scale"] = rounded([sd.scale, st.scale])
         ops[nd.name] = entry
     pred = est.to_dict()
     predicted = {k: pred[k] for k in ("step_time_s", "compute_time_s", "comm_time_s", "tp_comm_time_s",
@@ -377,9 +377,10 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
     }
     if est.pipeline is not None:
         data["pipeline"] = dict(est.pipeline)
-    # rounded as the JSON will be; schema validation is for plans read from files
-    # (a test validates what this builds: on GPT-3 175B validation alone took 0.9 s)
-    return Plan(Plan(data).to_dict())
+    # rounded as the JSON will be (params and ops are made so: placements, names, flags and
+    # rounded scales); schema validation is for plans read from files (a test validates
+    # what this builds: on GPT-3 175B validation alone took 0.9 s)
+    return Plan({k: v if k in ("params", "ops") else rounded(v) for k, v in data.items()})
 
 
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
