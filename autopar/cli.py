@@ -633,6 +633,8 @@ def import_config(
     optimizer: str = OptimizerOpt,
     precision: Optional[str] = PrecisionOpt,
     out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="With --plan: write the plan JSON here."),
+    pin: Optional[list[str]] = typer.Option(None, "--pin", help="With --plan: pin a placement as in `autopar plan` "
+                                                                "(sharding_propagation starts from the pins)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Read a Colossal-AI, MindFormers or torchtitan config as an autopar strategy (notes on stderr)."""
@@ -667,7 +669,7 @@ def import_config(
         return
     plan(model=model, cluster=cluster, devices=devices, global_batch=global_batch, strategy=got.strategy,
          optimizer=optimizer, precision=precision, plain=False, out_path=out_path, search_mode=got.search_mode,
-         pin=None, explain=False, solver="highs", as_json=as_json)
+         pin=pin, explain=False, solver="highs", as_json=as_json)
 
 
 @app.command()
