@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import time
 import weakref
 from typing import Any, Callable
@@ -83,10 +84,35 @@ def check_sizes(devices: Any, global_batch: Any) -> None:
             raise StrategyError(f"{name} must be a positive integer, got {v!r}")
 
 
+def check_trainable(graph: Graph) -> None:
+    """Refuse a graph with nothing to train (no trainable parameter), and a
+    loss traced with the model that is not one number (``reduction='none'``):
+    both would be planned and then fail, or train wrongly, at run time."""
+    if not any(p.requires_grad and not p.is_buffer for p in graph.params.values()):
+        raise StrategyError(f"{graph.name} has no trainable parameters: there is nothing to train or parallelize")
+    if graph.loss_prefix:
+        check_loss(graph)
+
+
+def check_loss(graph: Graph) -> None:
+    """The traced program must end in one number: a loss that is not reduced
+    (``reduction='none'``, or no ``loss_fn`` on a model returning a tensor)
+    cannot be back-propagated as a training loss."""
+    out = graph[graph.output] if graph.output else None
+    if out is None or out.out is None:
+        return
+    if math.prod(out.out.shape) != 1:
+        raise StrategyError(f"the loss has shape {tuple(out.out.shape)}, not a single number: make loss_fn return "
+                            "the mean (e.g. F.cross_entropy(..., reduction='mean')); without loss_fn the model's "
+                            "output is taken as the loss")
+
+
 def check_batch(graph: Graph, global_batch: int) -> None:
     """Refuse to scale a graph whose batch dimension is ambiguous: traced at
     batch 1, the batch dim cannot be told apart from the other size-1 dims,
-    and a prediction at another global batch would be silently wrong."""
+    and a prediction at another global batch would be silently wrong
+    (and, through :func:`check_trainable`, a graph with nothing to train)."""
+    check_trainable(graph)
     if graph.batch_size == 1 and global_batch != 1:
         raise StrategyError(
             f"{graph.name} was traced with an example batch of 1: its batch dimension cannot be told apart "

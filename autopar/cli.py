@@ -58,6 +58,13 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON to stdout instead of ta
 
 
 # -------------------------------------------------------------------------------- helpers
+def _check_out_dir(path: Optional[Path], what: str) -> None:
+    """Refuse an output file in a directory that does not exist before the
+    work (a large search, minutes of calibration), not after it."""
+    if path is not None and not path.parent.is_dir():
+        _fail(f"cannot write the {what} to {str(path)!r}: the directory {str(path.parent)!r} does not exist")
+
+
 def _fail(message: str) -> None:
     """Print one red error paragraph to stderr and exit with code 2."""
     err.print(f"[bold red]error:[/] [red]{escape(message)}[/]")
@@ -235,6 +242,7 @@ def plan(
         if key in shardings and shardings[key] != value:
             _fail(f"--pin {key}: pinned twice, to {shardings[key]} and to {value}; keep one")
         shardings[key] = value
+    _check_out_dir(out_path, "plan")
     graph = _load_graph(model, quiet=as_json)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":
@@ -544,6 +552,7 @@ def calibrate(
 
     from .calibrate import KINDS
     from .calibrate import calibrate as run_calibration
+    _check_out_dir(out_path, "cluster")
     t0 = time.perf_counter()
     interactive = err.is_terminal
     progress = Progress(TextColumn("[bold]calibrating[/] {task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -128,7 +128,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     target = _example_target(inputs, example_target)
     traced_inputs = dict(zip(keys, inputs)) if keys else inputs
     graph = trace(model, traced_inputs, loss_fn=loss_fn, target=target)
-    check_loss(graph)
+    api.check_trainable(graph)
+    api.check_loss(graph)          # without loss_fn too: the output is the loss
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
@@ -173,22 +174,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
-
-
-def check_loss(graph: Graph) -> None:
-    """The traced program must end in one number: a loss that is not reduced
-    (``reduction='none'``, or no ``loss_fn`` on a model returning a tensor)
-    cannot be back-propagated as a training loss."""
-    out = graph[graph.output] if graph.output else None
-    if out is None or out.out is None:
-        return
-    numel = 1
-    for n in out.out.shape:
-        numel *= n
-    if numel != 1:
-        raise StrategyError(f"the loss has shape {tuple(out.out.shape)}, not a single number: make loss_fn return "
-                            "the mean (e.g. F.cross_entropy(..., reduction='mean')); without loss_fn the model's "
-                            "output is taken as the loss")
 
 
 def example_specs(graph: Graph, inputs: tuple, target: Any) -> tuple[list, tuple | None]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import operator
 import warnings
 from collections import defaultdict
@@ -277,6 +278,9 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     keys: tuple[str, ...] | None = None
     if isinstance(example_inputs, dict):     # model(**batch), the Hugging Face way
         example_inputs, target, keys = keyword_inputs(example_inputs, target, loss_fn)
+        check_call(model, len(example_inputs), keys, loss_fn)
+    elif isinstance(example_inputs, (tuple, list)):
+        check_call(model, len(example_inputs), None, loss_fn)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -297,6 +301,28 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     return graph
 
 
+def check_call(model: nn.Module, n_inputs: int, keys: tuple[str, ...] | None, loss_fn: Any) -> None:
+    """Refuse inputs that ``model.forward`` cannot take (before tracing,
+    whose error would come from deep inside the tracer): a keyword batch
+    whose keys it has no parameter for, or too many / too few positional
+    inputs. Forwards whose signature Python cannot read are not checked."""
+    import inspect
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    extra = {"labels": None} if loss_fn == MODEL_LOSS else {}
+    try:
+        if keys is not None:
+            sig.bind(**dict.fromkeys(keys), **extra)
+        else:
+            sig.bind(*([None] * n_inputs), **extra)
+    except TypeError as e:
+        given = f"a keyword batch with keys {', '.join(keys)}" if keys is not None else f"{n_inputs} input(s)"
+        raise TraceError(f"{type(model).__name__}.forward{sig} cannot take {given}"
+                         f"{' and labels=' if extra else ''}: {e}") from None
+
+
 def keyword_inputs(batch: dict, target: Any, loss_fn: Any) -> tuple[tuple, Any, tuple[str, ...]]:
     """A keyword batch (``model(**batch)``) as positional inputs in the
     batch's key order, the target and the keys. With ``loss_fn="labels"``
@@ -312,10 +338,31 @@ def keyword_inputs(batch: dict, target: Any, loss_fn: Any) -> tuple[tuple, Any, 
     return tuple(batch.values()), target, tuple(batch)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence the tracebacks torch logs when an op fails on fake tensors: a
+    failed trace becomes one TraceError, not a wall of ``[rank0]:E`` lines."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                                              "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
 def _trace_frontends(root: nn.Module, args: tuple, name: str, frontend: str) -> Graph:
     """torch.fx first (``frontend="auto"``), torch.export when fx fails, or the one asked for."""
     if frontend not in ("auto", "fx", "export"):
         raise TraceError(f"unknown frontend {frontend!r}; valid: 'auto', 'fx', 'export'")
+    with _quiet_torch_logs():
+        return _trace_either(root, args, name, frontend)
+
+
+def _trace_either(root: nn.Module, args: tuple, name: str, frontend: str) -> Graph:
 
     fx_error: str | None = None
     if frontend in ("auto", "fx"):
@@ -561,7 +608,8 @@ def _export(root: nn.Module, args: tuple) -> Any:
     symbolic = not _is_meta_model(root)
     dyn = tuple({0: torch.export.Dim.AUTO} if symbolic and isinstance(a, torch.Tensor) and a.dim() > 0
                 and a.shape[0] > 1 else None for a in args)
-    with warnings.catch_warnings():
+    # export prints the partial graph of a failure to stderr before raising: the TraceError says it
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         if any(d is not None for d in dyn):
             try:

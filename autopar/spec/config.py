@@ -306,6 +306,8 @@ def parse_strategy(text: str, devices: int | None = None) -> ParallelConfig:
     degrees must equal it. Raises :class:`StrategyError` saying what is wrong
     and what would be valid.
     """
+    if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+        raise StrategyError(f"devices must be a positive integer, got {devices!r}")
     given = _items(text)
     accumulate = ACCUMULATE in given
     if accumulate:
