@@ -51,7 +51,7 @@ from .graph import NO_DISPATCH, Graph, Node
 from .sharding import AxisSharding, needs_grad, numel as _numel, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
-from .pipeline.schedule import Timeline, build_schedule, simulate
+from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
 from .spec import ParallelConfig, divisors
 from .spec.placement import R
 from .strategies import is_shard
@@ -624,6 +624,9 @@ class CostModel:
         }
         if not simulate_schedule:
             pipeline["simulated"] = False
+            # what the simulated step cannot undercut (the search's test whether simulating
+            # could still lower its best time; a margin for the extrapolated makespans)
+            pipeline["step_bound_s"] = (makespan_lower_bound(pp, m, fwd, bwd, p2p) + dp_comm + opt) * (1 - 1e-6)
         return Estimate(
             strategy=cfg.to_string(), step_time_s=step, compute_time_s=compute,
             comm_time_s=tp_comm + dp_comm + sum(p2p) * 2 * m, tp_comm_time_s=tp_comm, dp_comm_time_s=dp_comm,

@@ -6,7 +6,7 @@ import pytest
 
 from autopar.errors import StrategyError
 from autopar.pipeline.schedule import (SCHEDULES, Action, Event, Timeline, bubble_fraction, build_schedule,
-                                       check_schedule, simulate)
+                                       check_schedule, makespan_lower_bound, simulate)
 from autopar.pipeline.timeline import plot_timeline
 
 F, B = "F", "B"
@@ -141,6 +141,28 @@ def test_p2p_adds_two_transfers_per_boundary(pp):
     assert simulate(one, [1.0] * pp, [2.0] * pp, [0.25] * (pp - 1)).makespan == pytest.approx(tl.makespan)
     # with m = pp on uniform stages the microbatches follow back to back: the same delay is added
     assert _uniform("gpipe", pp, pp, p2p=0.25).makespan == pytest.approx(3 * (2 * pp - 1) + 2 * (pp - 1) * 0.25)
+
+
+@pytest.mark.parametrize("schedule,pp,m,chunks", [
+    *[(s, pp, m, 1) for s in ("gpipe", "1f1b") for pp, m in _cases()],
+    *[("interleaved", pp, k * pp, c) for pp in (2, 4) for c in (2, 4) for k in (1, 2, 4)],
+])
+def test_makespan_lower_bound_holds(schedule, pp, m, chunks):
+    """Fill, work and drain: never above the simulated makespan (the search skips
+    simulating pipelines on it), and equal to it on balanced 1F1B stages without transfers."""
+    import random
+    rng = random.Random(pp * 1000 + m * 10 + chunks)
+    stages = pp * chunks
+    actions = build_schedule(schedule, pp, m, chunks)
+    for _ in range(5):
+        fwd = [rng.uniform(0.5, 2.0) for _ in range(stages)]
+        bwd = [2 * f * rng.uniform(0.8, 1.2) for f in fwd]
+        p2p = [rng.uniform(0.0, 0.3) for _ in range(stages - 1)]
+        assert makespan_lower_bound(pp, m, fwd, bwd, p2p) <= simulate(actions, fwd, bwd, p2p).makespan * (1 + 1e-12)
+    if schedule == "1f1b":
+        even = simulate(actions, [1.0] * stages, [2.0] * stages).makespan
+        assert makespan_lower_bound(pp, m, [1.0] * stages, [2.0] * stages, [0.0] * (stages - 1)) == \
+            pytest.approx(even, rel=1e-12)
 
 
 def test_backward_before_its_own_forward_deadlocks():

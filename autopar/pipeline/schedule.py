@@ -368,3 +368,25 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) 
     check_schedule(schedule, pp, microbatches, chunks)
     units = microbatches * chunks if schedule == "interleaved" else microbatches
     return (pp - 1) / (units + pp - 1)
+
+
+def makespan_lower_bound(pp: int, microbatches: int, fwd: Sequence[float], bwd: Sequence[float],
+                         p2p: Sequence[float]) -> float:
+    """A lower bound on the makespan :func:`simulate` gives *any* schedule of
+    ``microbatches`` on these virtual stages (``fwd``, ``bwd`` and ``p2p`` as
+    there, ``V = pp * chunks`` stages, rank ``r`` holding ``r, r + pp, ...``).
+
+    Rank ``r`` computes ``busy[r]`` seconds in all; it cannot start before a
+    first forward has come through the stages before ``r``, and after its
+    last backward that microbatch's gradient still goes back through them.
+    So the makespan is at least, over the ranks, those three one after the
+    other (the pipeline's fill and drain). On balanced 1F1B stages without
+    transfers the bound is the simulated makespan itself."""
+    V = len(fwd)
+    bound = ramp = 0.0     # ramp: a microbatch's forward and backward through the stages before r
+    for r in range(pp):
+        busy = microbatches * sum(fwd[v] + bwd[v] for v in range(r, V, pp))
+        bound = max(bound, ramp + busy)
+        if r + 1 < V:
+            ramp += fwd[r] + bwd[r] + 2 * p2p[r]
+    return bound
