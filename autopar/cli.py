@@ -228,6 +228,8 @@ def plan(
         "highs", "--solver",
         help="MILP solver of the per-op ILP: highs (default) or, through PuLP (pip install 'autopar[pulp]'), "
              "pulp:CBC, pulp:GLPK, pulp:GUROBI, pulp:CPLEX."),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the plan as one self-contained HTML "
+                                            "page, with the search's runners-up."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
@@ -243,6 +245,7 @@ def plan(
             _fail(f"--pin {key}: pinned twice, to {shardings[key]} and to {value}; keep one")
         shardings[key] = value
     _check_out_dir(out_path, "plan")
+    _check_out_dir(html_out, "report")
     graph = _load_graph(model, quiet=as_json)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":
@@ -268,6 +271,12 @@ def plan(
             p.save(out_path)
         except OSError as e:
             _fail(f"cannot write the plan to {str(out_path)!r}: {e.strerror or e}")
+    if html_out is not None:
+        from .explain import explain as why
+        from .report import html_report
+        with _errors():
+            html_report(p, html_out, explained=why(p, record))
+        err.print(f"report written to {escape(str(html_out))}")
     if as_json:
         if explain:
             from .explain import explain as why
@@ -372,15 +381,22 @@ def show(
     path: Path = typer.Argument(..., help="A plan JSON file written by `autopar plan --out`."),
     limit: int = typer.Option(20, "--limit", min=0, help="Parameter patterns to list (0: all)."),
     timeline: Optional[Path] = typer.Option(None, "--timeline", help="Draw the predicted pipeline schedule into this PNG."),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="Write the plan as one self-contained HTML page "
+                                            "(summary, memory bars, timeline, placements)."),
     as_json: bool = JsonOpt,
 ) -> None:
     """Print a saved plan: summary, parameter placements, op strategies."""
     from .plan import Plan
+    _check_out_dir(html_out, "report")
     with _errors():
         p = Plan.load(path)
         if timeline is not None:
             from .pipeline.timeline import plot_timeline, predicted_timeline
             plot_timeline(predicted_timeline(p), timeline, title=p.strategy)
+        if html_out is not None:
+            from .report import html_report
+            html_report(p, html_out)
+            err.print(f"report written to {escape(str(html_out))}")
     if as_json:
         sys.stdout.write(p.to_json())
         return
@@ -678,7 +694,7 @@ def import_config(
         return
     plan(model=model, cluster=cluster, devices=devices, global_batch=global_batch, strategy=got.strategy,
          optimizer=optimizer, precision=precision, plain=False, out_path=out_path, search_mode=got.search_mode,
-         pin=pin, explain=False, solver="highs", as_json=as_json)
+         pin=pin, explain=False, solver="highs", html_out=None, as_json=as_json)
 
 
 @app.command()
