@@ -175,7 +175,7 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
             mine = inst[g]
             if prev is not None and signature.get(g) == signature.get(prev) and \
                     external_placements(g) == external_placements(prev):
-                _copy(res, walk.pairs[g])
+                _copy(res, walk.pairs[g], walk.copies.get(g))
                 res.reused_instances += 1
                 res.copied_from[g] = prev
                 continue
@@ -203,6 +203,49 @@ class _Walk:
     # per instance: (node, node of the previous instance, [(input of node, input slot)] of its state inputs)
     pairs: dict[str, tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]]
     position: dict[str, tuple[str, int]]        # node -> (its instance, its position in it)
+    copies: dict[str, "_CopyPlan"]              # per instance: the pairs sorted for a bulk copy
+
+
+@dataclass(frozen=True)
+class _CopyPlan:
+    """How :func:`_copy` gives an instance the decisions of the one before it
+    in bulk: the nodes a walk decides (``ops``: this instance's and the
+    previous one's, position by position), the other nodes (``rest``), and
+    the parameters the ops read (``reads``: parameter, op, input slot). None
+    of its parameters belongs to the previous instance, so the order of the
+    three steps cannot change what the pair by pair copy gives."""
+
+    ops: tuple[tuple[str, ...], tuple[str, ...]]
+    rest: tuple[tuple[str, str], ...]
+    reads: tuple[tuple[str, str, int], ...]
+
+
+def _decided(nd: Node) -> bool:
+    """Whether :func:`walk_axis` gives ``nd`` a strategy."""
+    return nd.kind != "input" and nd.kind not in SKIP and not nd.is_state and \
+        (nd.out is not None or nd.kind == "split")
+
+
+def _copy_plan(graph: Graph, nodes: list[Node], prev: list[Node],
+               pairs: tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]) -> "_CopyPlan | None":
+    """The :class:`_CopyPlan` of an instance (``nodes``) copying ``prev``;
+    None where the bulk copy could differ from the pair by pair one (a
+    parameter of ``prev`` read here, or positions decided unlike)."""
+    before = {x.name for x in prev}
+    ops_a, ops_b, rest, reads = [], [], [], []
+    for x, y, (a, b, state_inputs) in zip(nodes, prev, pairs):
+        if _decided(x) != _decided(y):
+            return None
+        if _decided(x):
+            ops_a.append(a)
+            ops_b.append(b)
+            for i, k in state_inputs:
+                if i in before:
+                    return None
+                reads.append((i, a, k))
+        else:
+            rest.append((a, b))
+    return _CopyPlan((tuple(ops_a), tuple(ops_b)), tuple(rest), tuple(reads))
 
 
 def _walk_structure(graph: Graph) -> _Walk:
@@ -217,16 +260,33 @@ def _walk_structure(graph: Graph) -> _Walk:
                 pairs[g] = tuple((a.name, b.name, tuple((i, k) for k, i in enumerate(a.inputs) if graph[i].is_state))
                                  for a, b in zip(nodes, inst[prev_of[g]]))
         position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
-        return _Walk(inst, prev_of, external, pairs, position)
+        copies = {g: plan for g in pairs
+                  if (plan := _copy_plan(graph, inst[g], inst[prev_of[g]], pairs[g])) is not None}
+        return _Walk(inst, prev_of, external, pairs, position, copies)
 
     return graph.memo(("walk_axis",), build)
 
 
-def _copy(res: AxisSharding, pairs) -> None:
+def _copy(res: AxisSharding, pairs, plan: _CopyPlan | None = None) -> None:
     """Give an instance the decisions of the one before it, position by
     position (a parameter takes the placement its first reader wants, as in
-    :func:`walk_axis`)."""
+    :func:`walk_axis`). With its ``plan``, the ops' decisions are copied in
+    bulk (a walk copies 94 of a 96-layer GPT-3's blocks, dozens of times per
+    search), then the other nodes, then the parameters first read here."""
     strategy, out = res.strategy, res.out
+    if plan is not None:
+        mine, theirs = plan.ops
+        sts = list(map(strategy.get, theirs))
+        if None not in sts:
+            strategy.update(zip(mine, sts))
+            out.update(zip(mine, [st.out for st in sts]))
+            for a, b in plan.rest:
+                if b in out:
+                    out[a] = out[b]
+            for i, a, k in plan.reads:
+                if i not in out:
+                    out[i] = strategy[a].ins[k]
+            return
     for a, b, state_inputs in pairs:
         st = strategy.get(b)
         if st is not None:

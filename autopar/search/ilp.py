@@ -307,7 +307,7 @@ class _Problem:
         self.by_name, self.key, self.mult, self.copied_from, self.edges, self.reps = graph.memo(
             ("ilp_structure", self._pins_key), self._structure)
         self._choices()
-        self._placed_nodes: list[tuple[str, str, int]] | None = None
+        self._placed_nodes: tuple[list[str], dict[str, list[str]], dict[str, list[str]]] | None = None
         self._edges_planned: list[tuple] | None = None
         self._node_counts: tuple[int, int] | None = None
 
@@ -570,14 +570,14 @@ class _Problem:
         res = AxisSharding(n=self.n)
         out, strategy = res.out, res.strategy
         picked = {k: self.cands[k][j] for k, j in pick.items()}
-        for name, k, what in self._placements():
-            if what == 0:
-                out[name] = R
-            elif what == 1:
-                out[name] = ppick[k]
-            else:
-                st = strategy[name] = picked[k]
-                out[name] = st.out
+        inputs, params, ops = self._placements()
+        out.update(dict.fromkeys(inputs, R))
+        for k, names in params.items():
+            out.update(dict.fromkeys(names, ppick[k]))
+        for k, names in ops.items():     # a decision's nodes at once: repeated layers share it
+            st = picked[k]
+            strategy.update(dict.fromkeys(names, st))
+            out.update(dict.fromkeys(names, st.out))
         out["__output__"] = R
         res.copied_from = dict(self.copied_from)
         res.reused_instances = len(self.copied_from)
@@ -673,27 +673,29 @@ class _Problem:
             self._edges_planned = plan
         return self._edges_planned
 
-    def _placements(self) -> list[tuple[str, str, int]]:
-        """(node, its decision, 0 for a graph input / 1 for a parameter / 2
-        for an op) of every node a solution places, in graph order: the same
-        for every solve of a problem with these pins and decisions (whatever
-        the shapes), so listed once per graph for them."""
+    def _placements(self) -> tuple[list[str], dict[str, list[str]], dict[str, list[str]]]:
+        """The nodes a solution places: the graph inputs, and per parameter
+        decision and per op decision the nodes that take it (in graph
+        order). The same for every solve of a problem with these pins and
+        decisions (whatever the shapes), so listed once per graph for them."""
         if self._placed_nodes is None:
             self._placed_nodes = self.graph.memo(self._decisions_key("ilp_placements"), self._list_placements)
         return self._placed_nodes
 
-    def _list_placements(self) -> list[tuple[str, str, int]]:
+    def _list_placements(self) -> tuple[list[str], dict[str, list[str]], dict[str, list[str]]]:
         """:meth:`_placements`, uncached."""
-        out = []
+        inputs: list[str] = []
+        params: dict[str, list[str]] = {}
+        ops: dict[str, list[str]] = {}
         for nd in self.graph.nodes:
             k = self.key[nd.name]
             if nd.kind == "input":
-                out.append((nd.name, k, 0))
+                inputs.append(nd.name)
             elif k in self.pplace:
-                out.append((nd.name, k, 1))
+                params.setdefault(k, []).append(nd.name)
             elif k in self.cands:
-                out.append((nd.name, k, 2))
-        return out
+                ops.setdefault(k, []).append(nd.name)
+        return inputs, params, ops
 
     def _decisions_key(self, what: str) -> tuple:
         """A :meth:`Graph.memo` key of ``what`` for this problem's pins and decisions."""
