@@ -393,8 +393,7 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
         "global_batch": global_batch,
         "precision": cfg.precision,
         "optimizer": model.optimizer,
-        "mesh": {"shape": [cfg.pp, cfg.dp, cfg.tp], "axes": ["pp", "dp", "tp"]} if cfg.pp > 1 else
-                {"shape": [cfg.dp, cfg.tp], "axes": ["dp", "tp"]},
+        "mesh": _mesh_record(cfg),
         "parallel": cfg.as_dict(),
         "params": params,
         "ops": ops,
@@ -440,3 +439,9 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
                                         bool(e.get("split", [False, False])[1]), (), scale, e.get("kernel"))
         sh.out[nd.name] = e["out"][1]
     return sh
+
+
+def _mesh_record(cfg: ParallelConfig) -> dict[str, list]:
+    """The plan's mesh: ``(dp, tp)``, pp outermost with a pipeline, cp between dp and tp with context parallelism."""
+    axes = (["pp"] if cfg.pp > 1 else []) + ["dp"] + (["cp"] if cfg.cp > 1 else []) + ["tp"]
+    return {"shape": [getattr(cfg, a) for a in axes], "axes": axes}

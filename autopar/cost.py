@@ -20,6 +20,15 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
   host link and host memory with ``offload=optimizer``).
 * pipelines: the simulated schedule of the per-stage times
   (:mod:`autopar.pipeline.schedule`) with the point-to-point transfers.
+* context parallelism (``cp > 1``, :meth:`CostModel._estimate_cp`): every op
+  but attention is per token and load-balanced causal attention over the
+  gathered keys is per query, so a cp rank's compute, tensor-parallel
+  traffic and activations are those of ``1/cp`` of its data-parallel share
+  of samples, and its gradients are reduced over ``dp x cp``: priced as
+  ``dp x cp`` data parallelism (:meth:`CostModel.token_view`), plus per
+  attention op and microbatch the all-gather of its keys and values over
+  cp forward and the reduce-scatter of their gradients backward, and the
+  gathered keys and values attention keeps for backward.
 
 Memory per device: weights, gradients and optimizer state of the local
 shards (ZeRO divides them over ``dp``), the activations saved for backward
@@ -37,6 +46,7 @@ decisions is :mod:`autopar.search.planner`'s; nothing here imports the search.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -48,7 +58,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, needs_grad, numel as _numel, track_batch
+from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
@@ -56,6 +66,7 @@ from .spec import ParallelConfig, divisors
 from .spec.placement import R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
+from .strategies.context import attentions, check_cp
 from .strategies.redistribute import output_time
 
 
@@ -138,8 +149,10 @@ def _tp_sizes_cached(graph: Graph) -> list[int]:
 def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: int) -> None:
     """Raise :class:`StrategyError` if ``cfg`` cannot run this model on ``devices``."""
     if cfg.devices != devices:
-        raise StrategyError(f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp} = {cfg.devices} devices, "
+        cps = f" x cp={cfg.cp}" if cfg.cp > 1 else ""
+        raise StrategyError(f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp}{cps} = {cfg.devices} devices, "
                             f"but {devices} were given")
+    check_cp(graph, cfg.cp)
     valid = _tp_sizes_cached(graph)
     if cfg.tp not in valid:
         what = "attention heads" if any(n.kind == "sdpa" for n in graph.nodes) else "layer widths"
@@ -210,6 +223,7 @@ class CostModel:
         self._saved_memo: dict[tuple[str, bool], list[str]] = {}
         self._kept_memo: dict[str, bool] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
+        self._token_shapes: dict[tuple[int, int], tuple[dict, dict]] = {}
 
     def topology(self, mesh_shape: tuple[int, ...]) -> MeshTopology:
         """The mesh ``mesh_shape`` laid out on the cluster (made once per shape)."""
@@ -217,6 +231,89 @@ class CostModel:
         if topo is None:
             topo = self._topologies[mesh_shape] = MeshTopology(self.cluster, mesh_shape)
         return topo
+
+    # -- context parallelism as token-parallel data parallelism ---------------
+    @staticmethod
+    def token_view(cfg: ParallelConfig) -> ParallelConfig:
+        """``cfg`` with its cp ranks counted as data-parallel ones (``dp x cp``,
+        ``cp=1``): what a cp rank computes, keeps and reduces, but attention's
+        key and value gathers (see the module docstring); ``cfg`` itself
+        without context parallelism."""
+        return cfg if cfg.cp == 1 else dataclasses.replace(cfg, dp=cfg.dp * cfg.cp, cp=1)
+
+    def token_shapes(self, shapes: dict, cp: int) -> dict:
+        """``shapes`` (local to dp) with the batch dim divided by ``cp``: the
+        elements one cp rank holds (a fraction of a sample when ``cp`` does
+        not divide the samples: the counts are what the cost sums read)."""
+        if cp == 1:
+            return shapes
+        key = (id(shapes), cp)
+        hit = self._token_shapes.get(key)
+        if hit is not None and hit[0] is shapes:
+            return hit[1]
+        dims = batch_dims(self.graph)
+        out = {}
+        for name, shp in shapes.items():
+            d = dims.get(name)
+            if shp is None or d is None or d >= len(shp):
+                out[name] = shp
+            else:
+                b = shp[d] / cp
+                out[name] = shp[:d] + (int(b) if b == int(b) else b,) + shp[d + 1:]
+        self._token_shapes[key] = (shapes, out)
+        return out
+
+    def _estimate_cp(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int, devices: int,
+                     partition: Sequence[int] | None, simulate_schedule: bool) -> Estimate:
+        """:meth:`estimate` of a context-parallel ``cfg``: the token view's
+        estimate, plus the key/value gathers over cp (exposed: they feed the
+        attention that waits for them) and the gathered keys and values kept
+        for backward."""
+        eff, shp = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
+        est = self._estimate_pipeline(eff, sh, shp, global_batch, devices, partition, simulate_schedule) \
+            if cfg.pp > 1 else self._estimate_flat(eff, sh, shp, global_batch, devices)
+        per_mb, kv = self.cp_attention_costs(cfg, sh, shp)
+        m, pp = cfg.microbatches, cfg.pp
+        comm = m * per_mb / pp               # a pipeline rank gathers for its share of the layers
+        if cfg.recompute == "none":          # kept for backward, per layer and microbatch in flight
+            flight = max(pipe.in_flight(cfg.schedule, pp, m, cfg.chunks)) if pp > 1 else 1
+            held, transient = sum(kv) / pp * flight, 0.0
+        else:                                # gathered again when the layer is recomputed
+            held, transient = 0.0, max(kv, default=0.0)
+        memory = dict(est.memory, activations=est.memory["activations"] + held,
+                      transient=est.memory["transient"] + transient, cp_kv_gathered=held + transient)
+        peak = est.peak_memory_bytes + held + transient
+        step = est.step_time_s + comm
+        return dataclasses.replace(
+            est, strategy=cfg.to_string(), parallel=cfg.as_dict(), step_time_s=step,
+            comm_time_s=est.comm_time_s + comm, memory=memory, peak_memory_bytes=peak,
+            fits=est.fits and peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
+            tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
+
+    def cp_attention_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict) -> tuple[float, list[float]]:
+        """Per microbatch under ``cfg.cp``: the time of every attention op's
+        key and value all-gathers (forward) and gradient reduce-scatters
+        (backward) over the cp axis, and per attention op the bytes of the
+        keys and values gathered from the other cp ranks. ``shapes``: one cp
+        rank's (:meth:`token_shapes`)."""
+        cp, tp = cfg.cp, cfg.tp
+        mesh = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cp, tp)
+        topo, axis = self.topology(mesh), len(mesh) - 2
+        total, kv = 0.0, []
+        for att in attentions(self.graph):
+            reader = {att.k: att.node if att.fused else att.scores, att.v: att.node if att.fused else att.context}
+            gathered = 0.0
+            for name, consumer in reader.items():
+                st = sh.strategy.get(consumer)
+                node = self.graph[consumer]
+                want = st.ins[node.inputs.index(name)] if st is not None and name in node.inputs else \
+                    sh.out.get(name, R)
+                local = _numel(shapes.get(name)) * self.itemsize / (tp if is_shard(want) else 1)
+                total += topo.collective_time("all_gather", local * cp, axis) + \
+                    topo.collective_time("reduce_scatter", local * cp, axis)
+                gathered += local * (cp - 1)
+            kv.append(gathered)
+        return total, kv
 
     # -- pieces ---------------------------------------------------------------
     def _grad_bytes(self, cfg: ParallelConfig) -> int:
@@ -257,6 +354,7 @@ class CostModel:
 
     def state_per_elem(self, cfg: ParallelConfig) -> float:
         """Device bytes of model state per local trainable element."""
+        cfg = self.token_view(cfg)
         big = 1 << 30
         return self._state_bytes(cfg, big)["total"] / big
 
@@ -455,8 +553,16 @@ class CostModel:
         check_config(g, cfg, devices, global_batch)
         self.cluster.check_devices(devices)
         self.cache.hold(sh)
+        if cfg.cp > 1:
+            return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
+        return self._estimate_flat(cfg, sh, shapes, global_batch, devices)
+
+    def _estimate_flat(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
+                       devices: int) -> Estimate:
+        """:meth:`estimate` without a pipeline (``cfg`` checked). (Long because the
+        Estimate's fields are assembled here, one per line.)"""
         tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
         topo = self.topology((dp, tp))
         local_batch = global_batch / (dp * m)
@@ -518,6 +624,7 @@ class CostModel:
         rank's gradient reduction and optimizer step cost at least those of
         a rank holding the average parameters (they grow with the
         parameters; a rank holds the average or more)."""
+        cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         per = self.unit_costs(cfg, sh, shapes, global_batch)
         topo = self.topology((cfg.pp, cfg.dp, cfg.tp))
         mean = per.layer_floor().total_params / cfg.pp * (1 - 1e-9)
@@ -537,6 +644,7 @@ class CostModel:
         microbatches any stage keeps in flight, and a layer's transient. (The
         model states are ZeRO-rounded up per rank, never down: the margin
         covers the rounding of the sums.)"""
+        cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         floor = self.unit_costs(cfg, sh, shapes, global_batch).layer_floor()
         most = -(-floor.layers // cfg.pp)
         flight = min(pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
@@ -698,6 +806,8 @@ class CostModel:
         being recomputed), and the bytes crossing each cut. What the stage
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
+        if cfg.cp > 1:     # a cp rank's share of the tokens, as data parallelism over dp x cp
+            cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost
         topo = self.topology((cfg.dp, cfg.tp))
         # the sums see dp only through the samples per rank and the tp axis's link

@@ -7,7 +7,9 @@ do one thing, in the manner of torchtitan's ``parallelize_llama``:
 1. :func:`resolve_plan`: the :class:`~autopar.plan.Plan` (searched, evaluated
    from a manual strategy, or given) and its strategy;
 2. :func:`apply_tp`: this tensor-parallel rank's program of the whole model
-   (local shards and explicit collectives);
+   (local shards and explicit collectives); with ``cp > 1`` compiled from the
+   model traced at the local sequence length (:func:`trace_local_sequence`)
+   and rewritten for this rank's positions by :func:`apply_cp`;
 3. :func:`apply_pipeline`: with ``pp > 1``, the stages this pipeline rank holds;
 4. :func:`apply_recompute`: layer regions that recompute their activations;
 5. :func:`apply_fsdp`: ZeRO-3 with torch FSDP2 over those regions;
@@ -32,10 +34,11 @@ import torch.nn as nn
 
 from . import api, ops
 from .compile.fx_utils import get_attr
+from .compile.context import apply_cp as _apply_cp
 from .compile.regions import layer_regions
 from .compile.rewrite import LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
-from .errors import PlanError, StrategyError, UnsupportedError
+from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
 from .pipeline.partition import assign, even_layers, units
 from .pipeline.schedule import Timeline
@@ -49,9 +52,11 @@ from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import scaled_shapes
 from .spec import ParallelConfig, is_shard, parse_strategy
+from .strategies.context import positions, sequence_length
 from .trace import keyword_inputs, trace
 
-__all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_pipeline",
+__all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp",
+           "trace_local_sequence", "apply_pipeline",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
 
 
@@ -138,19 +143,24 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
         C.broadcast_params_(list(model.parameters()) + list(model.buffers()), dist.group.WORLD, 0)
-    prog = apply_tp(graph, plan, cfg, mesh, gbatch, model=model)
+    run_graph, cp_dims = graph, None
+    if cfg.cp > 1:
+        run_graph, cp_dims = trace_local_sequence(graph, model, inputs, keys, loss_fn, target, cfg)
+    prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph)
+    if cfg.cp > 1:
+        apply_cp(prog, run_graph, cfg, mesh, sequence_length(graph))
     if cfg.pp > 1:
-        pipe = apply_pipeline(prog, graph, plan, cfg, mesh)
+        pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
-            st.module = apply_recompute(st.module, graph, cfg)
+            st.module = apply_recompute(st.module, run_graph, cfg)
         modules = [st.module for st in pipe.stages]
         local = local_tensors(modules)
-        tied = tie_groups(pipe.tied, local, dp=cfg.dp, tp=cfg.tp, rank=rank)
+        tied = tie_groups(pipe.tied, local, dp=cfg.dp * cfg.cp, tp=cfg.tp, rank=rank)
         placement = {k: v for k, v in prog.param_placement.items() if k in local}
         comms = sum(st.comms for st in pipe.stages)
     else:
         pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
-        modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg), cfg, mesh)]
+        modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
     copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
@@ -167,6 +177,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
+    if cp_dims is not None:
+        pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
     pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
     pm.input_keys = keys
     if lr_scheduler is not None:
@@ -275,6 +287,9 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
+    if cfg.cp > 1 and cfg.zero == 3:
+        raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
+                               "reduced over dp x cp; use zero<=2 with context parallelism")
 
 
 def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,
@@ -313,7 +328,13 @@ def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, l
 def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     """The ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` with a pipeline (pp
     outermost, tp fastest, as Megatron lays it out), every wait on the world
-    and on each of its groups bounded by ``timeout_s``; collective."""
+    and on each of its groups bounded by ``timeout_s``; collective. With
+    ``cp > 1`` a ``cp`` axis sits between dp and tp (``(pp, dp, cp, tp)``),
+    with the joint ``dp_cp`` group the gradients are reduced over."""
+    if cfg.cp > 1:
+        names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
+        shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
+        return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
     return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"), timeout_s=timeout_s)
@@ -321,19 +342,20 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
 
 # ----------------------------------------------------------------------------- the steps
 def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_batch: int, *,
-             model: nn.Module) -> LocalProgram:
+             model: nn.Module, plan_graph: Graph | None = None) -> LocalProgram:
     """This tensor-parallel rank's program of the whole model and loss, on
     this rank's device: the plan's placements compiled into local shards
     and explicit collectives, from either front end's graph, on the weights
-    ``model`` holds.
+    ``model`` holds. ``plan_graph``: the graph the plan was made for, when
+    ``graph`` is the same program at another sequence length (``cp > 1``).
 
     When the plan's ops are not this graph's (it was made with another loss
     function), the same strategy's placements are derived here. Raises
     :class:`CompileError` where the program cannot be built."""
     device = local_device()
-    tp_sh = api.sharding_from_plan(graph, plan)
+    tp_sh = api.sharding_from_plan(plan_graph or graph, plan)
     if tp_sh is None:
-        planner = api.planner_for(graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
+        planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
         tp_sh, _ = planner.sharding(cfg)
     shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
@@ -346,6 +368,46 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
             for n in gm.graph.nodes if n.op == "get_attr"}
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full)
     prog.module.to(device)
+    return prog
+
+
+def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: Any, loss_fn: Any, target: Any,
+                         cfg: ParallelConfig) -> tuple[Graph, tuple[list[int | None], int | None]]:
+    """The model traced again at one context-parallel rank's sequence length
+    ``T / cp`` (every view, size and slice then holds this rank's sizes), and
+    the sequence dim of each input and of the target (dim 1 of those of
+    length ``T``; None: not split). Raises :class:`CompileError` when the
+    trace's ops are not the plan's graph's."""
+    seq = sequence_length(graph)
+    local = seq // cfg.cp
+
+    def dim(x: Any) -> int | None:
+        return 1 if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq else None
+
+    def cut(x: Any) -> Any:
+        return x.narrow(1, 0, local) if dim(x) is not None else x
+
+    cut_inputs = tuple(cut(x) for x in inputs)
+    traced = dict(zip(keys, cut_inputs)) if keys else cut_inputs
+    lg = trace(model, traced, loss_fn=loss_fn, target=cut(target), frontend=graph.frontend, name=graph.name)
+    lg = retrace_in_precision(lg, model, traced, loss_fn, cut(target), cfg)
+    # only reshapes and slices may differ (torch.export writes a slice to the full length as an alias)
+    moved = [n for g, h in ((graph, lg), (lg, graph)) for n in g.nodes
+             if n.name not in h and n.kind not in ("view", "index")]
+    if moved:
+        raise CompileError(f"cp={cfg.cp}: {graph.name} traced at {local} positions has other ops than at {seq}; "
+                           f"its forward must not depend on the sequence length ({moved[0].name}: {moved[0].target})")
+    return lg, ([dim(x) for x in inputs], dim(target))
+
+
+def apply_cp(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, mesh: Mesh, seq: int) -> LocalProgram:
+    """``prog`` (compiled from ``graph``, the model at ``seq / cp``
+    positions) rewritten for this context-parallel rank: attention over the
+    whole sequence, positions global (:mod:`autopar.compile.context`).
+    Returns ``prog``; raises :class:`UnsupportedError` naming an op it
+    cannot rewrite."""
+    prog.comms += _apply_cp(prog.module, graph, cp=cfg.cp, rank=mesh.coord("cp"), group=mesh.group("cp"),
+                            seq=seq, device=local_device())
     return prog
 
 
@@ -452,7 +514,7 @@ def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
                 if b.is_floating_point():
                     b.data = b.data.to(low)
     dist_opt = DistributedOptimizer(
-        params, factory, mesh.group("dp"), zero=cfg.zero, precision=cfg.precision or "fp32",
+        params, factory, mesh.group("dp_cp" if cfg.cp > 1 else "dp"), zero=cfg.zero, precision=cfg.precision or "fp32",
         reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
         offload=cfg.offload == "optimizer", tied=list(tied), max_grad_norm=max_grad_norm,
         grad_copies=[(t, (copies or {}).get(name, 1)) for name, t in local_tensors(modules).items()])

@@ -421,10 +421,10 @@ def _check_consistent(d: dict[str, Any], where: str) -> None:
         cfg = ParallelConfig.from_dict({**d["parallel"], "precision": d["parallel"].get("precision") or "fp32"})
     except (ValueError, TypeError, KeyError) as e:
         raise PlanError(f"{where}: its 'parallel' section is not a valid strategy: {e}") from None
-    sizes = {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp}
+    sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
     axes, shape = d["mesh"]["axes"], d["mesh"]["shape"]
     if len(axes) != len(shape) or len(set(axes)) != len(axes) or not set(axes) <= set(sizes):
-        raise PlanError(f"{where}: mesh axes {axes} with shape {shape} are malformed (axes among pp, dp, tp, "
+        raise PlanError(f"{where}: mesh axes {axes} with shape {shape} are malformed (axes among pp, dp, cp, tp, "
                         "one size each)")
     mesh = dict(zip(axes, shape))
     for axis, n in sizes.items():

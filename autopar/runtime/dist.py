@@ -135,10 +135,11 @@ class Mesh:
         self.shape, self.names, self.rank = shape, names, rank
         self._groups = groups
         self.device_mesh = device_mesh  # torch DeviceMesh when it was used, else None
+        self._joint: dict[str, tuple[tuple[int, ...], Any]] = {}   # "dp_cp" -> (axes, group)
 
     @classmethod
     def build(cls, shape: Sequence[int], names: Sequence[str], *, use_device_mesh: bool = True,
-              timeout_s: float | None = None) -> "Mesh":
+              timeout_s: float | None = None, joint: Sequence[Sequence[str]] = ()) -> "Mesh":
         """Create the groups of a ``shape`` mesh with axis ``names`` over the default world.
 
         Uses ``torch.distributed.device_mesh.init_device_mesh`` when
@@ -146,6 +147,9 @@ class Mesh:
         else ``dist.new_group`` for every group of every axis. ``timeout_s``
         bounds every wait on every group (torch's default for a new group is
         30 minutes whatever the world's is); None keeps torch's default.
+        ``joint``: groups of several axes at once (``("dp", "cp")``: the ranks
+        that share every other coordinate), named by the axes joined with
+        ``_`` (``group("dp_cp")``).
         """
         shape, names = tuple(shape), tuple(names)
         if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
@@ -179,7 +183,36 @@ class Mesh:
             set_timeout(timeout_s, [g for g, s in zip(groups, shape) if s > 1])
         mesh._groups = [g if s > 1 else None for g, s in zip(groups, shape)]
         mesh.device_mesh = device_mesh
+        for axes in joint:
+            mesh._add_joint(tuple(mesh.axis_index(a) for a in axes), timeout_s)
         return mesh
+
+    def _add_joint(self, axes: tuple[int, ...], timeout_s: float | None) -> None:
+        """Create the groups spanning ``axes`` together (same order on every rank); keep this rank's."""
+        name = "_".join(self.names[a] for a in axes)
+        if math.prod(self.shape[a] for a in axes) == 1:
+            self._joint[name] = (axes, None)
+            return
+        mine, seen = None, set()
+        for r in range(math.prod(self.shape)):
+            ranks = self._ranks_across(r, axes)
+            if ranks[0] in seen:
+                continue
+            seen.add(ranks[0])
+            g = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = g
+        if timeout_s is not None:
+            set_timeout(timeout_s, [mine])
+        self._joint[name] = (axes, mine)
+
+    def _ranks_across(self, rank: int, axes: tuple[int, ...]) -> list[int]:
+        """The ranks sharing ``rank``'s coordinates off ``axes``, row-major over ``axes``."""
+        out = [rank - sum(self._coords(rank)[a] * math.prod(self.shape[a + 1:]) for a in axes)]
+        for a in axes:
+            stride = math.prod(self.shape[a + 1:])
+            out = [b + i * stride for b in out for i in range(self.shape[a])]
+        return out
 
     def _new_groups(self) -> list:
         """Create every group of every axis with ``dist.new_group`` (same order on all ranks)."""
@@ -236,7 +269,10 @@ class Mesh:
         return self._ranks_along(self.rank, self.axis_index(axis))
 
     def group(self, axis: int | str):
-        """Process group along ``axis`` containing this rank; ``None`` if the axis has size 1."""
+        """Process group along ``axis`` (or a joint group built with ``joint=``,
+        e.g. ``"dp_cp"``) containing this rank; ``None`` if it has size 1."""
+        if isinstance(axis, str) and axis in self._joint:
+            return self._joint[axis][1]
         return self._groups[self.axis_index(axis)]
 
     def __repr__(self) -> str:

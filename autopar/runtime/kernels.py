@@ -1,7 +1,12 @@
-"""Local kernels for vocabulary-parallel layers (vocab sharded over a tensor-parallel group).
+"""Local kernels for vocabulary-parallel layers (vocab sharded over a tensor-parallel group)
+and for context-parallel attention (sequence sharded over a cp group).
 
 Rank i of the group holds rows ``[vocab_start, vocab_end)`` of the embedding /
-the same columns of the logits.
+the same columns of the logits. Under context parallelism rank i holds the
+positions ``q_pos`` of the sequence (two load-balanced chunks), and
+attention reads the keys and values of the whole sequence:
+:func:`gather_sequence` all-gathers them (backward: reduce-scatter of their
+gradients) and puts them in sequence order.
 """
 from __future__ import annotations
 
@@ -11,7 +16,9 @@ import torch.nn.functional as F
 
 from autopar.errors import DistributedError
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy"]
+from .collectives import all_gather_reduce_grad, group_size
+
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "gather_sequence", "context_attention"]
 
 
 def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> None:
@@ -98,3 +105,31 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     else:
         out = losses.sum() / (target != ignore_index).sum()
     return out.to(logits_shard.dtype)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group, order: torch.Tensor) -> torch.Tensor:
+    """The whole sequence of ``x`` (this rank's positions along ``dim``), in
+    sequence order: all-gathered over the context-parallel ``group`` (rank
+    order), then permuted by ``order`` (position p of the result is entry
+    ``order[p]`` of the gathered tensor). Backward: the gradients of every
+    rank's use summed, this rank's positions kept (a reduce-scatter)."""
+    if group_size(group) == 1:
+        return x
+    full = all_gather_reduce_grad(x, dim, group)
+    return full.index_select(dim % full.dim(), order.to(full.device))
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, order: torch.Tensor,
+                      q_pos: torch.Tensor, is_causal: bool, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of this rank's queries (at global
+    positions ``q_pos``) over the keys and values of the whole sequence
+    (:func:`gather_sequence` on dim -2); causal masking by global position
+    (query p sees keys 0..p). ``kwargs``: sdpa's other options (scale,
+    dropout_p, enable_gqa)."""
+    k = gather_sequence(k, -2, group, order)
+    v = gather_sequence(v, -2, group, order)
+    mask = None
+    if is_causal:
+        keys = torch.arange(k.shape[-2], device=q.device)
+        mask = q_pos.to(q.device)[:, None] >= keys[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)

@@ -128,6 +128,11 @@ class ParallelModule(nn.Module):
         self.dp_rank, self.tp_rank = mesh.coord("dp"), mesh.coord("tp")
         self.pp_group = mesh.group("pp") if cfg.pp > 1 else None
         self.pp_rank = mesh.coord("pp") if cfg.pp > 1 else 0
+        self.cp_group = mesh.group("cp") if cfg.cp > 1 else None
+        #: context parallelism: the sequence dim of each input and of the target (None: not split)
+        #: and this rank's global positions along it (set by parallelize)
+        self.cp_dims: tuple[list[int | None], int | None] | None = None
+        self.cp_positions: torch.Tensor | None = None
         self.device = local_device()
         self.state_names = state_names
         self.step_times: list[float] = []
@@ -168,12 +173,31 @@ class ParallelModule(nn.Module):
         return local_tensors([self.program] if self.program is not None else list(self.stage_modules))
 
     # -- training -------------------------------------------------------------
-    def _local_batch(self, t: torch.Tensor) -> torch.Tensor:
+    def set_context_split(self, input_dims: list[int | None], target_dim: int | None, positions: Sequence[int]) -> None:
+        """Context parallelism: split input ``i`` along ``input_dims[i]`` (and
+        the target along ``target_dim``; None: not split) to this rank's
+        global ``positions``."""
+        self.cp_dims = (list(input_dims), target_dim)
+        self.cp_positions = torch.tensor(list(positions), dtype=torch.long)
+
+    def _local_batch(self, t: torch.Tensor, seq_dim: int | None = None) -> torch.Tensor:
+        if seq_dim is not None and self.cp_positions is not None:
+            t = t.index_select(seq_dim, self.cp_positions.to(t.device))
         if not self.full_batch or self.config.dp == 1:
             return t
         if t.shape[0] % self.config.dp:
             raise StrategyError(f"batch of {t.shape[0]} is not divisible by dp={self.config.dp}")
         return t.chunk(self.config.dp, dim=0)[self.dp_rank]
+
+    def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
+        """The loss averaged over the data-parallel and context-parallel ranks."""
+        if self.config.dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.config.dp
+        if self.cp_group is not None:     # every cp rank holds as many tokens: the mean of the means
+            dist.all_reduce(total, group=self.cp_group)
+            total /= self.config.cp
+        return total
 
     def forward(self, *inputs_and_target: torch.Tensor) -> torch.Tensor:
         """The local loss of one (local) microbatch (without a pipeline: a
@@ -260,8 +284,9 @@ class ParallelModule(nn.Module):
             raise StrategyError(f"{what} needs a target (or a keyword batch holding 'labels')")
         if self.example_inputs is not None:
             self.check_batch(inputs, target)
-        inputs = tuple(self._local_batch(x).to(self.device) for x in inputs)
-        target = self._local_batch(target).to(self.device)
+        in_dims, tg_dim = self.cp_dims if self.cp_dims is not None else ([None] * len(inputs), None)
+        inputs = tuple(self._local_batch(x, d).to(self.device) for x, d in zip(inputs, in_dims))
+        target = self._local_batch(target, tg_dim).to(self.device)
         expected = self.global_batch // self.config.dp
         if inputs[0].shape[0] != expected:
             raise StrategyError(f"this plan runs a global batch of {self.global_batch} "
@@ -297,9 +322,7 @@ class ParallelModule(nn.Module):
                 total += loss.float()
         if self.pipeline is not None:
             dist.broadcast(total, self.mesh.group_ranks("pp")[-1], group=self.pp_group)
-        if self.config.dp > 1:
-            dist.all_reduce(total, group=self.dp_group)
-            total /= self.config.dp
+        total = self._mean_over_replicas(total)
         # the loss is now the same on every rank, so every rank takes the same branch
         if not math.isfinite(float(total)) and self.config.precision != "fp16":   # fp16: the scaler skips
             self._non_finite(float(total))
@@ -362,10 +385,7 @@ class ParallelModule(nn.Module):
         total = torch.zeros((), device=self.device)
         for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
             total += self.program(*xs, tg).float() / m
-        if self.config.dp > 1:
-            dist.all_reduce(total, group=self.dp_group)
-            total /= self.config.dp
-        return float(total)
+        return float(self._mean_over_replicas(total))
 
     # -- checkpoints ----------------------------------------------------------
     #: steps taken before this module loaded a checkpoint (``steps`` counts them too)

@@ -55,6 +55,7 @@ from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
 from ..spec import ParallelConfig, divisors
+from ..strategies.context import cp_choices
 from .ilp import InfeasiblePins
 from .planner import MANUAL, Planner, Sharder, Tally
 
@@ -99,25 +100,31 @@ def _sp_choices(graph: Graph, tp: int, options: bool = True) -> tuple[bool, ...]
 def grid_configs(graph: Graph, devices: int, global_batch: int, *,
                  offload: str = "none", memory_options: bool = True) -> list[list[ParallelConfig]]:
     """The grid, as lists of configs ordered by increasing microbatches (one
-    list per tp x sequence parallel x recompute x zero choice; with
+    list per tp x cp x sequence parallel x recompute x zero choice; with
     ``memory_options=False`` only the plain ones: no recompute, ZeRO or
-    sequence parallelism)."""
+    sequence parallelism). Context parallelism (cp > 1) only for attention
+    over long sequences (:func:`autopar.strategies.context.cp_choices`:
+    16k positions or more), so short-sequence grids are unchanged."""
     tps = [t for t in tp_valid_sizes(graph) if devices % t == 0]
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2, 3) if memory_options else (0,)
+    cps = cp_choices(graph, devices)
     out = []
     for tp in tps:
-        dp = devices // tp
-        if global_batch % dp:
-            continue
-        mbs = divisors(global_batch // dp)
-        for sp in _sp_choices(graph, tp, memory_options):
-            for rc in recomputes:
-                for z in zeros:
-                    if z and dp == 1:
-                        continue
-                    out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z,
-                                               sequence_parallel=sp, offload=offload) for m in mbs])
+        for cp in cps:
+            if devices % (tp * cp):
+                continue
+            dp = devices // (tp * cp)
+            if global_batch % dp:
+                continue
+            mbs = divisors(global_batch // dp)
+            for sp in _sp_choices(graph, tp, memory_options):
+                for rc in recomputes:
+                    for z in zeros:
+                        if z and dp * cp == 1 or z == 3 and cp > 1:    # FSDP2 shards over dp only
+                            continue
+                        out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc, zero=z,
+                                                   sequence_parallel=sp, offload=offload) for m in mbs])
     return out
 
 

@@ -265,6 +265,8 @@ class Planner:
                     (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
                      cfg.schedule, cfg.chunks)
             ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound, self.solver)
+            if cfg.cp > 1:     # the weights' gradients are reduced over dp x cp
+                ilp_key += (cfg.cp,)
             key = (model.precision, cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
         else:
             # propagation sees the dp axis only through the local batch and the tp

@@ -58,7 +58,9 @@ class Key:
     of a value onto it; ``shown`` says when :meth:`ParallelConfig.to_string`
     writes the key (``"always"`` or only when ``"changed"`` from its default),
     ``pipeline`` that it is written only with ``pp > 1``; ``required`` that
-    every plan records it (keys added after the first plans are optional there).
+    every plan records it (keys added after the first plans are optional there);
+    ``recorded="changed"`` that :meth:`ParallelConfig.as_dict` leaves it out at its
+    default (so plans made before the key existed stay byte-identical).
     """
 
     default: Any
@@ -70,6 +72,7 @@ class Key:
     shown: str = "changed"
     pipeline: bool = False
     required: bool = False
+    recorded: str = "always"       # "changed": as_dict (the plan) records it only away from its default
     unit: str = ""
     valid_label: str = "valid"     # the words before the list of choices in an error
     name: str = ""
@@ -173,6 +176,10 @@ class ParallelConfig:
                    aliases=("model_parallel", "tensor", "tensor_parallel"))
     pp: int = _key(1, "pipeline stages", minimum=1, required=True, shown="always",
                    aliases=("pipeline_stage", "pipeline", "pipeline_parallel"))
+    cp: int = _key(1, "context-parallel degree: the sequence split over cp ranks (load-balanced causal chunks), "
+                      "attention over all-gathered keys and values, parameters replicated and their gradients "
+                      "reduced over dp x cp", minimum=1, recorded="changed",
+                   aliases=("context_parallel", "sequence"))
     microbatches: int = _key(
         1, "microbatches per optimizer step: gradient accumulation without a pipeline, the pipeline's "
            "microbatches with one", minimum=1, required=True, shown="always",
@@ -213,7 +220,7 @@ class ParallelConfig:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def low_precision(self) -> bool:
@@ -244,8 +251,13 @@ class ParallelConfig:
         return ",".join(items)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every key with its value (the plan's ``parallel`` section)."""
-        return dataclasses.asdict(self)
+        """Every key with its value (the plan's ``parallel`` section); a key
+        recorded only when changed (``cp``) is left out at its default."""
+        d = dataclasses.asdict(self)
+        for k in FIELDS:
+            if k.recorded == "changed" and d[k.name] == k.default:
+                del d[k.name]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ParallelConfig:
@@ -317,12 +329,14 @@ def parse_strategy(text: str, devices: int | None = None) -> ParallelConfig:
         given["microbatches"] = given.pop(ACCUMULATE)
     schedule = given.pop("schedule", None)          # valid values depend on pp: read by _pipeline
     vals = {k.name: k.parse(given[k.name]) for k in FIELDS if k.name in given}
-    tp, pp = vals.setdefault("tp", 1), vals.setdefault("pp", 1)
+    tp, pp, cp = vals.setdefault("tp", 1), vals.setdefault("pp", 1), vals.get("cp", 1)
     if "dp" not in vals:
-        if devices is not None and devices % (tp * pp):
-            raise StrategyError(f"tp={tp} x pp={pp} does not divide {devices} devices; "
-                                f"tp x pp must be one of {', '.join(map(str, divisors(devices)))}")
-        vals["dp"] = 1 if devices is None else devices // (tp * pp)
+        if devices is not None and devices % (tp * pp * cp):
+            what, names = (f"tp={tp} x pp={pp}", "tp x pp") if cp == 1 else \
+                (f"tp={tp} x pp={pp} x cp={cp}", "tp x pp x cp")
+            raise StrategyError(f"{what} does not divide {devices} devices; "
+                                f"{names} must be one of {', '.join(map(str, divisors(devices)))}")
+        vals["dp"] = 1 if devices is None else devices // (tp * pp * cp)
     if accumulate and pp > 1:
         raise StrategyError(f"accumulate= is gradient accumulation without a pipeline; with pp={pp} the "
                             "pipeline's microbatches= already accumulate the gradients of the whole batch")
@@ -331,7 +345,8 @@ def parse_strategy(text: str, devices: int | None = None) -> ParallelConfig:
     _check_rules(vals)
     cfg = ParallelConfig(**vals)
     if devices is not None and cfg.devices != devices:
-        raise StrategyError(f"dp={cfg.dp} x tp={tp} x pp={pp} = {cfg.devices} devices, but the world has "
+        cps = f" x cp={cp}" if cp > 1 else ""
+        raise StrategyError(f"dp={cfg.dp} x tp={tp} x pp={pp}{cps} = {cfg.devices} devices, but the world has "
                             f"{devices}; the product of the degrees must equal the number of devices")
     return cfg
 
