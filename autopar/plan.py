@@ -261,8 +261,8 @@ class Plan:
         missing from ``params`` (or one the graph lacks), a shard dim a
         tensor does not have or that the tensor-parallel size does not
         divide, and a parameter placed one way in ``params`` and read another
-        way by an op in ``ops`` (an edited plan would otherwise be run as
-        something else than it says)."""
+        way by every op that reads it in ``ops`` (an edited plan would
+        otherwise be run as something else than its predictions describe)."""
         where = f"plan for {self.data['model']['name']!r}"
         tp = int(self.parallel.get("tp", 1))
         params = self.data["params"]
@@ -278,16 +278,21 @@ class Plan:
             nd = state[pname]
             _check_shard(f"{where}: parameter {pname}", place, nd.out.shape if nd.out is not None else (), tp)
         by_node = {nd.name: nd.param for nd in graph.nodes if nd.param}
+        reads: dict[str, list[tuple[str, str]]] = {}     # parameter -> (op, placement it reads) per reader
         for op, e in self.data["ops"].items():
             if op not in graph:
                 continue        # another loss function's ops: the strategy's placements are derived again
-            nd = graph[op]
-            for i, ins in zip(nd.inputs, e["in"]):
-                pname = by_node.get(i)
-                if pname in params and ins[1] != params[pname][1]:
-                    raise PlanError(f"{where}: parameter {pname} is placed {params[pname][1]} in 'params' but op "
-                                    f"{op} reads it as {ins[1]} in 'ops'; the plan was edited inconsistently: "
-                                    "make a new one with autopar.plan(...)")
+            for i, ins in zip(graph[op].inputs, e["in"]):
+                if by_node.get(i) in params:
+                    reads.setdefault(by_node[i], []).append((op, ins[1]))
+        for pname, readers in reads.items():
+            # a reader may take a weight in another placement after a redistribution (the head of a tied
+            # embedding reads it whole), but a placement no reader takes is one the plan was not made for
+            if all(r != params[pname][1] for _, r in readers):
+                op, r = readers[0]
+                raise PlanError(f"{where}: parameter {pname} is placed {params[pname][1]} in 'params' but op "
+                                f"{op} reads it as {r} in 'ops'; the plan was edited inconsistently: "
+                                "make a new one with autopar.plan(...)")
 
     def check_model(self, fingerprint: str, name: str = "") -> None:
         """Refuse to apply this plan to a different model."""
