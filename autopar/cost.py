@@ -696,7 +696,7 @@ class CostModel:
                           peak_in_flight=[0] * pp)
         # per pipeline rank: its chunks' model states, activations and optimizer
         ranks = range(pp)
-        chunks_of = [[v for v in range(V) if v % pp == r] for r in ranks]
+        chunks_of = [list(range(r, V, pp)) for r in ranks]
         local = [sum(stage_sum(per.params, v) for v in chunks_of[r]) for r in ranks]
         tensors = [sum(stage_sum(per.tensors, v) for v in chunks_of[r]) for r in ranks]
         dev = self.cluster.device

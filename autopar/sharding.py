@@ -226,7 +226,7 @@ def _decided(nd: Node) -> bool:
         (nd.out is not None or nd.kind == "split")
 
 
-def _copy_plan(graph: Graph, nodes: list[Node], prev: list[Node],
+def _copy_plan(nodes: list[Node], prev: list[Node],
                pairs: tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]) -> "_CopyPlan | None":
     """The :class:`_CopyPlan` of an instance (``nodes``) copying ``prev``;
     None where the bulk copy could differ from the pair by pair one (a
@@ -261,7 +261,7 @@ def _walk_structure(graph: Graph) -> _Walk:
                                  for a, b in zip(nodes, inst[prev_of[g]]))
         position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
         copies = {g: plan for g in pairs
-                  if (plan := _copy_plan(graph, inst[g], inst[prev_of[g]], pairs[g])) is not None}
+                  if (plan := _copy_plan(inst[g], inst[prev_of[g]], pairs[g])) is not None}
         return _Walk(inst, prev_of, external, pairs, position, copies)
 
     return graph.memo(("walk_axis",), build)

@@ -20,11 +20,14 @@ allocated either way.
 from __future__ import annotations
 
 
+import bisect
 import contextlib
+import dis
 import hashlib
 import io
 import logging
 import operator
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -84,7 +87,9 @@ def _functionalize_modules(gm: fx.GraphModule) -> None:
         new = None
 
         def attr(name: str):
-            return g.get_attr(f"{path}.{name}")
+            # the attribute exists (it is the module's): Graph.get_attr would check that
+            # by walking the module path, for every weight of the model
+            return g.create_node("get_attr", f"{path}.{name}")
 
         before = node.prev
 
@@ -163,6 +168,25 @@ def _graph_module(root: nn.Module, graph: fx.Graph, class_name: str) -> fx.Graph
     return _LazyGraphModule(root, graph, class_name=class_name)
 
 
+class _Proxy(fx.Proxy):
+    """fx's Proxy, whose ``__iter__`` (``B, T, C = x.size()``) reads the
+    caller's bytecode to find how many values are unpacked: here each
+    function is disassembled once per trace, not once per call (a 96-layer
+    model unpacked sizes 96 times, disassembling its attention each time).
+    Python 3.11 or later (the instruction offsets fx relies on)."""
+
+    def __iter__(self):
+        caller = sys._getframe(1)
+        cache = self.tracer.instructions
+        insts = cache.get(caller.f_code)
+        if insts is None:
+            insts = cache[caller.f_code] = list(dis.get_instructions(caller.f_code))
+        inst = insts[bisect.bisect_left(insts, caller.f_lasti, key=lambda x: x.offset)]
+        if inst.opname == "UNPACK_SEQUENCE":
+            return (self[i] for i in range(inst.argval))
+        return self.tracer.iter(self)
+
+
 class _Tracer(fx.Tracer):
     """fx tracer that remembers which module it was inside when tracing failed."""
 
@@ -170,6 +194,10 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.path_stack: list[str] = []
         self.failed_in: str | None = None   # innermost module an exception came from
+        self.instructions: dict[Any, list[dis.Instruction]] = {}    # code -> its bytecode, for _Proxy
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self) if sys.version_info >= (3, 11) else super().proxy(node)
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
