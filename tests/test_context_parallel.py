@@ -6,7 +6,8 @@ seconds; the suite has a time budget): the zoo GPT (fx, fused causal
 attention, ``arange`` positions), the zoo Llama (fx, RoPE tables sliced by
 ``T``, GQA) and the nanoGPT of ``benchmarks/real_models.py`` (torch.export,
 explicit softmax attention masked by a buffer sliced ``bias[:, :, :T, :T]``),
-the first two under cp=2 (x dp=2), cp=4 and cp=2 x tp=2, nanoGPT under
+the first two under cp=2 (x dp=2), cp=4 and cp=2 x tp=2 (Llama also
+cp=2 x pp=2; GPT's cp=2 with ZeRO-1 over dp x cp and full recompute), nanoGPT under
 cp=2 x tp=2 (torch.export takes seconds a trace), fp32, every step's loss
 and the final weights within rel 1e-4 of one process.
 """
@@ -26,9 +27,11 @@ from autopar.strategies.context import attentions, cp_choices, positions
 STEPS = 2
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
-STRATEGIES = ("dp=2,cp=2", "cp=4", "cp=2,tp=2")
+#: cp=2 (with dp=2, ZeRO-1 over dp x cp and full recompute), cp=4, cp=2 x tp=2; Llama also cp=2 x pp=2;
 #: nanoGPT goes through torch.export (seconds per trace, twice per parallelize): its hardest case only
-CASES = {"gpt": STRATEGIES, "llama": STRATEGIES, "nanogpt": ("cp=2,tp=2",)}
+CASES = {"gpt": ("dp=2,cp=2,zero=1,recompute=full", "cp=4", "cp=2,tp=2"),
+         "llama": ("dp=2,cp=2", "cp=4", "cp=2,tp=2", "cp=2,pp=2,microbatches=2"),
+         "nanogpt": ("cp=2,tp=2",)}
 
 
 # ----------------------------------------------------------------------------- fast, one process
@@ -80,6 +83,30 @@ def test_search_picks_cp_for_long_llama3_8b():
     assert plan.config.cp > 1, plan.strategy
 
 
+class _MaskPerCall(torch.nn.Module):
+    """Attention whose causal mask is made inside forward at the sequence length."""
+
+    def __init__(self, given_mask: bool = False):
+        super().__init__()
+        self.emb, self.given_mask = torch.nn.Embedding(64, 16), given_mask
+
+    def forward(self, idx):
+        x = self.emb(idx).unsqueeze(1)
+        if self.given_mask:
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=x[..., :1] > 0)
+        t = idx.shape[1]
+        att = (x @ x.transpose(-2, -1)).masked_fill(torch.ones(t, t).tril() == 0, float("-inf"))
+        return att.softmax(-1) @ x
+
+
+@pytest.mark.parametrize("given_mask,match", [(False, "at the sequence length"), (True, "attn_mask")])
+def test_unrewritable_attention_is_refused_naming_the_op(given_mask, match):
+    from autopar.compile.context import apply_cp
+    g = autopar.trace(_MaskPerCall(given_mask), (torch.zeros(2, 8, dtype=torch.long),))
+    with pytest.raises(UnsupportedError, match=match):
+        apply_cp(g.gm, g, cp=2, rank=0, group=None, seq=16)
+
+
 # ----------------------------------------------------------------------------- 4 processes
 def _opt(ps):
     return torch.optim.SGD(ps, lr=0.1)   # (Adam turns the zero gradient of a key bias into noise-sized steps)
@@ -89,8 +116,9 @@ def _case(name):
     if name == "nanogpt":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         import real_models
-        c = real_models.nanogpt()
-        return c.model, c.inputs[0][:4], c.target[:4], c.loss_fn
+        torch.manual_seed(0)
+        x, y = real_models._tokens()
+        return real_models.NanoGPT(n_layer=2), x[:4], y[:4], real_models.lm_loss     # 2 layers: export is slow
     import autopar.zoo as zoo
     z = zoo.build(GPT if name == "gpt" else LLAMA, device="cpu", batch=4, seed=0)
     g = torch.Generator().manual_seed(1)
