@@ -45,6 +45,7 @@ devices of the cluster's kind that would, for the error message.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -419,9 +420,10 @@ def _simulate_close(planner: Planner, bounded: list[tuple[Estimate, ParallelConf
     of the pipeline, :func:`autopar.pipeline.schedule.makespan_lower_bound`)
     cannot beat the best so far is put aside: it could not have changed the
     best, so the loop stops where it would have. After the loop, those put
-    aside are simulated only where they could still matter: within
-    ``PIPE_MARGIN`` of the best (the per-op search may run on them) or among
-    the five best (:attr:`SearchResult.top`). The others keep their bound
+    aside are simulated, in the order of their tighter bound, while they
+    could still matter: within ``PIPE_MARGIN`` of the best (the per-op
+    search may run on them) or among the five best so far
+    (:attr:`SearchResult.top`). The others keep their bound
     estimate, timed at the tighter bound so that they stay behind those
     (they are counted as fitting, and no one reads them): the search's
     record is the same as when every one was simulated (a 96-layer GPT-3
@@ -442,10 +444,15 @@ def _simulate_close(planner: Planner, bounded: list[tuple[Estimate, ParallelConf
     put = set(aside)
     known = sorted([e.step_time_s for e, _, _ in feasible] +
                    [e.step_time_s for k, (e, _) in enumerate(fitting) if k not in put])
-    limit = max(PIPE_MARGIN * best, known[4] if len(known) > 4 else float("inf"))
+    # in the order of their tighter bound: once one cannot matter, none after it can
+    aside.sort(key=lambda k: fitting[k][0].pipeline["step_bound_s"])
     for k in aside:
         bound, cfg = fitting[k]
         tighter = bound.pipeline["step_bound_s"]
-        fitting[k] = (planner.evaluate(cfg, manual) if tighter <= limit else
-                      dataclasses.replace(bound, step_time_s=tighter), cfg)
+        if tighter <= max(PIPE_MARGIN * best, known[4] if len(known) > 4 else float("inf")):
+            est = planner.evaluate(cfg, manual)
+            bisect.insort(known, est.step_time_s)
+            fitting[k] = (est, cfg)
+        else:
+            fitting[k] = (dataclasses.replace(bound, step_time_s=tighter), cfg)
     return fitting, best
