@@ -503,12 +503,18 @@ def zoo(as_json: bool = JsonOpt) -> None:
     t = Table(title="model families  (use as FAMILY:key=value,...)", title_justify="left", title_style="bold")
     t.add_column("family", style="bold cyan")
     t.add_column("keys (defaults)")
+    def shown(name: str, k: str, v: object) -> object:
+        if name == "gpt" and k == "ffn" and v is None:
+            return "4*hidden"
+        return zoo_.PLAN_BATCH if k == "batch" else v    # what plan / evaluate / trace build a string at
+
     for name, keys in fams.items():
-        t.add_row(name, ", ".join(f"{k}={'4*hidden' if (name == 'gpt' and k == 'ffn' and v is None) else v}"
-                                  for k, v in keys.items()))
+        t.add_row(name, ", ".join(f"{k}={shown(name, k, v)}" for k, v in keys.items()))
     out.print(t)
     out.print("example: [bold]gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128[/]  "
               "or a factory: [bold]path/to/file.py:make[/]")
+    out.print(f"batch: the example batch a model string is traced at ({zoo_.PLAN_BATCH}, so the batch dim is "
+              "told apart from the others); the global batch is --global-batch")
 
 
 @app.command()
