@@ -47,6 +47,7 @@ class Attention:
     seq: int
     scores: str | None = None
     context: str | None = None
+    masked: bool = False        # fused attention given an explicit mask (attn_mask=): cp cannot rebuild it
 
 
 def positions(seq: int, cp: int, rank: int) -> list[int]:
@@ -73,7 +74,8 @@ def _find(graph: Graph) -> list[Attention]:
         if nd.kind == "sdpa" and len(nd.inputs) >= 3:
             k, v = graph[nd.inputs[1]], graph[nd.inputs[2]]
             if k.out is not None and len(k.out.shape) >= 2:
-                out.append(Attention(nd.name, True, k.name, v.name, -2, -2, k.out.shape[-2]))
+                out.append(Attention(nd.name, True, k.name, v.name, -2, -2, k.out.shape[-2],
+                                     masked=len(nd.inputs) > 3))
         elif nd.kind == "softmax":
             att = _explicit(graph, nd)
             if att is not None:
@@ -120,14 +122,19 @@ def sequence_length(graph: Graph) -> int | None:
 
 def check_cp(graph: Graph, cp: int) -> None:
     """Raise :class:`StrategyError` unless ``graph`` can run under ``cp``:
-    it has attention, and ``2 cp`` divides its sequence length (the
-    load-balanced chunks)."""
+    it has attention, none given an explicit mask, and ``2 cp`` divides its
+    sequence length (the load-balanced chunks)."""
     if cp == 1:
         return
     seq = sequence_length(graph)
     if seq is None:
         raise StrategyError(f"cp={cp}: context parallelism splits the sequence of attention, but {graph.name} has "
                             "no attention op (scaled_dot_product_attention, or softmax(q @ k^T) @ v); use dp or tp")
+    masked = next((a.node for a in attentions(graph) if a.masked), None)
+    if masked is not None:
+        raise StrategyError(f"cp={cp}: attention op {masked} takes an explicit attn_mask (Hugging Face models build "
+                            "one per call); context parallelism builds the causal mask from global positions and "
+                            "needs is_causal=True attention or a mask buffer sliced by the sequence length")
     if seq % (2 * cp):
         valid = [c for c in range(1, seq // 2 + 1) if seq % (2 * c) == 0][:8]
         raise StrategyError(f"cp={cp}: the sequence of {seq} positions must split into 2 x cp = {2 * cp} equal "
@@ -136,11 +143,11 @@ def check_cp(graph: Graph, cp: int) -> None:
 
 def cp_choices(graph: Graph, devices: int, min_seq: int = SEARCH_MIN_SEQ) -> list[int]:
     """The cp degrees the automatic search tries: 1, and for a model with
-    attention over ``min_seq`` positions or more, every power of two that
+    attention over ``min_seq`` positions or more (and no explicit attention mask), every power of two that
     divides ``devices`` and splits the sequence into ``2 cp`` chunks (short
     sequences keep the grid as it was)."""
     seq = sequence_length(graph)
-    if seq is None or seq < min_seq:
+    if seq is None or seq < min_seq or any(a.masked for a in attentions(graph)):
         return [1]
     out, c = [1], 2
     while c <= devices and devices % c == 0 and seq % (2 * c) == 0:
