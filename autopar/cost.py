@@ -882,16 +882,47 @@ class CostModel:
         cache = self.cache.unit_params
         if (id(sh), tp) in cache:
             return cache[id(sh), tp]
-        n = units(self.graph).layers + 2
+        lists, kinds, layer_of = self._unit_param_lists
+        labels = units(self.graph).labels
+        n = len(lists)
         elems, tensors = [0.0] * n, [0.0] * n
-        out = sh.out
-        for name, numel, us in self._param_unit_list:
-            local = numel / tp if is_shard(out.get(name, R)) else numel
-            for u in us:
-                elems[u] += local
+        out, source = sh.out, self._sources(sh)
+        for u, params in enumerate(lists):
+            # a layer copying an earlier one's decisions holds its parameters alike
+            src = layer_of[source[labels[u]]] if 0 < u < n - 1 else u
+            if src != u and kinds[src] == kinds[u]:
+                elems[u], tensors[u] = elems[src], tensors[src]
+                continue
+            for name, numel in params:
+                elems[u] += numel / tp if is_shard(out.get(name, R)) else numel
                 tensors[u] += 1
         cache[id(sh), tp] = (elems, tensors)
         return elems, tensors
+
+    @cached_property
+    def _unit_param_lists(self) -> tuple[list[list[tuple[str, int]]], list[int], dict[str, int]]:
+        """Per pipeline unit, the trainable parameters it reads (node,
+        elements; in graph order), a number two units share when their
+        lists match position by position (their own layer's parameters at
+        the same places in it, the same ones from outside, of the same
+        sizes), and the unit of every layer instance. Raises
+        :class:`StrategyError` for a graph without pipeline units."""
+        u = units(self.graph)
+        n = u.layers + 2
+        lists: list[list[tuple[str, int]]] = [[] for _ in range(n)]
+        for name, numel, us in self._param_unit_list:
+            for k in us:
+                lists[k].append((name, numel))
+        position = {nd.name: k for inst, nodes in self._by_instance.items() if inst is not None
+                    for k, nd in enumerate(nodes)}
+        ids: dict[tuple, int] = {}
+        kinds = []
+        for k, params in enumerate(lists):
+            inst = u.labels[k] if 0 < k < n - 1 else None
+            key = tuple((position[name] if inst is not None and self.graph[name].group == inst else name, numel)
+                        for name, numel in params)
+            kinds.append(ids.setdefault((inst is None, key), len(ids)))
+        return lists, kinds, {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
 
     def _cut_bytes(self, sh: AxisSharding, shapes: dict, tp: int, n: int) -> list[float]:
         """``cut[k]``: bytes per microbatch one rank sends from the units
@@ -994,15 +1025,41 @@ class CostModel:
                 if (info := self.graph.params.get(nd.param)) is not None
                 and not info.is_buffer and info.requires_grad]
 
+    @cached_property
+    def _instance_params(self) -> tuple[list[tuple[str, int]], dict[str, list[tuple[str, int]]], dict[str, tuple]]:
+        """The trainable parameters (node, elements) outside the repeated
+        layers, those of each layer instance, and each instance's sizes."""
+        outside: list[tuple[str, int]] = []
+        per_inst: dict[str, list[tuple[str, int]]] = {}
+        for name, numel in self._trainable:
+            inst = self.graph[name].group
+            (outside if inst is None else per_inst.setdefault(inst, [])).append((name, numel))
+        return outside, per_inst, {inst: tuple(x for _, x in ps) for inst, ps in per_inst.items()}
+
     def _local_params(self, sh: AxisSharding, tp: int) -> tuple[float, int]:
         """Trainable parameter elements per device on the tp axis, and tensors."""
         key = (id(sh), tp)
         hit = self.cache.local_params.get(key)
         if hit is not None:
             return hit
-        out = sh.out
+        out, source = sh.out, self._sources(sh)
+        outside, per_inst, sizes = self._instance_params
+
+        def sharded_in(params: list[tuple[str, int]]) -> int:
+            return sum(numel for name, numel in params if is_shard(out.get(name, R)))
+
+        # an instance copying another's decisions holds its parameters alike: counted once
+        # (whole numbers of elements: the sum is exact in any order)
+        sharded = sharded_in(outside)
+        counted: dict[str, int] = {}
+        for inst, params in per_inst.items():
+            src = source.get(inst, inst)
+            if src not in per_inst or sizes[src] != sizes[inst]:
+                src = inst
+            if src not in counted:
+                counted[src] = sharded_in(per_inst[src])
+            sharded += counted[src]
         total = sum(numel for _, numel in self._trainable)
-        sharded = sum(numel for name, numel in self._trainable if is_shard(out.get(name, R)))
         local, n = total - sharded + sharded / tp, len(self._trainable)
         self.cache.local_params[key] = (local, n)
         return local, n
