@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -162,22 +163,24 @@ def _print_explain(p, record) -> None:
     line = f"search: {s['mode']}"
     if "ilp_solves" in s:
         line += (f", {s.get('candidates', 0)} configurations, {s['ilp_solves']} ILP solves in {s['ilp_time_s']:.3g} s"
-                 f"; best placements per configuration came from {s['best_plan_per_config_from']}")
+                 "; best placements per configuration came from "
+                 + ", ".join(f"{k} {v}" for k, v in s["best_plan_per_config_from"].items()))
     out.print(escape(line))
     if e.get("configs"):
         t = Table(title="best configurations", title_justify="left")
-        for c in ("strategy", "step time", "vs best", "peak memory"):
-            t.add_column(c)
+        t.add_column("strategy", overflow="fold")          # the part that differs must show, never "..."
+        for c in ("step time", "vs best", "peak memory"):
+            t.add_column(c, no_wrap=True, justify="right")
         best = e["configs"][0]["step_time_s"]
         for c in e["configs"]:
-            t.add_row(c["strategy"], _dur(c["step_time_s"]), f"{c['step_time_s'] / best:.3f}x",
-                      f"{c['peak_memory_gib']:.3g} GiB")
+            t.add_row(c["strategy"].replace(",", ", "), _dur(c["step_time_s"]), f"{c['step_time_s'] / best:.3f}x",
+                      units.nbytes(c["peak_memory_gib"] * 2**30))
         out.print(t)
     if e.get("pipeline"):
         pl = e["pipeline"]
         out.print(escape(f"pipeline: {pl['schedule']}, layers per stage {pl['layers_per_stage']}, stage times "
                          f"{', '.join(_dur(x) for x in pl['stage_time_s'])}, bubble {pl['bubble_fraction']:.1%}, "
-                         f"memory per rank {', '.join(f'{x:.3g}' for x in pl['memory_per_rank_gib'])} GiB; "
+                         f"memory per rank {', '.join(units.nbytes(x * 2**30) for x in pl['memory_per_rank_gib'])}; "
                          f"{pl['note']}"))
     if e.get("ilp"):
         i = e["ilp"]
@@ -188,7 +191,7 @@ def _print_explain(p, record) -> None:
     for label, g in e["groups"].items():
         t = Table(title=label, title_justify="left")
         for c in ("op", "module", "chosen", "runners-up (extra time per step)"):
-            t.add_column(c)
+            t.add_column(c, overflow="fold")
         for r in g["ops"]:
             alts = ", ".join(f"{a['strategy']}->{a['out']} +{_dur(a['extra_s_per_step'])}"
                              if a["extra_s_per_step"] != float("inf") else f"{a['strategy']} (infeasible)"
@@ -254,9 +257,14 @@ def plan(
                                 disable=not err.is_terminal)
             with progress:
                 task = progress.add_task("search", total=None)
+                t0, shown = time.perf_counter(), [-1]
 
                 def tick(done: int, total: int) -> None:
                     progress.update(task, completed=done, total=total)
+                    quarter = 4 * done // max(total, 1)     # piped: one line per quarter, not a bar
+                    if not err.is_terminal and not as_json and quarter > shown[0]:
+                        shown[0] = quarter
+                        err.print(f"searching: {done}/{total} configurations ({time.perf_counter() - t0:.1f} s)")
 
                 p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                                       strategy="auto", optimizer=optimizer, precision=precision,
@@ -285,7 +293,7 @@ def plan(
         else:
             sys.stdout.write(p.to_json())
         return
-    typer.echo(p.summary().rstrip("\n"))
+    typer.echo(p.summary(max(out.width, 100)).rstrip("\n"))
     if explain:
         _print_explain(p, record)
     if out_path is not None:
@@ -400,7 +408,7 @@ def show(
     if as_json:
         sys.stdout.write(p.to_json())
         return
-    typer.echo(p.summary().rstrip("\n"))
+    typer.echo(p.summary(max(out.width, 100)).rstrip("\n"))
     if timeline is not None:
         out.print(f"predicted pipeline timeline written to [bold]{escape(str(timeline))}[/]")
     axes = [a for a in p.data["mesh"]["axes"] if a != "pp"]   # placements are per (dp, tp)
@@ -570,8 +578,6 @@ def calibrate(
     as_json: bool = JsonOpt,
 ) -> None:
     """Measure this machine (matmul, memory, collectives) and write a cluster file for --cluster."""
-    import time
-
     from .calibrate import KINDS
     from .calibrate import calibrate as run_calibration
     _check_out_dir(out_path, "cluster")

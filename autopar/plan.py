@@ -336,16 +336,17 @@ class Plan:
         }
 
     # -- presentation ---------------------------------------------------------
-    def summary(self) -> str:
-        """A readable table of the plan (rich, rendered to text)."""
+    def summary(self, width: int = 100) -> str:
+        """A readable table of the plan (rich, rendered to text ``width``
+        columns wide; long values wrap, nothing is cut)."""
         from rich.console import Console
         from rich.table import Table
 
         d = self.data
         pred = d["predicted"]
         t = Table(title=f"autopar plan: {d['model']['name']}", show_header=False, title_justify="left")
-        t.add_column("key", style="bold")
-        t.add_column("value")
+        t.add_column("key", style="bold", no_wrap=True)
+        t.add_column("value", overflow="fold")
         mem = pred.get("memory", {})
         rows = [
             ("model", f"{d['model']['name']}  ({units.count(d['model']['num_params'])} params, "
@@ -398,7 +399,7 @@ class Plan:
         for k, v in rows:
             t.add_row(k, v)
         with open(os.devnull, "w") as sink:
-            console = Console(width=100, record=True, file=sink)
+            console = Console(width=width, record=True, file=sink)
             console.print(t)
             return console.export_text()
 

@@ -1,5 +1,6 @@
 """The `autopar` command: every subcommand on a tiny zoo model, errors exit 2."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,16 @@ def test_plan_explain_pins_and_search_mode():
     assert "ilp_solves" in d["explain"]["search"]
     g = json.loads(ok("plan", TINY, *WHERE, "--search-mode", "grid", "--json").stdout)
     assert g["search"]["tp_axis"] == "manual"
+
+
+def test_plan_output_piped_shows_progress_and_cuts_nothing():
+    """issue 18: nothing on a piped stderr during a search; strategies cut with '...' in the summary and
+    --explain (the best configurations looked identical); raw dicts and '0.0018 GiB' numbers."""
+    res = ok("plan", "gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128", "--cluster", "cpu", "--devices", "8",
+             "--global-batch", "16", "--explain")
+    assert "searching: " in res.stderr and "configurations" in res.stderr
+    assert "…" not in res.stdout and "{'" not in res.stdout
+    assert not re.search(r"\b0\.0\d* GiB", res.stdout)
 
 
 def test_plan_bad_pins_and_modes_exit_2():
