@@ -370,8 +370,10 @@ class Plan:
             rows.append(("memory", ", ".join(f"{k} {units.nbytes(mem[k])}" for k in keys)))
         pipe = d.get("pipeline")
         if pipe:
+            span = (f", timeline {units.seconds(pipe['makespan_s'])} (the forwards and backwards; the step time "
+                    "adds the dp reduction and the optimizer)" if pipe.get("makespan_s") else "")
             rows.append(("pipeline", f"{pipe['schedule']}, layers per stage {pipe['layers']}, "
-                                     f"bubble {pipe.get('bubble_fraction', 0):.1%}"))
+                                     f"bubble {pipe.get('bubble_fraction', 0):.1%}{span}"))
         sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
         par = d["parallel"]
         zero = {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}

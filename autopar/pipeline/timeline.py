@@ -86,7 +86,8 @@ def _draw(ax, tl: Timeline, name: str) -> None:
     for (rank, kind, chunk), ranges in boxes.items():
         ax.broken_barh(ranges, (rank - 0.4, 0.8), facecolors=colour(kind, chunk), edgecolors="white",
                        linewidth=0.3)
-    facts = f"makespan {tl.makespan * scale:.4g} {unit}, bubble {tl.bubble_fraction:.1%}"
+    facts = (f"makespan {tl.makespan * scale:.4g} {unit} (the forwards and backwards; a step adds the dp "
+             f"reduction and the optimizer), bubble {tl.bubble_fraction:.1%}")
     ax.set_title(f"{name}: {facts}" if name else facts, fontsize=10)
     ax.set_xlim(0, span)
     ax.set_xlabel(f"time ({unit})")
