@@ -342,7 +342,7 @@ def evaluate(
         pl = est.pipeline
         rows.append(("pipeline", f"{pl['schedule']}, layers per stage {pl['layers']} (even, as written), "
                                  f"bubble {pl['bubble_fraction']:.1%}"))
-    out.print(_kv_table("autopar estimate", rows))
+    out.print(_kv_table(f"autopar evaluate: {escape(est.strategy)} (predicted)", rows))
 
 
 def _param_pattern(name: str) -> str:
@@ -425,6 +425,11 @@ def show(
         example = next(k for k, v in params.items() if tuple(v) == pair)
         t.add_row(*pair, str(n), escape(example))
     out.print(t)
+    zero = p.parallel.get("zero", 0)
+    if zero and p.parallel.get("dp", 1) > 1:     # the dp column is the layout the tp program sees
+        what = {1: "optimizer state", 2: "gradients and optimizer state", 3: "weights, gradients and optimizer state"}
+        out.print(f"[dim]ZeRO-{zero} also shards the {what[zero]} of every parameter over dp={p.parallel['dp']}, "
+                  "whatever the dp column says[/]")
 
     # per parameter, repeated layers collapsed (blocks.0, blocks.1 ... -> blocks.*)
     patterns: dict[str, dict[tuple, int]] = {}
