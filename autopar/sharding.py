@@ -121,7 +121,6 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
     pins = pins or {}
     walk = _walk_structure(graph)
     inst, prev_of, by_name = walk.inst, walk.prev_of, graph._by_name
-    done_instance: set[str] = set()
     for name, p in pins.items():
         if name in by_name and by_name[name].is_state:
             res.out[name] = p       # a pinned parameter is placed before its consumers choose
@@ -165,26 +164,22 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
             signature[g] = signature.get(g, ()) + ((k, p),)
 
     def external_placements(g: str) -> tuple:
-        return tuple(res.out.get(i) for i in walk.external[g])
+        return tuple(map(res.out.get, walk.external[g]))
 
-    for nd in graph.nodes:
-        g = nd.group
-        if g is not None and g not in done_instance:
-            done_instance.add(g)
-            prev = prev_of.get(g)
-            mine = inst[g]
-            if prev is not None and signature.get(g) == signature.get(prev) and \
-                    external_placements(g) == external_placements(prev):
-                _copy(res, walk.pairs[g], walk.copies.get(g))
-                res.reused_instances += 1
-                res.copied_from[g] = prev
-                continue
-            for x in mine:
-                decide(x)
+    for item in walk.order:     # the graph's nodes, an instance's all at its first
+        if type(item) is not str:
+            decide(item)
             continue
-        if g is not None:
-            continue  # decided with its instance
-        decide(nd)
+        g = item
+        prev = prev_of.get(g)
+        if prev is not None and signature.get(g) == signature.get(prev) and \
+                external_placements(g) == external_placements(prev):
+            _copy(res, walk.pairs[g], walk.copies.get(g))
+            res.reused_instances += 1
+            res.copied_from[g] = prev
+            continue
+        for x in inst[g]:
+            decide(x)
     if output_placement is not None and graph.output is not None:
         res.out["__output__"] = output_placement
     return res
@@ -204,6 +199,7 @@ class _Walk:
     pairs: dict[str, tuple[tuple[str, str, tuple[tuple[str, int], ...]], ...]]
     position: dict[str, tuple[str, int]]        # node -> (its instance, its position in it)
     copies: dict[str, "_CopyPlan"]              # per instance: the pairs sorted for a bulk copy
+    order: tuple[Node | str, ...]               # the nodes outside instances, and each instance at its first
 
 
 @dataclass(frozen=True)
@@ -216,7 +212,7 @@ class _CopyPlan:
     three steps cannot change what the pair by pair copy gives."""
 
     ops: tuple[tuple[str, ...], tuple[str, ...]]
-    rest: tuple[tuple[str, str], ...]
+    rest: tuple[tuple[str, ...], tuple[str, ...]]
     reads: tuple[tuple[str, str, int], ...]
 
 
@@ -232,7 +228,7 @@ def _copy_plan(nodes: list[Node], prev: list[Node],
     None where the bulk copy could differ from the pair by pair one (a
     parameter of ``prev`` read here, or positions decided unlike)."""
     before = {x.name for x in prev}
-    ops_a, ops_b, rest, reads = [], [], [], []
+    ops_a, ops_b, rest_a, rest_b, reads = [], [], [], [], []
     for x, y, (a, b, state_inputs) in zip(nodes, prev, pairs):
         if _decided(x) != _decided(y):
             return None
@@ -244,8 +240,9 @@ def _copy_plan(nodes: list[Node], prev: list[Node],
                     return None
                 reads.append((i, a, k))
         else:
-            rest.append((a, b))
-    return _CopyPlan((tuple(ops_a), tuple(ops_b)), tuple(rest), tuple(reads))
+            rest_a.append(a)
+            rest_b.append(b)
+    return _CopyPlan((tuple(ops_a), tuple(ops_b)), (tuple(rest_a), tuple(rest_b)), tuple(reads))
 
 
 def _walk_structure(graph: Graph) -> _Walk:
@@ -262,7 +259,13 @@ def _walk_structure(graph: Graph) -> _Walk:
         position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
         copies = {g: plan for g in pairs
                   if (plan := _copy_plan(inst[g], inst[prev_of[g]], pairs[g])) is not None}
-        return _Walk(inst, prev_of, external, pairs, position, copies)
+        order: list[Node | str] = []
+        for nd in graph.nodes:
+            if nd.group is None:
+                order.append(nd)
+            elif inst[nd.group][0] is nd:
+                order.append(nd.group)
+        return _Walk(inst, prev_of, external, pairs, position, copies, tuple(order))
 
     return graph.memo(("walk_axis",), build)
 
@@ -276,13 +279,15 @@ def _copy(res: AxisSharding, pairs, plan: _CopyPlan | None = None) -> None:
     strategy, out = res.strategy, res.out
     if plan is not None:
         mine, theirs = plan.ops
-        sts = list(map(strategy.get, theirs))
-        if None not in sts:
+        try:
+            sts = list(map(strategy.__getitem__, theirs))
+        except KeyError:        # not decided like this instance: pair by pair
+            sts = None
+        if sts is not None:
             strategy.update(zip(mine, sts))
             out.update(zip(mine, [st.out for st in sts]))
-            for a, b in plan.rest:
-                if b in out:
-                    out[a] = out[b]
+            rest_a, rest_b = plan.rest
+            out.update([(a, p) for a, p in zip(rest_a, map(out.get, rest_b)) if p is not None])
             for i, a, k in plan.reads:
                 if i not in out:
                     out[i] = strategy[a].ins[k]
@@ -354,16 +359,21 @@ def batch_dims(graph: Graph) -> dict[str, int | None]:
 def scaled_shapes(graph: Graph, batch: int, divide: int = 1) -> dict[str, Shape | None]:
     """Shapes of every node at batch size ``batch`` (per microbatch), with the
     batch dim further divided by ``divide`` (the data-parallel degree)."""
-    bd = batch_dims(graph)
     b0 = graph.batch_size
-    out: dict[str, Shape | None] = {}
-    for nd in graph.nodes:
-        if nd.out is None:
-            out[nd.name] = None
-            continue
-        d = bd.get(nd.name)
-        shp = nd.out.shape
-        if d is not None and d < len(shp):
-            shp = shp[:d] + (shp[d] * batch // (b0 * divide),) + shp[d + 1:]
-        out[nd.name] = shp
-    return out
+    return {name: shp if d is None else shp[:d] + (shp[d] * batch // (b0 * divide),) + shp[d + 1:]
+            for name, shp, d in _batch_shapes(graph)}
+
+
+def _batch_shapes(graph: Graph) -> list[tuple[str, Shape | None, int | None]]:
+    """(node, traced shape, its batch dim or None) of every node, in graph
+    order: what :func:`scaled_shapes` scales (memoised on the graph)."""
+    def build() -> list[tuple[str, Shape | None, int | None]]:
+        bd = batch_dims(graph)
+        out = []
+        for nd in graph.nodes:
+            shp = nd.out.shape if nd.out is not None else None
+            d = bd.get(nd.name) if shp is not None else None
+            out.append((nd.name, shp, d if d is not None and d < len(shp) else None))
+        return out
+
+    return graph.memo(("batch_shapes",), build)

@@ -338,15 +338,28 @@ class Planner:
         propagation (or the ILP) then keeps the residual stream and dropout
         split too, and turns the all-reduces around the tensor-parallel
         blocks into reduce-scatters and all-gathers."""
-        pinned = dict(sharder.pins)
+        pins, lengths = self.graph.memo(("sequence_parallel", sharder.pins), lambda: self._sp_pins(sharder.pins))
+        for name, length in lengths:
+            if length % cfg.tp:
+                raise StrategyError(f"sequence_parallel=true with tp={cfg.tp}: the sequence length "
+                                    f"{length} of {name} is not divisible by {cfg.tp}")
+        if len(pins) == len(sharder.pins):
+            raise StrategyError(f"sequence_parallel=true: {self.graph.name} has no LayerNorm/RMSNorm on "
+                                "(batch, sequence, hidden) activations to split along the sequence")
+        return Sharder(sharder.mode, pins, sharder.memory_limit)
+
+    def _sp_pins(self, user_pins: tuple) -> tuple[tuple, list[tuple[str, int]]]:
+        """:meth:`_sequence_parallel`'s pins with ``user_pins`` (whatever the
+        tp size: made once per graph and pins), and the norms it splits with
+        their sequence lengths, in graph order."""
+        pinned = dict(user_pins)
+        lengths = []
         g = self.graph
         for nd in g.nodes:
             if not nd.normalizes or nd.out is None or len(nd.out.shape) < 3:
                 continue
             seq = len(nd.out.shape) - 2
-            if nd.out.shape[seq] % cfg.tp:
-                raise StrategyError(f"sequence_parallel=true with tp={cfg.tp}: the sequence length "
-                                    f"{nd.out.shape[seq]} of {nd.name} is not divisible by {cfg.tp}")
+            lengths.append((nd.name, nd.out.shape[seq]))
             # the norm and the residual stream into it: the elementwise ops (residual and bias
             # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
             todo = [nd.name]
@@ -359,10 +372,7 @@ class Planner:
                     src = g[i]
                     if src.kind == "elementwise" and src.out is not None and src.out.shape == nd.out.shape:
                         todo.append(i)
-        if len(pinned) == len(sharder.pins):
-            raise StrategyError(f"sequence_parallel=true: {self.graph.name} has no LayerNorm/RMSNorm on "
-                                "(batch, sequence, hidden) activations to split along the sequence")
-        return Sharder(sharder.mode, tuple(sorted(pinned.items())), sharder.memory_limit)
+        return tuple(sorted(pinned.items())), lengths
 
     def _memory_terms(self, model: CostModel, cfg: ParallelConfig, shapes: dict, limit: float) -> MemoryTerms:
         """The ILP's linear memory model for ``cfg``: model states per local
