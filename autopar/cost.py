@@ -293,26 +293,30 @@ class CostModel:
     def cp_attention_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict) -> tuple[float, list[float]]:
         """Per microbatch under ``cfg.cp``: the time of every attention op's
         key and value all-gathers (forward) and gradient reduce-scatters
-        (backward) over the cp axis, and per attention op the bytes of the
-        keys and values gathered from the other cp ranks. ``shapes``: one cp
-        rank's (:meth:`token_shapes`)."""
+        (backward) over the cp axis, where the runtime gathers them (before
+        GQA's repeat), and per attention op the bytes of the keys and values
+        from the other cp ranks it keeps for backward (as it reads them,
+        repeated). ``shapes``: one cp rank's (:meth:`token_shapes`)."""
         cp, tp = cfg.cp, cfg.tp
         mesh = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cp, tp)
         topo, axis = self.topology(mesh), len(mesh) - 2
+
+        def local(name: str, reader: str) -> float:
+            """Bytes of ``name`` on one rank as ``reader``'s strategy reads it on the tp axis."""
+            st, node = sh.strategy.get(reader), self.graph[reader]
+            want = st.ins[node.inputs.index(name)] if st is not None and name in node.inputs else sh.out.get(name, R)
+            return _numel(shapes.get(name)) * self.itemsize / (tp if is_shard(want) else 1)
+
         total, kv = 0.0, []
         for att in attentions(self.graph):
-            reader = {att.k: att.node if att.fused else att.scores, att.v: att.node if att.fused else att.context}
-            gathered = 0.0
-            for name, consumer in reader.items():
-                st = sh.strategy.get(consumer)
-                node = self.graph[consumer]
-                want = st.ins[node.inputs.index(name)] if st is not None and name in node.inputs else \
-                    sh.out.get(name, R)
-                local = _numel(shapes.get(name)) * self.itemsize / (tp if is_shard(want) else 1)
-                total += topo.collective_time("all_gather", local * cp, axis) + \
-                    topo.collective_time("reduce_scatter", local * cp, axis)
-                gathered += local * (cp - 1)
-            kv.append(gathered)
+            readers = (att.node, att.node) if att.fused else (att.scores, att.context)
+            kept = 0.0
+            for (src, first), name, reader in zip(att.gathered, (att.k, att.v), readers):
+                moved = local(src, first) * cp
+                total += topo.collective_time("all_gather", moved, axis) + \
+                    topo.collective_time("reduce_scatter", moved, axis)
+                kept += local(name, reader) * (cp - 1)
+            kv.append(kept)
         return total, kv
 
     # -- pieces ---------------------------------------------------------------

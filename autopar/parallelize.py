@@ -148,7 +148,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         run_graph, cp_dims = trace_local_sequence(graph, model, inputs, keys, loss_fn, target, cfg)
     prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph)
     if cfg.cp > 1:
-        apply_cp(prog, run_graph, cfg, mesh, sequence_length(graph))
+        apply_cp(prog, run_graph, cfg, mesh, graph)
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
@@ -400,14 +400,14 @@ def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: An
     return lg, ([dim(x) for x in inputs], dim(target))
 
 
-def apply_cp(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, mesh: Mesh, seq: int) -> LocalProgram:
-    """``prog`` (compiled from ``graph``, the model at ``seq / cp``
-    positions) rewritten for this context-parallel rank: attention over the
-    whole sequence, positions global (:mod:`autopar.compile.context`).
-    Returns ``prog``; raises :class:`UnsupportedError` naming an op it
-    cannot rewrite."""
+def apply_cp(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, mesh: Mesh, full: Graph) -> LocalProgram:
+    """``prog`` (compiled from ``graph``, the model at ``T / cp`` positions;
+    ``full`` is it at ``T``) rewritten for this context-parallel rank:
+    attention over the whole sequence, positions global
+    (:mod:`autopar.compile.context`). Returns ``prog``; raises
+    :class:`UnsupportedError` naming an op it cannot rewrite."""
     prog.comms += _apply_cp(prog.module, graph, cp=cfg.cp, rank=mesh.coord("cp"), group=mesh.group("cp"),
-                            seq=seq, device=local_device())
+                            seq=sequence_length(full), device=local_device(), full=full)
     return prog
 
 

@@ -42,12 +42,14 @@ class ContextAttention(nn.Module):
     """Fused attention of this rank's queries over the whole sequence."""
 
     def __init__(self, group: Any, order: torch.Tensor, q_pos: torch.Tensor, is_causal: bool,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], gather: tuple[bool, bool] = (True, True)) -> None:
         super().__init__()
         self.group, self.order, self.q_pos, self.is_causal, self.options = group, order, q_pos, is_causal, options
+        self.gather = gather      # (keys, values) still to gather here: not gathered before the layout ops
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return K.context_attention(q, k, v, self.group, self.order, self.q_pos, self.is_causal, **self.options)
+        return K.context_attention(q, k, v, self.group, self.order, self.q_pos, self.is_causal, self.gather,
+                                   **self.options)
 
 
 class GatherSequence(nn.Module):
@@ -68,9 +70,8 @@ class Positions(nn.Module):
         super().__init__()
         self.pos, self.dtype = pos, dtype
 
-    def forward(self, like: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.pos if like is None else self.pos.to(like.device)
-        return out if self.dtype is None else out.to(self.dtype)
+    def forward(self) -> torch.Tensor:
+        return self.pos if self.dtype is None else self.pos.to(self.dtype)
 
 
 class PositionIndex(nn.Module):
@@ -88,11 +89,15 @@ class PositionIndex(nn.Module):
 
 
 def apply_cp(gm: fx.GraphModule, graph: Graph, *, cp: int, rank: int, group: Any, seq: int,
-             device: torch.device | str = "cpu") -> int:
+             device: torch.device | str = "cpu", full: Graph | None = None) -> int:
     """Rewrite ``gm`` (this rank's program, compiled from ``graph``: the
     model traced at ``seq / cp`` positions) for context-parallel rank
     ``rank`` of ``cp`` over ``group``; ``seq`` is the whole sequence, ``device``
-    this rank's.
+    this rank's. ``full``: the model traced at ``seq`` positions, whose
+    shapes say which dim of a key or value runs along the sequence before
+    the layout-only ops that lead to fused attention (GQA's
+    ``repeat_interleave``): it is gathered there, where it is smallest;
+    without it, at the attention op.
     Returns the number of ops rewritten. Raises :class:`UnsupportedError`
     naming an op it cannot rewrite."""
     local = seq // cp
@@ -103,7 +108,7 @@ def apply_cp(gm: fx.GraphModule, graph: Graph, *, cp: int, rank: int, group: Any
     _refuse_made_masks(graph, local)
     count = 0
     for att in attentions(graph):
-        count += _attention(gm, graph, nodes, att, group, order, pos)
+        count += _attention(gm, graph, nodes, att, group, order, pos, full)
     for nd in graph.nodes:
         f = nodes.get(nd.name)
         if f is None:
@@ -123,8 +128,9 @@ def apply_cp(gm: fx.GraphModule, graph: Graph, *, cp: int, rank: int, group: Any
 
 
 def _attention(gm: fx.GraphModule, graph: Graph, nodes: dict[str, fx.Node], att: Attention, group: Any,
-               order: torch.Tensor, pos: torch.Tensor) -> int:
-    """Rewrite one attention op (fused: one kernel; explicit: gathers before its two products)."""
+               order: torch.Tensor, pos: torch.Tensor, full: Graph | None) -> int:
+    """Rewrite one attention op (fused: one kernel, the keys and values
+    gathered before it or in it; explicit: gathers before its two products)."""
     f = nodes.get(att.node)
     if f is None:
         return 0
@@ -141,7 +147,9 @@ def _attention(gm: fx.GraphModule, graph: Graph, nodes: dict[str, fx.Node], att:
                                    "builds the mask from global positions (use is_causal=True)")
         causal = bool(opts.pop("is_causal", False))
         opts = {k: v for k, v in opts.items() if v is not None and not (k == "enable_gqa" and v is False)}
-        _replace(gm, f, "cp_attention", ContextAttention(group, order, pos, causal, opts), tuple(f.args[:3]))
+        early = tuple(not _gather_early(gm, graph, full, nodes, src, reader, group, order)
+                      for src, reader in att.gathered)
+        _replace(gm, f, "cp_attention", ContextAttention(group, order, pos, causal, opts, early), tuple(f.args[:3]))
         return 1
     path = att.node
     while path != att.scores:
@@ -157,6 +165,27 @@ def _attention(gm: fx.GraphModule, graph: Graph, nodes: dict[str, fx.Node], att:
             g = gm.graph.call_module(_add(gm, "cp_gather", GatherSequence(group, order, dim)), (p.args[1],))
         p.args = (p.args[0], g, *p.args[2:])
     return 1
+
+
+def _gather_early(gm: fx.GraphModule, graph: Graph, full: Graph | None, nodes: dict[str, fx.Node], src: str,
+                  reader: str, group: Any, order: torch.Tensor) -> bool:
+    """Gather ``src`` where ``reader`` (the first layout op on its way to the
+    attention) reads it; False (gather in the attention op instead) when
+    that is the attention itself, its sequence dim is not known, or the
+    compiler put a collective between them."""
+    if full is None or src not in full or not src or reader == "" or reader not in nodes or src not in nodes \
+            or graph[reader].kind == "sdpa":
+        return False
+    a, b = full[src].out, graph[src].out
+    dims = [d for d in range(len(b.shape)) if a.shape[d] != b.shape[d]] if a and b and \
+        len(a.shape) == len(b.shape) else []
+    r = nodes[reader]
+    if len(dims) != 1 or nodes[src] not in r.all_input_nodes:
+        return False
+    with gm.graph.inserting_before(r):
+        g = gm.graph.call_module(_add(gm, "cp_gather", GatherSequence(group, order, dims[0])), (nodes[src],))
+    r.replace_input_with(nodes[src], g)
+    return True
 
 
 def _refuse_made_masks(graph: Graph, local: int) -> None:

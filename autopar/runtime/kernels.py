@@ -120,14 +120,18 @@ def gather_sequence(x: torch.Tensor, dim: int, group, order: torch.Tensor) -> to
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, order: torch.Tensor,
-                      q_pos: torch.Tensor, is_causal: bool, **kwargs) -> torch.Tensor:
+                      q_pos: torch.Tensor, is_causal: bool, gather: tuple[bool, bool] = (True, True),
+                      **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries (at global
     positions ``q_pos``) over the keys and values of the whole sequence
-    (:func:`gather_sequence` on dim -2); causal masking by global position
-    (query p sees keys 0..p). ``kwargs``: sdpa's other options (scale,
-    dropout_p, enable_gqa)."""
-    k = gather_sequence(k, -2, group, order)
-    v = gather_sequence(v, -2, group, order)
+    (:func:`gather_sequence` on dim -2, for each of k and v that ``gather``
+    says was not gathered before); causal masking by global position (query
+    p sees keys 0..p). ``kwargs``: sdpa's other options (scale, dropout_p,
+    enable_gqa)."""
+    if gather[0]:
+        k = gather_sequence(k, -2, group, order)
+    if gather[1]:
+        v = gather_sequence(v, -2, group, order)
     mask = None
     if is_causal:
         keys = torch.arange(k.shape[-2], device=q.device)

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import ops
 from ..errors import StrategyError
 from ..graph import Graph, Node
 
 #: kinds an explicit attention's scores pass through between the product and the softmax (scale, mask, dtype)
 _SCORE_PATH = frozenset({"elementwise", "view"})
+#: kinds that only move or repeat elements: keys and values are gathered before them, where they are
+#: smallest (grouped-query attention's repeat_interleave), when they have no size argument of their own
+_LAYOUT = frozenset({"transpose", "expand", "view"})
 #: below this many positions context parallelism is not searched (explicit ``cp=N`` still runs)
 SEARCH_MIN_SEQ = 16384
 
@@ -36,7 +40,10 @@ class Attention:
     attention), the values its keys and values come from (``k``, ``v``) and
     the dim of each that runs along the sequence; ``seq`` the keys' length
     (the whole sequence); for explicit attention the score and context
-    products (``scores``, ``context``)."""
+    products (``scores``, ``context``). ``gathered`` holds, for the keys and
+    the values, where they are gathered: ``(value, reader)``, the value before
+    the layout-only ops between it and the attention (GQA's
+    ``repeat_interleave``, transposes) and the op of that chain reading it."""
 
     node: str
     fused: bool
@@ -48,6 +55,7 @@ class Attention:
     scores: str | None = None
     context: str | None = None
     masked: bool = False        # fused attention given an explicit mask (attn_mask=): cp cannot rebuild it
+    gathered: tuple[tuple[str, str], tuple[str, str]] = (("", ""), ("", ""))
 
 
 def positions(seq: int, cp: int, rank: int) -> list[int]:
@@ -75,7 +83,8 @@ def _find(graph: Graph) -> list[Attention]:
             k, v = graph[nd.inputs[1]], graph[nd.inputs[2]]
             if k.out is not None and len(k.out.shape) >= 2:
                 out.append(Attention(nd.name, True, k.name, v.name, -2, -2, k.out.shape[-2],
-                                     masked=len(nd.inputs) > 3))
+                                     masked=len(nd.inputs) > 3,
+                                     gathered=(_source(graph, k.name, nd.name), _source(graph, v.name, nd.name))))
         elif nd.kind == "softmax":
             att = _explicit(graph, nd)
             if att is not None:
@@ -111,7 +120,24 @@ def _explicit(graph: Graph, soft: Node) -> Attention | None:
     if context is None or k.out is None:
         return None
     return Attention(soft.name, False, k.name, context.inputs[1], -1, -2, k.out.shape[-1],
-                     scores=scores.name, context=context.name)
+                     scores=scores.name, context=context.name,
+                     gathered=((k.name, scores.name), (context.inputs[1], context.name)))
+
+
+def _source(graph: Graph, name: str, reader: str) -> tuple[str, str]:
+    """``(value, its reader)``: walking back from ``name`` (read by
+    ``reader``) through ops that only move or repeat elements and have no
+    size argument (transpose, repeat_interleave, contiguous), each read by
+    the next alone, to the value they start from."""
+    while True:
+        nd = graph[name]
+        if nd.kind not in _LAYOUT or len(graph.consumers(name)) != 1:
+            return name, reader
+        info = ops.op_info(nd.target)
+        ins = [i for i in nd.inputs if _activation(graph, i)]
+        if info is None or info.shape_arg is not None or len(ins) != 1:
+            return name, reader
+        name, reader = ins[0], name
 
 
 def sequence_length(graph: Graph) -> int | None:
