@@ -9,7 +9,7 @@ explicit softmax attention masked by a buffer sliced ``bias[:, :, :T, :T]``),
 the first two under cp=2 (x dp=2), cp=4 and cp=2 x tp=2 (Llama also
 cp=2 x pp=2; GPT's cp=2 with ZeRO-1 over dp x cp and full recompute), nanoGPT under
 cp=2 x tp=2 (torch.export takes seconds a trace), fp32, every step's loss
-and the final weights within rel 1e-4 of one process.
+and the final weights within rel 1e-4 of one process, and eval_step's loss after them.
 """
 import sys
 import warnings
@@ -142,6 +142,8 @@ def _reference(name):
         loss.backward()
         o.step()
         losses.append(loss.item())
+    with torch.no_grad():
+        losses.append(loss_fn(model(x), y).item())       # what eval_step gives after the steps
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -149,6 +151,8 @@ def _run(name, strategy):
     model, x, y, loss_fn = _case(name)
     pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt, strategy=strategy)
     losses = [pm.train_step((x,), y) for _ in range(STEPS)]
+    if pm.pipeline is None:       # (eval_step runs no pipeline yet)
+        losses.append(pm.eval_step((x,), y))
     return losses, pm.full_state_dict()
 
 
@@ -175,5 +179,5 @@ def test_cp_trains_like_one_process(results, name):
     for r in results:
         for strategy in CASES[name]:
             want, got, worst, missing = r[name, strategy]
-            assert got == pytest.approx(want, rel=1e-4), (name, strategy)
-            assert worst < 1e-4, (name, strategy, worst)
+            assert len(got) >= STEPS and got == pytest.approx(want[:len(got)], rel=1e-4), (name, strategy)
+            assert worst < 1e-4 and not missing, (name, strategy, worst, missing)
