@@ -383,6 +383,8 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
                                       "peak_memory_bytes", "fits", "device_memory_bytes", "memory")}
     if est.host_memory_bytes:
         predicted["host_memory_bytes"] = pred["host_memory_bytes"]
+    if est.cp_comm_time_s:
+        predicted["cp_comm_time_s"] = pred["cp_comm_time_s"]
     data = {
         "plan_version": PLAN_VERSION,
         "autopar_version": __version__,

@@ -97,9 +97,12 @@ class Estimate:
     parallel: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] | None = None   # pp > 1: stages, schedule timeline summary
     host_memory_bytes: float = 0.0           # offload: model state kept in host memory per device
+    cp_comm_time_s: float = 0.0              # cp > 1: the K/V gathers (in comm_time_s too); left out when 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not d["cp_comm_time_s"]:
+            del d["cp_comm_time_s"]
         return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in d.items()}
 
 
@@ -223,7 +226,18 @@ class CostModel:
         self._saved_memo: dict[tuple[str, bool], list[str]] = {}
         self._kept_memo: dict[str, bool] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
+        self._p2p: dict[tuple, float] = {}      # (mesh shape, bytes) -> send_recv seconds
         self._token_shapes: dict[tuple[int, int], tuple[dict, dict]] = {}
+
+    def _send_recv(self, mesh_shape: tuple[int, ...], nbytes: float) -> float:
+        """A point-to-point transfer of ``nbytes`` on axis 0 of ``mesh_shape``
+        (memoised: every cut between two layers moves the same bytes, and the
+        pipeline search prices hundreds of partitions)."""
+        key = (mesh_shape, nbytes)
+        t = self._p2p.get(key)
+        if t is None:
+            t = self._p2p[key] = self.topology(mesh_shape).collective_time("send_recv", nbytes, 0)
+        return t
 
     def topology(self, mesh_shape: tuple[int, ...]) -> MeshTopology:
         """The mesh ``mesh_shape`` laid out on the cluster (made once per shape)."""
@@ -286,7 +300,7 @@ class CostModel:
         step = est.step_time_s + comm
         return dataclasses.replace(
             est, strategy=cfg.to_string(), parallel=cfg.as_dict(), step_time_s=step,
-            comm_time_s=est.comm_time_s + comm, memory=memory, peak_memory_bytes=peak,
+            comm_time_s=est.comm_time_s + comm, cp_comm_time_s=comm, memory=memory, peak_memory_bytes=peak,
             fits=est.fits and peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
             tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
 
@@ -690,7 +704,7 @@ class CostModel:
 
         fwd = [stage_sum(per.fwd, v) for v in range(V)]
         bwd = [stage_sum(per.time, v) - fwd[v] for v in range(V)]
-        p2p = [topo.collective_time("send_recv", per.cut[bounds[v + 1]], 0) for v in range(V - 1)]
+        p2p = [self._send_recv((pp, dp, tp), per.cut[bounds[v + 1]]) for v in range(V - 1)]
         if simulate_schedule:
             tl = self._simulate(cfg, fwd, bwd, p2p)
         else:

@@ -358,7 +358,9 @@ class Plan:
             ("step time", f"{units.seconds(pred['step_time_s'])}  (compute "
                           f"{units.seconds(pred.get('compute_time_s', 0))}, tp comm "
                           f"{units.seconds(pred.get('tp_comm_time_s', 0))}, dp comm "
-                          f"{units.seconds(pred.get('dp_comm_time_s', 0))})"),
+                          f"{units.seconds(pred.get('dp_comm_time_s', 0))}"
+                          + (f", cp comm {units.seconds(pred['cp_comm_time_s'])}" if pred.get("cp_comm_time_s")
+                             else "") + ")"),
             ("throughput", f"{units.flops_rate(pred['tflops_per_device'] * 1e12)} per device"),
             ("peak memory", f"{units.nbytes(pred['peak_memory_bytes'])} of "
                             f"{units.nbytes(pred.get('device_memory_bytes', 0))} "
