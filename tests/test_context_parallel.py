@@ -62,7 +62,8 @@ def test_cost_divides_activations_and_charges_gathers():
     assert cp.memory["activations"] < base.memory["activations"] / 2.9
     assert cp.compute_time_s < base.compute_time_s / 3.4          # balanced attention work
     assert cp.memory["cp_kv_gathered"] > 0
-    assert cp.comm_time_s > base.comm_time_s
+    assert cp.comm_time_s > base.comm_time_s and cp.cp_comm_time_s > 0
+    assert "cp_comm_time_s" not in base.to_dict()       # estimates and plans without cp are unchanged
     assert cp.parallel["cp"] == 4 and cp.strategy.startswith("dp=1,tp=1,pp=1,cp=4")
     with pytest.raises(StrategyError, match="2 x cp"):
         autopar.evaluate(GPT, cluster="dgx-h100", devices=3, global_batch=3, strategy="dp=1,cp=3")
