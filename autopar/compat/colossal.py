@@ -88,7 +88,12 @@ def _literal(node: ast.AST, names: Mapping[str, Any]) -> Any:
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         left, right = _literal(node.left, names), _literal(node.right, names)
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (left, right)):
-            return _BINOPS[type(node.op)](left, right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 2 ** 32):
+                raise ValueError(f"`{ast.unparse(node)}` (a power too large to be a size)")   # 10**10**9 would hang
+            try:
+                return _BINOPS[type(node.op)](left, right)
+            except (ZeroDivisionError, OverflowError) as e:
+                raise ValueError(f"`{ast.unparse(node)}` ({e})") from None
     raise ValueError(f"`{ast.unparse(node)}`")
 
 
