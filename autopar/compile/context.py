@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .. import ops
 from ..errors import UnsupportedError
 from ..graph import Graph, Node
 from ..runtime import kernels as K
@@ -154,7 +155,8 @@ def _attention(gm: fx.GraphModule, graph: Graph, nodes: dict[str, fx.Node], att:
     path = att.node
     while path != att.scores:
         nd = graph[path]
-        if nd.kind == "view":
+        info = ops.op_info(nd.target) if nd.kind == "view" else None
+        if nd.kind == "view" and (info is None or info.shape_arg is not None):     # a cast is fine, a reshape not
             raise UnsupportedError(f"cp: {nd.name} ({nd.target}) reshapes attention scores before the softmax "
                                    f"{att.node}; context parallelism cannot localise it")
         ins = [i for i in nd.inputs if not graph[i].is_state and graph[i].out is not None]
