@@ -42,7 +42,7 @@ from . import ops
 from .errors import TraceError
 from .graph import DTYPE_BYTES, NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
 from .inplace import out_of_place, traced_inplace_operators
-from .shallow_export import export_shallow
+from .shallow_export import export_shallow, trace_shallow
 
 # --------------------------------------------------------------------------
 # Op kinds come from the op registry (autopar/ops): a new op is one record there.
@@ -431,18 +431,23 @@ def _unaliased(args: tuple) -> tuple:
 
 def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     prefix = "model." if isinstance(root, _WithLoss) else ""
-    tracer = _Tracer()
-    try:
-        with traced_inplace_operators():
-            graph = tracer.trace(root)
-    except Exception as e:  # noqa: BLE001 - any tracing failure is reported with its module
-        where = tracer.failed_in or f"<root> ({type(root).__name__})"
-        raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
+    graph = None
+    with traced_inplace_operators():
+        if _is_meta_model(root):    # only planned: its repeated layers past the first few are copies
+            cache: dict[int, str] = {}
+            graph = trace_shallow(root, lambda m: _Tracer().trace(m), lambda m: _module_signature(m, cache))
+        if graph is None:
+            tracer = _Tracer()
+            try:
+                graph = tracer.trace(root)
+            except Exception as e:  # noqa: BLE001 - any tracing failure is reported with its module
+                where = tracer.failed_in or f"<root> ({type(root).__name__})"
+                raise TraceError(f"torch.fx cannot trace module {where}: {type(e).__name__}: {e}") from None
     # Python code generation for a 5000-node graph takes about 0.3 s each time the
     # graph changes; the planner never runs this module's code (shapes come from an
     # interpreter, the compiler builds its own graph), so it is generated lazily, on
     # first call, where this torch has lazy graph modules
-    gm = _graph_module(tracer.root, graph, type(root).__name__)
+    gm = _graph_module(root, graph, type(root).__name__)
     _functionalize_modules(gm)
     aliases = _merge_tied(gm)
     _propagate_shapes(gm, args)

@@ -456,3 +456,37 @@ def test_loss_fn_labels_is_the_models_own_loss():
         autopar.trace(OwnLoss(), (x,), loss_fn="mean", target=y)
     with pytest.raises(autopar.TraceError, match="argument 'labels'"):    # a model without labels=
         autopar.trace(nn.Linear(8, 4), (x,), loss_fn="labels", target=y)
+
+
+def _fx_rows(g: Graph) -> list[tuple]:
+    """What a traced fx graph is made of: names, ops, targets, arguments, module stacks and shapes."""
+    def meta(t):
+        return None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride)) if hasattr(t, "shape") else repr(t)
+    import torch.fx as fx
+    return [(n.name, n.op, n.target, fx.map_arg((n.args, n.kwargs), lambda a: f"%{a.name}"), sorted(n.meta),
+             [(k, v) for k, v in (n.meta.get("nn_module_stack") or {}).items()], meta(n.meta.get("tensor_meta")))
+            for n in g.gm.graph.nodes]
+
+
+@pytest.mark.parametrize("spec", ["gpt:layers=8,hidden=64,heads=4,seq=16,vocab=128",
+                                  "gpt:layers=7,hidden=64,heads=4,seq=16,vocab=128,tie=1",
+                                  "llama:layers=7,hidden=64,heads=4,kv_heads=2,ffn=176,seq=16,vocab=128"])
+def test_shallow_fx_trace_gives_the_whole_graph(monkeypatch, spec):
+    """A deep model on the meta device is traced with 3 layers, the others
+    written in as copies: the graph a whole trace gives, node for node (names,
+    targets, arguments, module stacks, shapes, the planner's view of it)."""
+    import autopar.shallow_export as se
+    made = []
+    extend = se._extend
+    monkeypatch.setattr(se, "_extend", lambda *a: made.append(extend(*a)) or made[-1])
+    graphs = []
+    for min_layers in (10 ** 9, se.MIN_LAYERS):
+        monkeypatch.setattr(se, "MIN_LAYERS", min_layers)
+        graphs.append(autopar.trace(spec))
+    whole, shallow = graphs
+    assert len(made) == 1 and made[0] is not None      # the second trace was the shallow one
+    assert _fx_rows(shallow) == _fx_rows(whole)
+    assert shallow.gm.code == whole.gm.code
+    assert shallow.fingerprint == whole.fingerprint
+    assert [(n.name, n.kind, n.out, n.inputs, n.group, n.param, n.flops) for n in shallow.nodes] == \
+        [(n.name, n.kind, n.out, n.inputs, n.group, n.param, n.flops) for n in whole.nodes]
