@@ -9,7 +9,8 @@ explicit softmax attention masked by a buffer sliced ``bias[:, :, :T, :T]``),
 the first two under cp=2 (x dp=2), cp=4 and cp=2 x tp=2 (Llama also
 cp=2 x pp=2; GPT's cp=2 with ZeRO-1 over dp x cp and full recompute), nanoGPT under
 cp=2 x tp=2 (torch.export takes seconds a trace), fp32, every step's loss
-and the final weights within rel 1e-4 of one process, and eval_step's loss after them.
+and the final weights within rel 1e-4 of one process, and eval_step's loss after them;
+and a checkpoint saved under dp=2 x cp=2 with ZeRO-1 resumes under cp=4.
 """
 import sys
 import warnings
@@ -157,9 +158,23 @@ def _run(name, strategy):
     return losses, pm.full_state_dict()
 
 
-def _worker(rank, world):
+def _checkpoint(path):
+    """A checkpoint saved under dp=2,cp=2,zero=1 resumes under cp=4: the next step's loss, both ways."""
+    model, x, y, loss_fn = _case("gpt")
+    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
+                             strategy="dp=2,cp=2,zero=1")
+    pm.train_step((x,), y)
+    pm.save_checkpoint(path)
+    going_on = pm.train_step((x,), y)
+    model, x, y, loss_fn = _case("gpt")
+    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt, strategy="cp=4")
+    pm.load_checkpoint(path)
+    return going_on, pm.train_step((x,), y)
+
+
+def _worker(rank, world, path):
     warnings.simplefilter("ignore")
-    out = {}
+    out = {"checkpoint": _checkpoint(path)}
     for name, strategies in CASES.items():
         want_losses, want_w = _reference(name)
         for strategy in strategies:
@@ -171,8 +186,14 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 4, timeout=600)
+def results(tmp_path_factory):
+    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("cp") / "ckpt"), timeout=600)
+
+
+def test_checkpoint_resumes_under_another_cp(results):
+    for r in results:
+        going_on, resumed = r["checkpoint"]
+        assert resumed == pytest.approx(going_on, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "nanogpt"])
