@@ -23,6 +23,7 @@ from autopar.cost import tp_valid_sizes
 from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
 from autopar.spec import KEYS, RECOMPUTE, divisors
+from autopar.strategies.context import cp_choices
 
 from .common import timed_run
 from .pipeline_plan import manual_grid
@@ -44,10 +45,13 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
     every schedule, ZeRO 0 and 1). Returns (strings, number of tp sizes
     rejected as invalid)."""
     # precision is the user's choice, offload the search's last resort, overlap and bucket
-    # size fixed at their defaults, accumulate an alias: none of them is a grid dimension
-    assert set(KEYS) == {"dp", "tp", "pp", "microbatches", "schedule", "chunks", "recompute", "zero",
+    # size fixed at their defaults, accumulate an alias: none of them is a grid dimension; cp
+    # (context parallelism) is searched only for attention over 16384 positions or more, which
+    # none of this benchmark's models has (checked below), so it is not one either
+    assert set(KEYS) == {"dp", "tp", "pp", "cp", "microbatches", "schedule", "chunks", "recompute", "zero",
                          "sequence_parallel", "accumulate", "offload", "precision", "reduce_dtype", "overlap",
                          "bucket_mb"}, f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
+    assert cp_choices(graph, devices) == [1], f"{graph.name} attends over a long sequence: add cp to this grid"
     valid_tp = set(tp_valid_sizes(graph))
     out, rejected = [], 0
     for tp in divisors(devices):
