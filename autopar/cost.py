@@ -381,13 +381,36 @@ class CostModel:
         ``cfg.bucket_mb``: with ``overlap``, bucket k of n is ready k/n into
         the backward of ``backward_s`` and the buckets are reduced one after
         another, so what shows is max(one bucket, n buckets - the backward
-        before the last one, times the device's ``comm_overlap``); without,
-        all n buckets after the backward."""
+        before the last one, times the device's ``comm_overlap``), plus the
+        backward's slowdown while the hidden part runs beside it
+        (:meth:`_beside`); without, all n buckets after the backward."""
         n = max(1, math.ceil(nbytes / (cfg.bucket_mb * (1 << 20))))
         c = coll(kind, nbytes / n)
         if not cfg.overlap:
             return n * c
-        return max(c, n * c - backward_s * (1 - 1 / n) * self.cluster.device.comm_overlap)
+        shown = max(c, n * c - backward_s * (1 - 1 / n) * self.cluster.device.comm_overlap)
+        return shown + self._beside(n * c - shown)
+
+    def _beside(self, resident_s: float) -> float:
+        """Compute time lost to collectives resident ``resident_s`` seconds
+        beside it (summed over concurrent ones): NCCL's thread blocks hold the
+        device's ``comm_compute_share`` of its SMs while they run, so hidden
+        communication is not free."""
+        return self.cluster.device.comm_compute_share * resident_s
+
+    def _fsdp_unit(self, g: float, r: float, f: float, b: float) -> float:
+        """ZeRO-3 (FSDP2) time of one unit after the first, with overlap:
+        its forward ``f`` beside the prefetch of the next unit's gather ``g``,
+        its backward ``b`` beside the next gather and its own gradients'
+        reduce-scatter ``r``. The gather and the reduce-scatter run on two
+        streams at once and share the data-parallel link, so together they
+        take ``g + r``, and both hold their SMs while they share it: the
+        shorter one is resident twice its own time, the other ``g + r``.
+        Each pass takes its compute slowed by what runs beside it
+        (:meth:`_beside`), or the communication when that is longer."""
+        fwd = max(f + self._beside(g), g)
+        bwd = max(b + self._beside(g + r + 2 * min(g, r)), g + r)
+        return fwd + bwd
 
     def _dp_tail(self, cfg: ParallelConfig, local: float, n_tensors: float, topo: MeshTopology, axis: int,
                  fwd_s: float, bwd_s: float, units_: int) -> tuple[float, float, dict[str, float]]:
@@ -419,7 +442,8 @@ class CostModel:
                 if cfg.overlap:     # the next unit's gather is prefetched behind this one's compute
                     hide = self.cluster.device.comm_overlap
                     f, b = hide * fwd_s / n, hide * bwd_s / n
-                    per = g + (n - 1) * max(0.0, g - f) + g + r + (n - 1) * max(0.0, g + r - b)
+                    # the first gather of each pass waits; the last reduce-scatter runs after it
+                    per = 2 * g + r + (n - 1) * (self._fsdp_unit(g, r, f, b) - f - b)
                 else:
                     per = n * (2 * g + r)
                 comm += m * per
@@ -589,11 +613,11 @@ class CostModel:
         skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute == "selective", id(sh))
         if skey not in self.cache.sums:
             self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
-        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd = self.cache.sums[skey]
+        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm = self.cache.sums[skey]
 
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         compute = m * (passes * fwd + refwd)    # selective: the cheap ops of the layers run again
-        tp_comm_total = m * tp_comm
+        tp_comm_total = m * (tp_comm + (_comm_passes(cfg) - 1) * layer_comm)
 
         # model states, data-parallel communication, optimizer
         local_params, n_tensors = self._local_params(sh, tp)
@@ -858,8 +882,8 @@ class CostModel:
                 summed[ids] = _unit_sums(parts[k])
             fwd, comm, saved, transient, refwd, kept, extra = summed[ids]
             out.fwd[k] = fwd + comm / 2
-            out.time[k] = passes * fwd + refwd + comm
-            out.comm[k] = comm
+            out.comm[k] = comm * (_comm_passes(cfg) if 0 < k < n - 1 else 1.0)
+            out.time[k] = passes * fwd + refwd + out.comm[k]
             inst = u.labels[k] if 0 < k < n - 1 else None
             if cfg.recompute == "full" and inst is not None:
                 out.act[k] = layer_in.get(inst, 0.0) + kept   # outside the recomputed layer: kept
@@ -1119,6 +1143,7 @@ class CostModel:
         unit_of = self._outside_unit()
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
+        charged: dict[int, set] = {}     # per accumulator: the transitions its readers share
         for nd in self._nodes_to_cost(sh.copied_from):
             st = sh.strategy.get(nd.name)
             if st is None:
@@ -1129,7 +1154,8 @@ class CostModel:
             # the op's time on the tensor-parallel axis, as the searches charge it (an input
             # without a placement, shape arithmetic, arrives as read)
             at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
-                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
+                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp,
+                              charged=charged.setdefault(id(acc), set()))
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             acc.fwd += t
             if inst is not None and cfg.recompute == "selective" and not self._kept_selective(nd):
@@ -1173,8 +1199,8 @@ class CostModel:
     def _microbatch_sums(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                          local_batch: float) -> tuple:
         """Forward time, tensor-parallel comm, largest transient and saved
-        activations (outside the layers; per layer instance) of one
-        microbatch."""
+        activations (outside the layers; per layer instance), and the
+        tensor-parallel comm of the layers alone, of one microbatch."""
         outside, per_inst = self._node_sums(cfg, sh, shapes, topo, local_batch)
         source = self._sources(sh)
         fwd = sum(s_.fwd for s_ in outside.values())
@@ -1182,7 +1208,7 @@ class CostModel:
         transient = max((s_.transient for s_ in outside.values()), default=0.0)
         inst_saved: dict[str, float] = {}
         inst_full: dict[str, float] = {}
-        refwd = 0.0
+        refwd = layer_comm = 0.0
         for inst in self._instances():
             s_ = per_inst.get(source[inst])
             if s_ is None:
@@ -1190,11 +1216,12 @@ class CostModel:
             fwd += s_.fwd
             refwd += s_.refwd
             tp_comm += s_.comm
+            layer_comm += s_.comm
             transient = max(transient, s_.transient)
             inst_saved[inst] = sum(s_.saved.values())
             inst_full[inst] = sum(s_.full.values())
         saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
-        return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd
+        return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm
 
     def _kept_selective(self, nd: Node) -> bool:
         """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
@@ -1261,6 +1288,15 @@ class CostModel:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
         return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+def _comm_passes(cfg: ParallelConfig) -> float:
+    """Tensor-parallel communication per microbatch, in units of forward +
+    backward: full recompute runs each layer's forward again in backward,
+    collectives included (``torch.utils.checkpoint`` replays the region as
+    traced), and a forward's transitions are half of the pair (an
+    all-gather's backward is a reduce-scatter, Megatron's f and g swap)."""
+    return 1.5 if cfg.recompute == "full" else 1.0
 
 
 def _source(copied: dict[str, str], inst: str) -> str:

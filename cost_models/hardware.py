@@ -33,6 +33,14 @@ class DeviceSpec:
     ZeRO-3 gathers) can hide behind: 1 where collectives run on their own
     engines (GPUs with NCCL), less where they compete with compute for the
     same cores.
+
+    ``comm_compute_share`` is the fraction of the device's compute a running
+    collective takes from the kernels beside it: NCCL moves data with thread
+    blocks that occupy streaming multiprocessors (one per channel), so a GEMM
+    overlapped with a collective runs on the SMs left. Hiding communication
+    is therefore not free: every second a collective runs beside compute
+    stretches that compute by this fraction of a second (0 where
+    communication has engines of its own, or does not overlap at all).
     """
 
     name: str
@@ -45,13 +53,15 @@ class DeviceSpec:
     dispatch_overhead_s: float = 0.0
     optimizer_overhead_s: dict[str, float] = field(default_factory=dict)
     comm_overlap: float = 1.0
+    comm_compute_share: float = 0.0
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
         return hash((self.name, self.memory_bytes, tuple(sorted(self.peak_flops.items())),
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
                      self.kernel_overhead_s, self.dispatch_overhead_s,
-                     tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap))
+                     tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap,
+                     self.comm_compute_share))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -164,6 +174,7 @@ class ClusterSpec:
                 "dispatch_overhead_s": self.device.dispatch_overhead_s,
                 "optimizer_overhead_s": dict(self.device.optimizer_overhead_s),
                 "comm_overlap": self.device.comm_overlap,
+                "comm_compute_share": self.device.comm_compute_share,
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -198,6 +209,7 @@ class ClusterSpec:
             dispatch_overhead_s=float(dev.get("dispatch_overhead_s", 0.0)),
             optimizer_overhead_s={k: float(v) for k, v in sorted(dev.get("optimizer_overhead_s", {}).items())},
             comm_overlap=float(dev.get("comm_overlap", 1.0)),
+            comm_compute_share=float(dev.get("comm_compute_share", 0.0)),
         )
         return cls(
             name=d["name"],

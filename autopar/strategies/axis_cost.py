@@ -71,11 +71,17 @@ def op_local_time(nd: Node, st: Strategy, n: int, compute: Compute, comm: Comm) 
 
 
 def inputs_time(nd: Node, st: Strategy, have: Sequence[str | None], nbytes: Callable[[str], float],
-                grad: Mapping[str, bool], comm: Comm) -> float:
+                grad: Mapping[str, bool], comm: Comm, charged: set | None = None) -> float:
     """Seconds of moving every input of ``nd`` from ``have`` to what ``st``
     reads (``st.ins``), forward + backward. ``have[i]`` None: the input is not
     placed yet (a parameter before its first consumer) and takes the
-    placement read, which must not be a partial sum (INF then)."""
+    placement read, which must not be a partial sum (INF then).
+
+    ``charged``, when given, holds the transitions already paid for by
+    earlier readers (value, placement read, whether the backward reduces):
+    the compiler inserts each once and every reader alike shares it (a
+    LayerNorm output read by the q, k and v projections is reduced once in
+    backward), so they are skipped, and the new ones added."""
     t = 0.0
     split = st.split
     for h, w, name in zip(have, st.ins, nd.inputs):
@@ -85,19 +91,25 @@ def inputs_time(nd: Node, st: Strategy, have: Sequence[str | None], nbytes: Call
             h = w
         if h == w and not (split and w == R):
             continue    # nothing moves (and no Megatron f): skip the size
+        if charged is not None:
+            key = (name, w, split and w == R and grad.get(name, False))
+            if key in charged:
+                continue
+            charged.add(key)
         t += transition_time(h, w, nbytes(name), grad.get(name, False), split, comm)
     return t
 
 
 def op_axis_time(nd: Node, st: Strategy, have: Sequence[str | None], n: int, *,
                  nbytes: Callable[[str], float], grad: Mapping[str, bool], compute: Compute,
-                 comm: Comm) -> AxisTime:
+                 comm: Comm, charged: set | None = None) -> AxisTime:
     """The time of ``nd`` run as ``st`` on an axis of size ``n`` when its
     inputs arrive as ``have`` (aligned with ``nd.inputs``; None: not placed
     yet, see :func:`inputs_time`). ``nbytes(name)`` is a value's full size on
     this axis, ``grad[name]`` whether it carries a gradient, ``compute(node,
     fraction)`` the forward seconds of doing ``fraction`` of the node's work
-    and ``comm(kind, nbytes)`` a collective's seconds. Returns an
-    :class:`AxisTime` (``inputs`` is INF for an infeasible transition)."""
+    and ``comm(kind, nbytes)`` a collective's seconds; ``charged``: see
+    :func:`inputs_time`. Returns an :class:`AxisTime` (``inputs`` is INF
+    for an infeasible transition)."""
     return AxisTime(compute(nd, work_fraction(st, n)), inside_time(st, comm),
-                    inputs_time(nd, st, have, nbytes, grad, comm))
+                    inputs_time(nd, st, have, nbytes, grad, comm, charged))
