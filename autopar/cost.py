@@ -9,13 +9,21 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
   the layers again.
 * tensor-parallel communication: per node, :func:`autopar.strategies.axis_cost.op_axis_time`
   (the transitions of its inputs from :mod:`autopar.strategies.redistribute`
-  and the collectives inside the op), times ``m``: the same charge the ILP
-  and the greedy search weigh.
+  and the collectives inside the op), times ``m``: the charge the ILP and the
+  greedy search weigh, except that a transition several readers share (the
+  q, k and v projections reading one LayerNorm output) is paid once, as the
+  compiler inserts it once; with ``recompute=full`` the layers' forward
+  collectives once more (the checkpoint replays them).
 * data-parallel communication (``_dp_tail``): ZeRO-0 an all-reduce of the
   gradients, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 per-layer gathers
   and reduce-scatters; reduced in buckets that overlap the backward by the
   device's ``comm_overlap`` (1 on GPUs, 0 on the CPU processes here); a
-  pipeline reduces after the flush, with nothing to hide behind.
+  pipeline reduces after the flush, with nothing to hide behind. Hidden
+  communication is not free: a collective's thread blocks hold the device's
+  ``comm_compute_share`` of its SMs while it runs, so compute beside it is
+  slowed by that share of the collective's time (``_beside``). Under ZeRO-3
+  the backward's gather and reduce-scatter run at once on two streams,
+  share the link and both hold SMs (``_fsdp_unit``).
 * optimizer: a memory-bound pass over the local optimizer state (or the
   host link and host memory with ``offload=optimizer``).
 * pipelines: the simulated schedule of the per-stage times

@@ -1,0 +1,56 @@
+"""The cost model against published numbers (``benchmarks/fidelity_published.py``,
+issue 17), on the rows that are cheap to price: activation memory of GPT 22B at
+tensor parallel 8 against Korthikanti et al. 2022, and GPT-3 175B on 384 A100
+under PTD-P and ZeRO-3 against Narayanan et al. 2021 (Table 2 / Figure 10)."""
+import warnings
+
+import pytest
+
+from benchmarks.fidelity_published import PTDP, SIZES, T, ZERO3, activation_records, ptdp_records, ranking, \
+    zero3_records
+
+
+@pytest.fixture(scope="module")
+def activations():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {r.what.split(", ", 1)[1]: r for r in activation_records(SIZES[:1])}
+
+
+@pytest.fixture(scope="module")
+def gpt175():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ptdp_records(PTDP[:1], "Table 2") + zero3_records(ZERO3[:1])
+
+
+@pytest.mark.parametrize("setting", ["tensor parallel", "full recompute + sequence parallel"])
+def test_activation_memory_within_ten_percent_of_korthikanti(activations, setting):
+    assert activations[setting].within, activations[setting]
+
+
+def test_activation_memory_where_the_runtime_keeps_more_than_megatron(activations):
+    """The rows off the formula are off by what autopar's runtime keeps and
+    Megatron does not (the notes of the benchmark): pinned, so that a change of
+    the model or a fix of the runtime shows here."""
+    sp = activations["tensor + sequence parallel"]
+    # the all-gathered inputs of the q/k/v and fc projections, whole: 2 x 2 sbh
+    assert sp.ratio == pytest.approx((4 + 30 / T) / (34 / T), rel=0.02)
+    # the checkpoint keeps the residual stream as placed between layers: split over the hidden dim
+    assert activations["full recompute"].ratio == pytest.approx(1 / T, rel=0.02)
+    sel = activations["selective recompute + sequence parallel"]
+    assert 1.0 < sel.ratio < sp.ratio
+
+
+@pytest.mark.parametrize("group", ["PTD-P", "ZeRO-3"])
+def test_gpt175_on_384_gpus_within_ten_percent(gpt175, group):
+    row = next(r for r in gpt175 if r.group == group)
+    assert row.within, row
+
+
+@pytest.mark.xfail(strict=True, reason="the model puts ZeRO-3 2% ahead of PTD-P at 175B on 384 GPUs; "
+                                       "the paper measured it 6% behind (both rows within 10%)")
+def test_ptdp_beats_zero3_at_175b_on_384_gpus_as_published(gpt175):
+    rank = ranking(gpt175)
+    assert rank["published"] == "PTD-P"
+    assert rank["predicted"] == rank["published"]
