@@ -123,8 +123,9 @@ NOTES = [
     "(three) the PTD-P rows looked 25% slow (90-107 against 135-163 in `megatron_table1` before).",
     "ZeRO-3 is 3-14% fast. The comm-bound rows (768 and more GPUs) fix the product of volume and bandwidth: two "
     "gathers and one fp32 reduce-scatter per unit at the 25 GB/s NIC of each GPU fit them within 4-14%; a ring "
-    "using all 8 NICs of a node would make them several times faster than measured. DeepSpeed's reentrant checkpoint "
-    "gathers each unit a third time in the recompute; FSDP2 (autopar's runtime) does not, so it is not charged.",
+    "using all 8 NICs of a node would make them several times faster than measured. A checkpoint that wraps a unit's "
+    "gather hooks (the issue suspects DeepSpeed's) gathers a third time in the recompute, which would explain "
+    "the rest; FSDP2 as autopar nests it does not, so it is not charged.",
     "At 175B on 384 GPUs the model puts ZeRO-3 2% ahead of PTD-P where the paper measured it 6% behind: both "
     "rows are within 10%, the ranking is inside the error.",
     "Activation memory matches Korthikanti's accounting where the runtime keeps what Megatron keeps (tensor "
