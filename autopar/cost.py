@@ -1331,7 +1331,7 @@ class UnitCosts:
     def __init__(self, n: int) -> None:
         self.fwd = [0.0] * n       # forward time (with half the tp comm)
         self.time = [0.0] * n      # forward + backward (+ recompute) time with all tp comm
-        self.comm = [0.0] * n      # tensor-parallel comm, forward + backward
+        self.comm = [0.0] * n      # tensor-parallel comm, forward + backward (+ the recomputed forward)
         self.act = [0.0] * n       # bytes kept per microbatch in flight
         self.fixed = [0.0] * n     # bytes needed once (transients, the recomputed layer)
         self.params = [0.0] * n    # local trainable elements
