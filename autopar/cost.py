@@ -1151,7 +1151,6 @@ class CostModel:
         unit_of = self._outside_unit()
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
-        charged: dict[int, set] = {}     # per accumulator: the transitions its readers share
         for nd in self._nodes_to_cost(sh.copied_from):
             st = sh.strategy.get(nd.name)
             if st is None:
@@ -1159,11 +1158,13 @@ class CostModel:
             inst = nd.group
             acc = outside.setdefault(unit_of.get(nd.name, 0), _Sums()) if inst is None \
                 else per_inst.setdefault(inst, _Sums())
-            # the op's time on the tensor-parallel axis, as the searches charge it (an input
-            # without a placement, shape arithmetic, arrives as read)
+            # the op's time on the tensor-parallel axis, exactly as the searches charge it (an input
+            # without a placement, shape arithmetic, arrives as read). A transition several readers
+            # share (q, k and v reading one LayerNorm output) is charged per reader here, as in the
+            # ILP and the greedy search, though the compiler inserts it once: the three must agree
+            # (tests/test_redistribute.py) until the ILP can price a shared transition once
             at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
-                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp,
-                              charged=charged.setdefault(id(acc), set()))
+                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             acc.fwd += t
             if inst is not None and cfg.recompute == "selective" and not self._kept_selective(nd):

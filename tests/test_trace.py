@@ -251,7 +251,7 @@ def test_string_graph_and_module_predict_the_same():
     assert by_string.tflops_per_device > 50          # not ~1 TFLOP/s per A100
     assert autopar.plan(traced, cluster="dgx-a100-80g", devices=32, global_batch=512,
                         strategy="dp=32,recompute=full").data["predicted"]["step_time_s"] == \
-        pytest.approx(by_string.step_time_s, rel=1e-6)
+        pytest.approx(by_string.step_time_s, rel=1e-5)     # the plan keeps 6 significant digits
 
 
 def test_batch_1_graph_refuses_to_scale():
