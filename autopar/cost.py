@@ -9,11 +9,12 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
   the layers again.
 * tensor-parallel communication: per node, :func:`autopar.strategies.axis_cost.op_axis_time`
   (the transitions of its inputs from :mod:`autopar.strategies.redistribute`
-  and the collectives inside the op), times ``m``: the charge the ILP and the
-  greedy search weigh, except that a transition several readers share (the
-  q, k and v projections reading one LayerNorm output) is paid once, as the
-  compiler inserts it once; with ``recompute=full`` the layers' forward
-  collectives once more (the checkpoint replays them).
+  and the collectives inside the op), times ``m``: exactly the charge the ILP
+  and the greedy search weigh, so a transition several readers share (the q,
+  k and v projections reading one LayerNorm output) is paid per reader though
+  the compiler inserts it once (an over-charge the three share); with
+  ``recompute=full`` the layers' forward collectives once more (the
+  checkpoint replays them).
 * data-parallel communication (``_dp_tail``): ZeRO-0 an all-reduce of the
   gradients, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 per-layer gathers
   and reduce-scatters; reduced in buckets that overlap the backward by the
