@@ -507,8 +507,8 @@ def render(rows: list[tuple[Case, str, str]]) -> str:
 
 
 def _scrub(msg: str, fx: dict) -> str:
-    """Messages without this run's temporary directory (rich may have wrapped its path)."""
-    return " ".join(msg.split()).replace(str(fx["dir"]), "<tmp>")
+    """Messages without this run's temporary and working directories (rich may have wrapped a path)."""
+    return " ".join(msg.split()).replace(str(fx["dir"]), "<tmp>").replace(str(Path.cwd()), "<cwd>")
 
 
 def run_all(fx: dict) -> tuple[list[tuple[Case, str, str]], list[str]]:
