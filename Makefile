@@ -30,9 +30,10 @@ $(BROWSER_STAMP): $(STAMP)
 		echo "no chromium: the report's browser test will be skipped"
 	@touch $(BROWSER_STAMP)
 
-# two pytest-xdist workers (the machines have 2 cores), whole files each, longest first (tests/conftest.py)
+# two pytest-xdist workers (the machines have 2 cores): the distributed modules one after another on
+# one, the single-process modules on the other (tests/conftest.py)
 test: $(STAMP) $(BROWSER_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

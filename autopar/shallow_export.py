@@ -58,6 +58,20 @@ def export_shallow(root: nn.Module, export: Callable[[nn.Module], fx.GraphModule
     """``export(root)`` with the longest repeated layer list cut to
     :data:`KEEP` layers, the rest written in as copies; None when the model
     has no such list or its graph is not a plain chain of layers."""
+    cut = _with_first_layers(root, signature, export)
+    if cut is None:
+        return None
+    gm, path, layers = cut
+    return _replicate(gm, path, layers, root)
+
+
+def _with_first_layers(root: nn.Module, signature: Callable[[nn.Module], str], run: Callable[[nn.Module], Any]
+                       ) -> tuple[Any, str, int] | None:
+    """``run(root)`` with its longest repeated layer list cut to :data:`KEEP`
+    layers (put back afterwards): ``(result, the list's path, its full
+    length)``, or None when there is no such list or ``run`` fails on the
+    cut model (e.g. a forward indexing ``range(config.layers)``: the caller
+    then runs it whole)."""
     found = repeated_list(root, signature)
     if found is None:
         return None
@@ -66,12 +80,11 @@ def export_shallow(root: nn.Module, export: Callable[[nn.Module], fx.GraphModule
     attr = path.rsplit(".", 1)[-1]
     parent._modules[attr] = nn.ModuleList(list(full)[:KEEP])
     try:
-        gm = export(root)
-    except Exception:  # noqa: BLE001 - the forward needs all its layers (range(config.layers)): export it whole
+        return run(root), path, len(full)
+    except Exception:  # noqa: BLE001 - the forward needs all its layers: the caller runs it whole
         return None
     finally:
         parent._modules[attr] = full
-    return _replicate(gm, path, len(full), root)
 
 
 def _layer_of(n: fx.Node, prefix: str) -> int | None:
@@ -243,20 +256,11 @@ def trace_shallow(root: nn.Module, trace: Callable[[nn.Module], fx.Graph],
     (every node made again from its target, so fx names it exactly as in a
     whole trace), with the layer's path in targets and module stacks
     changed. A 96-layer GPT-3 is traced in the time of three layers."""
-    found = repeated_list(root, signature)
-    if found is None:
+    cut = _with_first_layers(root, signature, trace)
+    if cut is None:
         return None
-    path, full = found
-    parent = root.get_submodule(path.rsplit(".", 1)[0]) if "." in path else root
-    attr = path.rsplit(".", 1)[-1]
-    parent._modules[attr] = nn.ModuleList(list(full)[:KEEP])
-    try:
-        graph = trace(root)
-    except Exception:  # noqa: BLE001 - e.g. a forward indexing range(config.layers): trace it whole
-        return None
-    finally:
-        parent._modules[attr] = full
-    return _extend(graph, path, len(full))
+    graph, path, layers = cut
+    return _extend(graph, path, layers)
 
 
 def _roles(layer_nodes: list[fx.Node], before: list[fx.Node], path: str) -> list[tuple]:

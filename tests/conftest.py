@@ -6,15 +6,24 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-#: test modules by running time, longest first (one spawn of 4-8 processes each). `make test` runs the
-#: suite on 2 pytest-xdist workers that take whole files in collection order: the long files start
-#: first so that no long file runs alone at the end while the other worker idles
-LONGEST_FIRST = ["test_real_models", "test_pipeline_runtime", "test_memory_options", "test_runtime_scenarios",
-                 "test_checkpoint", "test_benchmarks_runtime", "test_context_parallel", "test_parallel",
-                 "test_parallel_auto", "test_optim", "test_regions", "test_faults", "test_collectives", "test_ilp",
-                 "test_calibrate"]
+#: the modules that spawn gloo process groups (4-8 processes each), longest first. `make test` runs 2
+#: pytest-xdist workers with --dist loadgroup: these all go to one worker, one spawn after another (two
+#: spawns at once put 8+ busy processes on the 2 cores and each ran slower than both in turn), while the
+#: other worker runs the single-process modules, each module whole
+DISTRIBUTED = ["test_real_models", "test_pipeline_runtime", "test_memory_options", "test_runtime_scenarios",
+               "test_checkpoint", "test_benchmarks_runtime", "test_context_parallel", "test_parallel",
+               "test_parallel_auto", "test_optim", "test_regions", "test_faults", "test_collectives",
+               "test_calibrate", "test_redistribute"]
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+    import pytest
+    rank = {name: i for i, name in enumerate(DISTRIBUTED)}
+
+    def module(item) -> str:
+        return item.module.__name__.rsplit(".", 1)[-1]
+
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))
+    for item in items:
+        m = module(item)
+        item.add_marker(pytest.mark.xdist_group("distributed" if m in rank else m))

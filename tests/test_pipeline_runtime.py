@@ -31,7 +31,7 @@ RUNS4 = [
 ]
 # 8 processes on 2 cores is the suite's costliest spawn: GPT only (Llama's pp x dp x tp is in `make matrix`'s
 # 8-process run and pp x tp above)
-RUNS8 = [(GPT, f"pp=2,dp=2,tp=2,{PIPE}", "adamw")]
+RUNS8 = [(GPT, f"pp=2,dp=2,tp=2,{PIPE}", "sgd")]
 REFUSED = {   # label -> (model, strategy)
     "too_many_stages": (GPT, "pp=4,microbatches=4"),
 }
