@@ -50,6 +50,7 @@ def test_a_stalled_rank_does_not_hold_the_others(strategy, world):
     for rank, (what, took, msg) in enumerate(results[:-1]):
         assert what == "DistributedError", (rank, what, msg)
         assert f"rank {rank} of {world}, step 2" in msg
+        assert f"rank {world - 1} never reached step 2" in msg, msg     # the survivors name the culprit
         assert took < TIMEOUT + 5, (rank, took)
 
 
@@ -58,4 +59,65 @@ def test_a_killed_rank_does_not_hold_the_others():
     assert results[-1] is None          # SIGKILLed
     for rank, (what, took, msg) in enumerate(results[:-1]):
         assert what == "DistributedError", (rank, what, msg)
+        assert "rank 1 never reached step 2 (stalled or killed)" in msg, msg
         assert took < TIMEOUT + 5, (rank, took)
+
+
+def test_a_rank_that_raises_is_named_by_the_others():
+    """The failed rank leaves one line on the store; a survivor's error quotes it."""
+    import torch.distributed as dist
+
+    from autopar.runtime.faults import FaultBoard
+    store = dist.HashStore()
+    boards = [FaultBoard(r, 3, store) for r in range(3)]
+    for b in boards:
+        b.start_step(1)
+    assert boards[0].explain(1) == ""                   # nobody failed, nobody behind
+    try:
+        raise ValueError("token id 50304 is out of range\nsecond line")
+    except ValueError as e:
+        boards[2].record(e, step=1)
+    msg = boards[0].explain(1)
+    assert msg.startswith("rank 2 raised ValueError at test_faults.py:"), msg
+    assert msg.endswith("step 1: token id 50304 is out of range"), msg
+    try:
+        raise KeyError("later")
+    except KeyError as e:
+        boards[1].record(e)                              # the first error of the job wins
+    assert boards[0].explain(1) == msg
+
+
+def test_ranks_behind_are_named_and_a_lost_store_says_nothing():
+    import torch.distributed as dist
+
+    from autopar.runtime.faults import FaultBoard
+    store = dist.HashStore()
+    boards = [FaultBoard(r, 4, store) for r in range(4)]
+    for b in boards:
+        b.start_step(1)
+    for b in boards[:2]:
+        b.start_step(2)
+    assert boards[0].explain(2) == "ranks 2, 3 never reached step 2 (stalled or killed)"
+
+    class Dead:
+        def __getattr__(self, name):
+            def fail(*a):
+                raise RuntimeError("Connection refused")
+            return fail
+    assert FaultBoard(0, 4, Dead()).explain(2) == ""     # rank 0 hosted the store and died
+
+
+def test_a_survivors_error_prints_as_one_line(capsys, monkeypatch):
+    import sys
+
+    from autopar.runtime import faults
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(faults, "_board", None)
+    faults.activate(faults.FaultBoard(0, 1, store=None))
+    err = autopar.DistributedError("rank 0 of 2, step 2: a collective failed after 2.0 s (x); rank 1 raised ...")
+    err.one_line = True
+    sys.excepthook(type(err), err, None)
+    assert capsys.readouterr().err == f"autopar: {err}\n"
+    monkeypatch.setenv("AUTOPAR_TRACEBACK", "1")
+    sys.excepthook(type(err), err, None)
+    assert capsys.readouterr().err.startswith("autopar.errors.DistributedError: rank 0 of 2")   # Python's own

@@ -26,6 +26,8 @@ from ..spec import ParallelConfig, is_shard, shard_dim
 from . import checkpoint
 from . import collectives as C
 from .dist import Mesh, local_device
+from .faults import FaultBoard
+from .faults import activate as activate_faults
 from .optim import DistributedOptimizer, clip_grad_norm_
 from .pipeline import PipelineExecutor
 from .regions import full_tensor
@@ -124,6 +126,9 @@ class ParallelModule(nn.Module):
         self.global_batch = global_batch
         self.mesh = mesh
         self.rank, self.world = mesh.rank, dist.get_world_size() if dist.is_initialized() else 1
+        #: which rank failed, for the others' one-line error (runtime/faults.py)
+        self.faults = FaultBoard(self.rank, self.world)
+        activate_faults(self.faults)
         self.dp_group, self.tp_group = mesh.group("dp"), mesh.group("tp")
         self.dp_rank, self.tp_rank = mesh.coord("dp"), mesh.coord("tp")
         self.pp_group = mesh.group("pp") if cfg.pp > 1 else None
@@ -234,18 +239,28 @@ class ParallelModule(nn.Module):
         rank and the step when a collective fails (a peer stalled past the
         timeout, or died)."""
         t0 = time.perf_counter()
+        step = len(self.step_times) + 1
+        self.faults.start_step(step)
         try:
             return self._train_step(inputs, target, t0)
+        except DistributedError:
+            raise
         except RuntimeError as e:
             first = (str(e).strip().splitlines() or [""])[0]
             if not isinstance(e, dist.DistBackendError) and not any(w in first.lower() for w in (
                     "gloo", "nccl", "timed out", "timeout", "connection closed", "connection reset", "pair closure")):
+                self.faults.record(e, step)
                 raise
             where = first.split("] ", 1)[-1] if first.startswith("[") else first
-            raise DistributedError(
-                f"rank {self.rank} of {self.world}, step {len(self.step_times) + 1}: a collective failed after "
-                f"{time.perf_counter() - t0:.1f} s ({where}); another rank stalled past the timeout or died: its "
-                "own error names it") from None
+            who = self.faults.explain(step) or "another rank stalled past the timeout or died: its own error names it"
+            err = DistributedError(
+                f"rank {self.rank} of {self.world}, step {step}: a collective failed after "
+                f"{time.perf_counter() - t0:.1f} s ({where}); {who}")
+            err.one_line = True      # printed as one line if uncaught (runtime/faults.py)
+            raise err from None
+        except Exception as e:    # this rank's own error: left on the store for the others to name
+            self.faults.record(e, step)
+            raise
 
     def check_batch(self, inputs: tuple, target: Any) -> None:
         """Refuse a batch unlike the example the model was traced with, in
