@@ -670,37 +670,59 @@ class CostModel:
         """A lower bound on the step time :meth:`estimate` gives the pipelined
         ``cfg`` under any ``partition`` (schedule simulated or not), from the
         per-unit sums alone: the busiest pipeline rank computes at least its
-        share of every microbatch's forward and backward (and the layers of
-        the rank holding the most), and the slowest
+        share of every microbatch's forward and backward, and at least what
+        the rank holding the most whole layers does, the embedding on the
+        first rank and the head on the last included
+        (:func:`~autopar.pipeline.partition.least_busiest`); the slowest
         rank's gradient reduction and optimizer step cost at least those of
-        a rank holding the average parameters (they grow with the
-        parameters; a rank holds the average or more)."""
+        a rank holding the average parameters, or the most whole layers'
+        parameters so counted (they grow with the parameters)."""
         cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         per = self.unit_costs(cfg, sh, shapes, global_batch)
         topo = self.topology((cfg.pp, cfg.dp, cfg.tp))
-        mean = per.layer_floor().total_params / cfg.pp * (1 - 1e-9)
-        dp_comm, opt, _ = self._dp_tail(cfg, mean, 0.0, topo, 1, 0.0, 0.0, 1)
-        # some rank holds ceil(L / pp) layers or more: with few layers per rank this is the tighter one
         floor = per.layer_floor()
-        most = -(-floor.layers // cfg.pp) * floor.time
-        busiest = max(cfg.microbatches * floor.total_time / cfg.pp, cfg.microbatches * most)
+        busiest_rank, params_rank = per.rank_floor(cfg.pp)
+        mean = max(floor.total_params / cfg.pp, params_rank) * (1 - 1e-9)
+        dp_comm, opt, _ = self._dp_tail(cfg, mean, 0.0, topo, 1, 0.0, 0.0, 1)
+        busiest = cfg.microbatches * max(floor.total_time / cfg.pp, busiest_rank)
         return (busiest + dp_comm + opt) * (1 - 1e-9)
 
     def pipeline_memory_lower_bound(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                                     global_batch: int) -> float:
         """A lower bound on the peak memory per device :meth:`estimate` gives
         the pipelined ``cfg`` under any ``partition``, from the per-unit sums
-        alone: some pipeline rank holds ``ceil(L / pp)`` of the ``L`` layers
-        or more, with their model states, their activations times the fewest
-        microbatches any stage keeps in flight, and a layer's transient. (The
-        model states are ZeRO-rounded up per rank, never down: the margin
-        covers the rounding of the sums.)"""
+        alone, the larger of two:
+
+        * some pipeline rank holds ``ceil(L / pp)`` of the ``L`` layers or
+          more, with their model states, their activations times the fewest
+          microbatches any stage keeps in flight, and a layer's transient;
+        * the ranks share the layers, each layer costing at least a layer's
+          model states plus its activations times the fewest microbatches in
+          flight on the rank's chunks (``c_r``), on top of the embedding's
+          (rank 0) and the head's (the last rank) ``o_r``: with ``B`` the
+          fullest rank's, rank ``r`` holds at most ``(B - o_r) / c_r`` layers,
+          so ``L <= sum_r (B - o_r) / c_r``, plus the least transient of any
+          unit. (1F1B keeps ``pp - r`` microbatches on rank ``r``: this is
+          the bound that sees the first ranks fill up.)
+
+        (The model states are ZeRO-rounded up per rank, never down: the
+        margin covers the rounding of the sums.)"""
         cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
-        floor = self.unit_costs(cfg, sh, shapes, global_batch).layer_floor()
-        most = -(-floor.layers // cfg.pp)
-        flight = min(pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks))
-        states = most * floor.params * self.state_per_elem(cfg)
-        return (states + flight * most * floor.act + floor.fixed) * (1 - 1e-6) - 64.0
+        per = self.unit_costs(cfg, sh, shapes, global_batch)
+        floor = per.layer_floor()
+        pp, last = cfg.pp, len(per.params) - 1
+        most = -(-floor.layers // pp)
+        flights = pipe.in_flight(cfg.schedule, pp, cfg.microbatches, cfg.chunks)
+        per_elem = self.state_per_elem(cfg)
+        layer = [floor.params * per_elem + min(flights[r::pp]) * floor.act for r in range(pp)]
+        bound = most * min(layer) + floor.fixed
+        if min(layer) > 0:
+            held = [0.0] * pp      # the embedding's and the head's memory, on the first and last rank
+            held[0] += per.params[0] * per_elem + flights[0] * per.act[0]
+            held[-1] += per.params[last] * per_elem + flights[-1] * per.act[last]
+            shared = (floor.layers + sum(o / c for o, c in zip(held, layer))) / sum(1 / c for c in layer)
+            bound = max(bound, max(shared, max(held)) + min(per.fixed))
+        return bound * (1 - 1e-6) - 64.0
 
     def _host_fits(self, offloaded: float) -> bool:
         """Whether a node's host memory holds its devices' offloaded state."""
@@ -1340,6 +1362,7 @@ class UnitCosts:
         self.tensors = [0.0] * n   # trainable tensors
         self.cut = [0.0] * (n + 1)  # bytes crossing the cut before unit k
         self._floor: LayerFloor | None = None
+        self._ranks: dict[int, tuple[float, float]] = {}
 
     def layer_floor(self) -> "LayerFloor":
         """The least time, parameters, activations and transient of any layer
@@ -1351,6 +1374,19 @@ class UnitCosts:
                                      min(self.params[u] for u in layers), min(self.act[u] for u in layers),
                                      min(self.fixed[u] for u in layers), sum(self.time), sum(self.params))
         return self._floor
+
+    def rank_floor(self, pp: int) -> tuple[float, float]:
+        """Lower bounds on the busiest of ``pp`` pipeline ranks' time per
+        microbatch and on the largest rank's parameters, over whole layers
+        (:func:`~autopar.pipeline.partition.least_busiest`; per ``pp``,
+        computed once)."""
+        hit = self._ranks.get(pp)
+        if hit is None:
+            f, last = self.layer_floor(), len(self.time) - 1
+            hit = self._ranks[pp] = (
+                pipe.least_busiest(f.layers, pp, f.time, self.time[0], self.time[last]),
+                pipe.least_busiest(f.layers, pp, f.params, self.params[0], self.params[last]))
+        return hit
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,36 @@ def test_balance_is_optimal_against_brute_force():
         assert worst <= want * (1 + 1e-5)
 
 
+def test_least_busiest_is_the_least_maximum_over_whole_layers():
+    rng = random.Random(5)
+    for _ in range(300):
+        layers, ranks = rng.randint(1, 8), rng.randint(2, 4)
+        size = rng.choice([0.0, 1.0, rng.uniform(0.01, 2)])
+        first, last = (rng.uniform(0, 1) * rng.choice([0, 1, 4, 20]) for _ in range(2))
+        offsets = [first] + [0.0] * (ranks - 2) + [last]
+        want = min(max(k * size + o for k, o in zip(split, offsets))
+                   for split in itertools.product(range(layers + 1), repeat=ranks) if sum(split) == layers)
+        got = pipe.least_busiest(layers, ranks, size, first, last)
+        assert want * (1 - 1e-6) - 1e-12 <= got <= want * (1 + 1e-12)
+
+
+def test_pipeline_lower_bounds_hold():
+    """The bounds the search prunes pipelines with never exceed what
+    evaluating them gives (balanced or even stages, simulated or not), for
+    every pipelined configuration of a model with a heavy head."""
+    g = api.as_graph(HEAVY_HEAD)
+    ev = api.planner_for(g, "dgx-a100-80g", "adamw", None, devices=16, global_batch=64)
+    by_line: dict[tuple, list] = {}
+    for c in pipeline_configs(g, 16, 64):
+        by_line.setdefault((c.tp, c.pp, c.schedule, c.sequence_parallel, c.recompute, c.zero), []).append(c)
+    assert len(by_line) > 40
+    for cfg in (c for line in by_line.values() for c in {line[0], line[-1]}):    # the fewest and most microbatches
+        time, memory = ev.pipeline_lower_bound(cfg), ev.pipeline_lower_bound(cfg, memory=True)
+        for layers, simulated in (("balanced", True), ("balanced", False), ("even", True)):
+            est = ev.evaluate(cfg, layers=layers, simulate_schedule=simulated)
+            assert time <= est.step_time_s and memory <= est.peak_memory_bytes, (cfg.to_string(), layers)
+
+
 @pytest.mark.parametrize("schedule,pp,m,chunks", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1),
                                                    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2)])
 def test_in_flight_matches_the_simulated_peak(schedule, pp, m, chunks):

@@ -15,6 +15,7 @@ always holds unit 0 and stage V-1 unit L+1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -176,6 +177,38 @@ def in_flight(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> lis
         else:
             out.append(float(min(pp - r, m)))
     return out
+
+
+def least_busiest(layers: int, ranks: int, size: float, first: float, last: float) -> float:
+    """A lower bound on the largest load of ``ranks`` pipeline ranks (``ranks
+    >= 2``) sharing ``layers`` layers of ``size`` or more each, the first rank
+    also holding ``first`` (the embedding) and the last ``last`` (the head):
+    the least ``T`` with ``sum_r floor((T - o_r) / size) >= layers`` over whole
+    layers per rank. Generous by 1e-9 of a layer per rank (so a bound, never
+    above the true least maximum, whatever the rounding)."""
+    if size <= 0:
+        return max(first, last)
+    offsets = ((0.0, ranks - 2), (first, 1), (last, 1))
+
+    def fits(t: float) -> bool:
+        held = 0
+        for o, count in offsets:
+            if t < o:
+                return False
+            held += count * math.floor((t - o) / size + 1e-9)
+        return held >= layers
+
+    # the least maximum is some rank's offset plus whole layers, at least the
+    # fractional one and at most a layer above it: a few steps from there
+    frac = max(first, last, (layers * size + first + last) / ranks) * (1 - 1e-12)
+    best = math.inf
+    for o, _ in offsets:
+        k = max(0, math.ceil((frac - o) / size) - 1)
+        for step in range(k, k + 4):
+            if fits(step * size + o):
+                best = min(best, step * size + o)
+                break
+    return best if best < math.inf else frac
 
 
 def balance(time: Sequence[float], states: Sequence[float], act: Sequence[float], fixed: Sequence[float],
