@@ -324,3 +324,28 @@ def test_cli_export(tmp_path):
     assert yaml.safe_load(res.stdout)["parallel"]["enable_parallel_optimizer"] is True
     res = runner.invoke(app, ["export", "dp=2", "-n", "2", "-f", "xml"])
     assert res.exit_code == 2 and "unknown format" in res.stderr
+
+
+# ------------------------------------------------------------------ MindSpore's dataset slicing
+def test_mindformers_dataset_strategy_slices_the_sequence():
+    sliced = mf({"parallel_mode": 1, "dataset_strategy": [[2, 2], [2, 2]]}, 8, model_parallel=2)
+    assert sliced.config == parse_strategy("dp=2,cp=2,tp=2", 8)
+    assert any("context parallel cp=2" in n for n in sliced.notes)
+    assert mf({"parallel_mode": 1, "dataset_strategy": "data_parallel"}, 8).config == parse_strategy("dp=8", 8)
+    assert mf({"parallel_mode": 1, "dataset_strategy": [[8]]}, 8).config == parse_strategy("dp=8", 8)
+
+
+@pytest.mark.parametrize("ds,pc,error,match", [
+    ([[2, 2, 2, 1]], {}, UnsupportedError, r"dataset_strategy\[0\]=\[2, 2, 2, 1\] slices dim 2 .*halo exchange"),
+    ([[2, 2], [2, 4]], {}, ConfigError, r"every input must be sliced alike"),
+    ([[2, 2]], {"context_parallel": 4}, ConfigError, r"gives context_parallel=2, but parallel_config"),
+    ([[4, 2]], {"data_parallel": 2}, ConfigError, r"gives data_parallel=4, but parallel_config"),
+    ([[2, 0]], {}, ConfigError, r"dataset_strategy\[0\] must be an integer >= 1"),
+    ("model_parallel", {}, ConfigError, r"dataset_strategy='model_parallel' is invalid"),
+    ([], {}, ConfigError, r"dataset_strategy=\[\] is invalid"),
+])
+def test_mindformers_dataset_strategy_rules(ds, pc, error, match):
+    with pytest.raises(error, match=match):
+        mf({"parallel_mode": 1, "dataset_strategy": ds}, 8, **pc)
+    with pytest.raises((ConfigError, UnsupportedError)):
+        mf({"parallel_mode": 0, "dataset_strategy": "full_batch"}, 8)

@@ -204,3 +204,15 @@ def test_cp_trains_like_one_process(results, name):
             want, got, worst, missing = r[name, strategy]
             assert len(got) >= STEPS and got == pytest.approx(want[:len(got)], rel=1e-4), (name, strategy)
             assert worst < 1e-4 and not missing, (name, strategy, worst, missing)
+
+
+def test_a_batch_too_small_for_the_devices_slices_the_sequence():
+    """Dataset slicing (MindSpore): one sequence on 8 devices with tp <= 4 (4 heads) cannot be split by
+    data and tensor parallelism alone, so the search slices the sequence (before: a StrategyError)."""
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=256,vocab=128"
+    g = autopar.trace(spec)
+    assert cp_choices(g, 8) == [1] and cp_choices(g, 8, small_batch=True) == [1, 2, 4, 8]
+    plan = autopar.plan(spec, cluster="dgx-a100-80g", devices=8, global_batch=1, search_mode="grid")
+    assert plan.config.cp > 1 and plan.config.dp * plan.config.cp * plan.config.tp * plan.config.pp == 8
+    ample = autopar.plan(spec, cluster="dgx-a100-80g", devices=8, global_batch=8, search_mode="grid")
+    assert ample.config.cp == 1           # ample batches keep the grid as it was

@@ -89,6 +89,7 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
                           f"parallel_config has model_parallel={tp}, pipeline_stage={pp}; use parallel_mode 1 "
                           "(semi-automatic) for them")
     _refuse(cfg, pc, where)
+    pc = _dataset_strategy(par, pc, mode, where, notes)
     if mode == 2:
         if any(k in pc for k in ("data_parallel", "model_parallel", "pipeline_stage")):
             notes.append("parallel_mode 2 (automatic): parallel_config's degrees are not read; autopar searches "
@@ -143,6 +144,52 @@ def _refuse(cfg: Mapping[str, Any], pc: Mapping[str, Any], where: str) -> None:
     if positive_int(pc.get("expert_parallel", 1), "parallel_config.expert_parallel", where) > 1:
         raise UnsupportedError(f"{where}: parallel_config.expert_parallel={pc['expert_parallel']}: expert "
                                "parallel (MoE) is not implemented in autopar; use expert_parallel: 1")
+
+
+def _dataset_strategy(par: Mapping[str, Any], pc: Mapping[str, Any], mode: int, where: str,
+                      notes: list[str]) -> Mapping[str, Any]:
+    """``parallel.dataset_strategy`` (MindSpore's dataset slicing) folded into ``pc``.
+
+    ``"data_parallel"`` and ``"full_batch"`` are the two spellings of
+    ``full_batch``; per-input shard counts such as ``[[2, 4], [2, 4]]`` (inputs
+    of shape ``[batch, sequence, ...]``) give ``data_parallel`` from the batch's
+    count and ``context_parallel`` from the sequence's: each device loads a
+    slice of the sequence. Slicing a third dim (an image's height) is
+    :class:`UnsupportedError` (convolutions would need halo exchange)."""
+    ds = par.get("dataset_strategy")
+    if ds is None or ds == "data_parallel":
+        return pc
+    if ds == "full_batch":
+        if mode == 0:
+            raise ConfigError(f"{where}: parallel.dataset_strategy='full_batch' with parallel_mode 0 (data "
+                              "parallel): each device loads its own part of the batch there")
+        return pc
+    if isinstance(ds, str) or not isinstance(ds, (list, tuple)) or not ds or \
+            not all(isinstance(s, (list, tuple)) and s for s in ds):
+        raise ConfigError(f"{where}: parallel.dataset_strategy={ds!r} is invalid; valid: 'data_parallel', "
+                          "'full_batch', or one list of shard counts per input, e.g. [[2, 4], [2, 4]]")
+    shards = [tuple(positive_int(n, f"parallel.dataset_strategy[{i}]", where) for n in s) for i, s in enumerate(ds)]
+    for i, s in enumerate(shards):
+        if any(n > 1 for n in s[2:]):
+            raise UnsupportedError(f"{where}: parallel.dataset_strategy[{i}]={list(s)} slices dim "
+                                   f"{2 + next(j for j, n in enumerate(s[2:]) if n > 1)} (e.g. an image's height): "
+                                   "autopar slices inputs along the batch (dp) and the sequence (cp) only; a "
+                                   "convolution over a sliced image would need halo exchange")
+    heads = {s[:2] + (1,) * (2 - len(s[:2])) for s in shards}
+    if len(heads) > 1:
+        raise ConfigError(f"{where}: parallel.dataset_strategy={ds!r}: every input must be sliced alike along the "
+                          "batch and the sequence")
+    (dp, cp), = heads
+    if mode == 0 and cp > 1:
+        raise ConfigError(f"{where}: parallel.dataset_strategy={ds!r} slices the sequence, but parallel_mode 0 "
+                          "(data parallel) splits only the batch; use parallel_mode 1")
+    for key, value in (("data_parallel", dp), ("context_parallel", cp)):
+        if key in pc and positive_int(pc[key], f"parallel_config.{key}", where) != value:
+            raise ConfigError(f"{where}: parallel.dataset_strategy={ds!r} gives {key}={value}, but "
+                              f"parallel_config.{key}={pc[key]}")
+    if cp > 1:
+        notes.append(f"parallel.dataset_strategy slices each input's sequence in {cp}: context parallel cp={cp}")
+    return {**pc, "data_parallel": dp, "context_parallel": cp}
 
 
 def _microbatches(cfg: Mapping[str, Any], pc: Mapping[str, Any], pp: int, where: str, notes: list[str]) -> int:

@@ -105,11 +105,13 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
     ``memory_options=False`` only the plain ones: no recompute, ZeRO or
     sequence parallelism). Context parallelism (cp > 1) only for attention
     over long sequences (:func:`autopar.strategies.context.cp_choices`:
-    16k positions or more), so short-sequence grids are unchanged."""
+    16k positions or more), or where the batch is too small for data and
+    tensor parallelism to give every device a part (dataset slicing), so
+    short-sequence grids at ample batches are unchanged."""
     tps = [t for t in tp_valid_sizes(graph) if devices % t == 0]
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2, 3) if memory_options else (0,)
-    cps = cp_choices(graph, devices)
+    cps = cp_choices(graph, devices, small_batch=bool(tps) and global_batch * max(tps) < devices)
     out = []
     for tp in tps:
         for cp in cps:

@@ -167,13 +167,16 @@ def check_cp(graph: Graph, cp: int) -> None:
                             f"chunks (load-balanced causal attention); valid cp: {', '.join(map(str, valid))}")
 
 
-def cp_choices(graph: Graph, devices: int, min_seq: int = SEARCH_MIN_SEQ) -> list[int]:
+def cp_choices(graph: Graph, devices: int, min_seq: int = SEARCH_MIN_SEQ, small_batch: bool = False) -> list[int]:
     """The cp degrees the automatic search tries: 1, and for a model with
-    attention over ``min_seq`` positions or more (and no explicit attention mask), every power of two that
-    divides ``devices`` and splits the sequence into ``2 cp`` chunks (short
-    sequences keep the grid as it was)."""
+    attention (and no explicit attention mask) over ``min_seq`` positions or
+    more, or whose batch is too small to give every device a part
+    (``small_batch``: MindSpore's dataset slicing, the sequence split where the
+    batch cannot be), every power of two that divides ``devices`` and splits the
+    sequence into ``2 cp`` chunks (short sequences at ample batches keep the
+    grid as it was)."""
     seq = sequence_length(graph)
-    if seq is None or seq < min_seq or any(a.masked for a in attentions(graph)):
+    if seq is None or (seq < min_seq and not small_batch) or any(a.masked for a in attentions(graph)):
         return [1]
     out, c = [1], 2
     while c <= devices and devices % c == 0 and seq % (2 * c) == 0:
