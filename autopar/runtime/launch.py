@@ -76,6 +76,69 @@ def _failure_report(failed: dict[int, str], results, world_size: int, grace_s: f
 
 _GRACE_S = 3.0     # how long a rank that exited with code 0 may take to have its result read
 
+#: Set to "1" (the test suite does, in tests/conftest.py) to keep the rank processes alive between
+#: runs: each run then skips starting Python and importing torch in every rank (2-3 s of CPU each).
+REUSE_ENV = "AUTOPAR_REUSE_RANKS"
+
+
+def _serve(inbox, results) -> None:
+    """A reusable rank: run jobs from ``inbox`` until it yields None. Each job
+    starts as a fresh process would: the default torch seed, the environment
+    as it was, and a process group of its own (destroyed after the job)."""
+    import torch
+
+    import autopar.parallelize  # noqa: F401 - imported once, before the first job
+    seed = torch.initial_seed()
+    while (job := inbox.get()) is not None:
+        env = dict(os.environ)
+        torch.manual_seed(seed)
+        try:
+            _child(*job, results)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+
+
+class _Pool:
+    """Rank processes kept between runs (opt-in, ``AUTOPAR_REUSE_RANKS=1``)."""
+
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.results = None
+        self.procs: list = []
+        self.inboxes: list = []
+
+    def take(self, world_size: int) -> tuple[list, object]:
+        """The first ``world_size`` ranks (started as needed) and the queue they answer on."""
+        if any(not p.is_alive() for p in self.procs):
+            self.close()
+        if self.results is None:
+            self.results = self.ctx.Queue()
+        while len(self.procs) < world_size:
+            inbox = self.ctx.Queue()
+            p = self.ctx.Process(target=_serve, args=(inbox, self.results), name=f"rank{len(self.procs)}",
+                                 daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.inboxes.append(inbox)
+        return self.procs[:world_size], self.results
+
+    def send(self, rank: int, job: tuple) -> None:
+        self.inboxes[rank].put(job)
+
+    def close(self) -> None:
+        """Stop every rank (after a failed run: its process groups may be wedged)."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for q in self.inboxes + ([self.results] if self.results is not None else []):
+            q.close()
+        self.procs, self.inboxes, self.results = [], [], None
+
+
+_pool = _Pool()
+
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: int = 1,
                     dead_ok: bool = False) -> list:
@@ -85,47 +148,63 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: i
     traceback (the other ranks are killed); a rank that dies without reporting
     raises ``RuntimeError`` (or, with ``dead_ok``, has the result None while the
     others are waited for: fault tests), and a run that exceeds ``timeout``
-    seconds ``TimeoutError``.
+    seconds ``TimeoutError``. With ``AUTOPAR_REUSE_RANKS=1`` (not for
+    ``dead_ok`` runs) the ranks are processes kept from the previous run.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, threads, args, results),
-                         name=f"rank{r}", daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    out: dict[int, object] = {}
-    gone: dict[int, float] = {}      # rank -> when its exit counts as dying unreported
-    try:
-        while len(out) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise TimeoutError(
-                        f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}): "
-                        f"rank(s) {missing} did not finish within {timeout}s (hung in a collective?)") from None
-                now = time.monotonic()
-                for r, p in enumerate(procs):     # exit code 0: its result may still be in the queue
-                    if r not in out and p.exitcode is not None:
-                        gone.setdefault(r, now + (_GRACE_S if p.exitcode == 0 else 0.0))
-                dead = [r for r, at in gone.items() if r not in out and now >= at]
-                if dead and not dead_ok:
-                    p = procs[dead[0]]
-                    raise RuntimeError(f"run_distributed: {p.name} died with exit code {p.exitcode} without reporting")
-                for r in dead:
-                    out[r] = None
-                continue
-            if not ok:
-                raise RuntimeError(_failure_report({rank: payload}, results, world_size))
-            out[rank] = pickle.loads(payload)
-    finally:
+    reuse = os.environ.get(REUSE_ENV) == "1" and not dead_ok
+    if reuse:
+        procs, results = _pool.take(world_size)
+        for r in range(world_size):
+            _pool.send(r, (fn, r, world_size, port, timeout, threads, args))
+    else:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, threads, args, results),
+                             name=f"rank{r}", daemon=True) for r in range(world_size)]
         for p in procs:
-            p.join(timeout=5 if len(out) == world_size else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
+            p.start()
+    out: dict[int, object] = {}
+    try:
+        _collect(fn, procs, results, out, timeout, dead_ok)
+    finally:
+        if not reuse:
+            for p in procs:
+                p.join(timeout=5 if len(out) == world_size else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            results.close()
+        elif len(out) < world_size:
+            _pool.close()
     return [out[r] for r in range(world_size)]
+
+
+def _collect(fn, procs: list, results, out: dict, timeout: float, dead_ok: bool) -> None:
+    """Fill ``out`` (rank -> result) from ``results``; raise as :func:`run_distributed` says."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    gone: dict[int, float] = {}      # rank -> when its exit counts as dying unreported
+    while len(out) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(
+                    f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size}): "
+                    f"rank(s) {missing} did not finish within {timeout}s (hung in a collective?)") from None
+            now = time.monotonic()
+            for r, p in enumerate(procs):     # exit code 0: its result may still be in the queue
+                if r not in out and p.exitcode is not None:
+                    gone.setdefault(r, now + (_GRACE_S if p.exitcode == 0 else 0.0))
+            dead = [r for r, at in gone.items() if r not in out and now >= at]
+            if dead and not dead_ok:
+                p = procs[dead[0]]
+                raise RuntimeError(f"run_distributed: {p.name} died with exit code {p.exitcode} without reporting")
+            for r in dead:
+                out[r] = None
+            continue
+        if not ok:
+            raise RuntimeError(_failure_report({rank: payload}, results, world_size))
+        out[rank] = pickle.loads(payload)
