@@ -89,6 +89,30 @@ def test_repeated_layers_share_variables():
     assert sizes[4] == sizes[24]
 
 
+def test_edges_priced_once_per_comm_key_build_the_same_program():
+    """A cached problem prices its edges once per ``comm_key``; a later build
+    under other compute costs is the program priced afresh, array for array."""
+    from autopar.search.ilp import start_axis
+    from autopar.sharding import scaled_shapes
+    g = graph(LLAMA)
+    shapes = scaled_shapes(g, 8, 2)
+
+    def comm(kind: str, nbytes: float) -> float:
+        return 1e-5 + nbytes * (2e-10 if kind == "all_reduce" else 1e-10)
+
+    def arrays(scale: float, comm_key, cache: dict):
+        mdl = start_axis(g, 2, shapes, comm=comm, compute=lambda nd, f: scale * f * (nd.flops + 1) * 1e-12,
+                         cache=cache, comm_key=comm_key).built.mdl
+        return mdl.costs, mdl.upper, mdl.integer, mdl.rows, mdl.constant
+
+    cached: dict = {}
+    first = arrays(1.0, "link", cached)
+    again = arrays(3.0, "link", cached)
+    assert next(iter(cached.values()))._edge_cache        # the second build added the kept terms
+    assert first == arrays(1.0, None, {}) and again == arrays(3.0, None, {})
+    assert first[0] != again[0]
+
+
 def test_memory_bound_trades_time_for_memory():
     g = graph(GPT)
     ev0 = planner_for(g, "cpu", "adamw", None, devices=4, global_batch=8)

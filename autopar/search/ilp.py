@@ -39,7 +39,7 @@ import math
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
@@ -134,13 +134,17 @@ def start_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
                param_time: Callable[[Node, str], float] | None = None,
                pins: dict[str, str] | None = None,
                memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0,
-               cache: dict | None = None, solver: str = DEFAULT, background: bool = False) -> "PendingAxis":
+               cache: dict | None = None, solver: str = DEFAULT, background: bool = False,
+               comm_key: Hashable | None = None) -> "PendingAxis":
     """:func:`solve_axis` in two steps: the program is built now, and
     solved by :meth:`PendingAxis.result` (``background``: by a worker
     thread from now on, where the backend allows it, so that the caller
     builds the next program while HiGHS, which releases the GIL, solves
-    this one; the solution is the same). Raises what :func:`solve_axis`
-    raises while building; the rest from :meth:`PendingAxis.result`."""
+    this one; the solution is the same). ``comm_key`` names what ``comm``
+    prices (``comm`` functions of the same key give every collective the
+    same time): the edges of a cached problem are then priced once per
+    key. Raises what :func:`solve_axis` raises while building; the rest
+    from :meth:`PendingAxis.result`."""
     mip = backend(solver)
     t0 = time.perf_counter()
     pins = dict(pins or {})
@@ -152,7 +156,7 @@ def start_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
         prob = cache.get(skey)
         if prob is None or prob.shapes is not shapes:
             prob = cache[skey] = _Problem(graph, n, shapes, pins)
-        prob.comm, prob.compute = comm, compute
+        prob.comm, prob.compute, prob.comm_key = comm, compute, comm_key
         prob.param_time = param_time or (lambda nd, p: 0.0)
         build = time.perf_counter() - t0
         built = prob.build(memory)
@@ -297,9 +301,58 @@ class _Built:
     finish_s: float = 0.0
 
 
+class _EdgeTerms:
+    """What the edges add to a program (:meth:`_Problem._edge_terms`), with
+    :class:`~autopar.search.solvers.Model`'s ``var`` / ``cost`` / ``row``:
+    costs on the decision variables and the constant (``adds``, in the
+    order they were added), the pair variables numbered from ``first`` on
+    with their costs, and the rows. Every build of a problem numbers its
+    decision variables alike, so the same transition prices give the same
+    terms, added to the next program as they are (:meth:`add_to`)."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.adds: list[tuple[int | None, float]] = []
+        self.costs: list[float] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self) -> int:
+        self.costs.append(0.0)
+        return self.first + len(self.costs) - 1
+
+    def cost(self, v: int | None, c: float) -> None:
+        if v is not None and v >= self.first:
+            self.costs[v - self.first] += c
+        else:
+            self.adds.append((v, c))
+
+    def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append((coefs, lo, hi))
+
+    def add_to(self, mdl: Model) -> None:
+        """Add the terms to ``mdl``, whose decision variables are numbered as
+        those they were priced for (continuous pair variables in [0, 1])."""
+        assert len(mdl.costs) == self.first, "the decision variables are numbered otherwise"
+        costs = mdl.costs
+        for v, c in self.adds:
+            if v is None:
+                mdl.constant += c
+            else:
+                costs[v] += c
+        k = len(self.costs)
+        costs.extend(self.costs)
+        mdl.upper.extend([1.0] * k)
+        mdl.integer.extend([False] * k)
+        mdl.rows.extend(self.rows)
+
+
 class _Problem:
     def __init__(self, graph: Graph, n: int, shapes: dict, pins: dict[str, str]) -> None:
         self.graph, self.n, self.shapes, self.pins = graph, n, shapes, pins
+        # what comm prices is named by comm_key (None: unnamed, priced at every build);
+        # the edges' terms are kept per name
+        self.comm_key: Hashable | None = None
+        self._edge_cache: dict[Hashable, _EdgeTerms] = {}
         self.grad = needs_grad(graph)
         # which nodes share a decision, and the edges between decisions, do not
         # depend on the shapes: computed once per graph and pins
@@ -599,10 +652,21 @@ class _Problem:
         return res
 
     def _edge_terms(self, mdl: Model, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> None:
-        """Add the edges' costs to ``mdl``: linear in one side's choice when
-        the other side has one, else the transportation form (see the
-        module docstring). ``x`` / ``xp``: the op and parameter decisions'
-        variables (None: a single choice, the constant 1)."""
+        """Add the edges' costs to ``mdl`` (:meth:`_price_edges`; priced once
+        per ``comm_key``: the edges cost only transitions). ``x`` / ``xp``:
+        the op and parameter decisions' variables (None: a single choice,
+        the constant 1)."""
+        terms = self._edge_cache.get(self.comm_key) if self.comm_key is not None else None
+        if terms is None:
+            terms = _EdgeTerms(len(mdl.costs))
+            self._price_edges(terms, x, xp)
+            if self.comm_key is not None:
+                self._edge_cache[self.comm_key] = terms
+        terms.add_to(mdl)
+
+    def _price_edges(self, mdl: _EdgeTerms, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> None:
+        """The edges' terms: linear in one side's choice when the other side
+        has one, else the transportation form (see the module docstring)."""
         moves: dict[tuple, float] = {}     # the transitions repeat across edges: priced once each
         for u, m, have, want, pairs, sums in self._edge_plan(x, xp):
             cost = {}

@@ -296,7 +296,8 @@ class Planner:
         local_batch = self.global_batch // cfg.microbatches / cfg.dp
         # the searches ask for the same few collectives and ops many times: both memoised
         # (a tp collective depends on the bytes, the tp size and whether it spans nodes)
-        comms = self.state.comm.setdefault((model.itemsize, cfg.tp, topo.spans_nodes(1)), {})
+        comm_key = (model.itemsize, cfg.tp, topo.spans_nodes(1))
+        comms = self.state.comm.setdefault(comm_key, {})
         computes: dict[tuple[str, float], float] = {}
 
         def comm(kind: str, nbytes: float) -> float:
@@ -319,7 +320,8 @@ class Planner:
                     self._pipeline_memory_terms(model, cfg, shapes, sharder)
             pending = start_axis(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
                                  param_time=model.param_time(cfg, topo), pins=pins, memory=memory,
-                                 cache=self.state.ilp, solver=self.solver, background=background)
+                                 cache=self.state.ilp, solver=self.solver, background=background,
+                                 comm_key=comm_key)
             return pending if background else pending.result()
         weight = GREEDY_MEMORY_WEIGHT if sharder.mode == "greedy" else MANUAL_MEMORY_WEIGHT
         res = propagate(self.graph, cfg.tp, shapes, comm=comm, compute=compute,
