@@ -45,15 +45,18 @@ LOW_ZERO3 = (GPT, "dp=4,zero=3,precision=bf16")
 
 def _worker(rank: int, world: int, runs) -> dict:
     import autopar
+    from autopar.runtime import regather
     out = {}
     for spec, strategy in runs:
+        before = regather.regathers
         z, x, y = _data(spec)
         pm = autopar.parallelize(z.model, (x,), loss_fn=z.loss_fn, example_target=y, optimizer=_opt("adamw"),
                                  strategy=strategy)
         losses = [pm.train_step((x,), y) for _ in range(STEPS)]
         sd = pm.full_state_dict()
         out[(spec, strategy)] = {"losses": losses, "weights": sd if rank == 0 else None,
-                                 "skipped": pm.skipped_steps, "param_dtypes": sorted({str(p.dtype) for p in
+                                 "skipped": pm.skipped_steps, "regathers": regather.regathers - before,
+                                 "param_dtypes": sorted({str(p.dtype) for p in
                                                                                       pm.parameters()})}
     return out
 
@@ -119,3 +122,17 @@ def test_zero3_bf16_runs_fsdp2_mixed_precision(results):
         r = res[(spec, strategy)]
         assert r["losses"] == pytest.approx(ref, rel=2e-2)
         assert r["param_dtypes"] == ["torch.float32"]
+
+
+def test_sequence_parallel_saves_shards_and_gathers_again(results):
+    """Megatron's sequence parallel keeps the column-parallel linears' input as
+    its sequence shard and gathers it again in backward (runtime/regather.py);
+    the losses above are unchanged by it. (Under full recompute only the
+    head's input, outside the checkpointed layers, is such a tensor.)"""
+    for spec, strategy in FP32 + LOW + [LOW_ZERO3]:
+        n = results[0][(spec, strategy)]["regathers"]
+        if "sequence_parallel=true" not in strategy:
+            assert n == 0, (strategy, n)
+        else:
+            layers = 0 if "recompute=full" in strategy else 2
+            assert n >= STEPS * (layers + 1), (strategy, n)

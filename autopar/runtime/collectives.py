@@ -17,13 +17,15 @@ split(x, d, g)                   R -> S(d)     take own chunk          all-gathe
 reduce_scatter(x, d, g)          P -> S(d)     reduce-scatter along d  all-gather along d
 all_to_all(x, i, o, g)           S(i) -> S(o)  all-to-all              inverse all-to-all
 all_gather_reduce_grad(x, d, g)  S(d) -> R     all-gather along d      reduce-scatter along d
+                                                                       (+ all-gather again)
 ===============================  ============  ======================  ======================
 
 ``reduce_grad`` is Megatron's "f": put it on a replicated input before
 sharded compute whose output grads are partial per rank.
 ``all_gather_reduce_grad`` is ``reduce_grad(all_gather(x))`` fused (the
 sequence-parallel entry): its backward reduce-scatters instead of
-all-reducing then slicing, half the traffic.
+all-reducing then slicing, half the traffic. Its readers save the shard, not
+the gathered tensor, and gather it again in backward (:mod:`.regather`).
 
 Every function is the identity when ``group`` is None or has one rank.
 Sharded dims must divide evenly by the group size. Works with gloo and nccl.
@@ -36,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import DistributedError
+
+from . import regather
 
 __all__ = ["all_reduce", "reduce_grad", "all_gather", "split", "reduce_scatter", "all_to_all",
            "all_gather_reduce_grad",
@@ -141,7 +145,16 @@ def _dim_collective(name: str, forward, backward) -> type:
 _AllGather = _dim_collective("_AllGather", _gather, _take)                    # S(d) -> R
 _Split = _dim_collective("_Split", _take, _gather)                            # R -> S(d)
 _ReduceScatter = _dim_collective("_ReduceScatter", _reduce_scatter, _gather)  # P -> S(d)
-_AllGatherReduceGrad = _dim_collective("_AllGatherReduceGrad", _gather, _reduce_scatter)
+
+
+def _gather_keep_shard(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """:func:`_gather`, whose readers keep ``x`` for backward instead (:mod:`.regather`)."""
+    full = _gather(x, dim, group)
+    regather.register(full, x, lambda t: _gather(t, dim, group))
+    return full
+
+
+_AllGatherReduceGrad = _dim_collective("_AllGatherReduceGrad", _gather_keep_shard, _reduce_scatter)
 
 
 class _AllToAll(torch.autograd.Function):

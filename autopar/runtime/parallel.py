@@ -25,6 +25,7 @@ from ..pipeline.schedule import Timeline
 from ..spec import ParallelConfig, is_shard, shard_dim
 from . import checkpoint
 from . import collectives as C
+from . import regather
 from .dist import Mesh, local_device
 from .faults import FaultBoard
 from .faults import activate as activate_faults
@@ -325,7 +326,8 @@ class ParallelModule(nn.Module):
             for i, (xs, tg) in enumerate(micro):
                 if dopt is not None:   # the gradient buckets are reduced during the last backward
                     dopt.start_microbatch(last=i == m - 1)
-                loss = self.program(*xs, tg)
+                with regather.scope():      # sequence parallel: saved as shards, gathered again
+                    loss = self.program(*xs, tg)
                 (loss * (scale / m)).backward()
                 total += loss.detach().float() / m
         else:

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedError
 from ..pipeline.schedule import Action, Event, build_schedule
+from . import regather
 
 __all__ = ["StageModule", "PipelineExecutor", "tie_groups"]
 
@@ -132,7 +133,8 @@ class PipelineExecutor:
         leaves = {name: self._recv_forward(step, st, name, src, i) for name, src in st.inputs.items()}
         start = time.perf_counter()
         env = {**step.micro[i], **leaves}
-        out = st.module(*[env[name] for name in st.args])
+        with regather.scope():      # sequence parallel: saved as shards, gathered again in backward
+            out = st.module(*[env[name] for name in st.args])
         if st.last:
             step.losses.append(out.detach())
         else:
