@@ -199,6 +199,8 @@ class CostCache:
     tp_comm: dict[tuple, dict] = field(default_factory=dict)   # (itemsize, tp, spans nodes) -> collective times
     layer_inputs: dict[tuple, tuple] = field(default_factory=dict)    # bytes of each layer's input
     sources: dict[int, dict[str, str]] = field(default_factory=dict)  # the instance each one copies
+    node_times: dict[tuple, tuple] = field(default_factory=dict)   # per node: what recompute does not change
+    node_sums: dict[tuple, tuple] = field(default_factory=dict)    # per unit and instance, per recompute
     held: dict[int, AxisSharding] = field(default_factory=dict)
 
     def hold(self, sh: AxisSharding) -> None:
@@ -1154,15 +1156,50 @@ class CostModel:
         """Per microbatch: the sums of the nodes outside the repeated layers
         per pipeline unit, and those of every instance not copied from
         another (an instance whose decisions were copied costs what its
-        source costs)."""
-        tp, isz = cfg.tp, self.itemsize
-        comms = self.cache.tp_comm.setdefault((isz, tp, topo.spans_nodes(1)), {})   # the same few, many times
+        source costs). Kept per decisions, shapes, tp link, samples and
+        whether recompute is selective (nothing else of it counts here): the
+        flat and the pipelined estimates of the recompute choices ask alike."""
+        tp, selective = cfg.tp, cfg.recompute == "selective"
+        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), selective)
+        hit = self.cache.node_sums.get(key)
+        if hit is not None and hit[0] is shapes:
+            return hit[1]
+        outside: dict[int, _Sums] = {}
+        per_inst: dict[str, _Sums] = {}
+        for nd, st, inst, unit, t, comm, transient in self._node_times(tp, sh, shapes, topo, local_batch):
+            acc = outside.setdefault(unit, _Sums()) if inst is None else per_inst.setdefault(inst, _Sums())
+            acc.fwd += t
+            if inst is not None and selective and not self._kept_selective(nd):
+                acc.refwd += t
+            if tp > 1:
+                acc.comm += comm
+            for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
+                acc.saved[name] = local
+            if selective:   # what the layer holds again while it is recomputed
+                for name, local in self._saved(nd, st, sh, shapes, tp, "none"):
+                    acc.full[name] = local
+            if transient is not None:
+                acc.transient = max(acc.transient, transient)
+        out = self.graph.output
+        if tp > 1 and out:
+            t_out = output_time(sh.out.get(out, R), _numel(shapes.get(out)) * 4, self._tp_collective(tp, topo))
+            if t_out:   # the loss made whole on every rank
+                outside.setdefault(self._outside_unit().get(out, 0), _Sums()).comm += t_out
+        self.cache.hold(sh)
+        self.cache.node_sums[key] = (shapes, (outside, per_inst))
+        return outside, per_inst
 
-        def comm_tp(kind: str, nbytes: float) -> float:
-            t = comms.get((kind, nbytes))
-            if t is None:
-                t = comms[kind, nbytes] = topo.collective_time(kind, nbytes * isz / 4, 1)
-            return t
+    def _node_times(self, tp: int, sh: AxisSharding, shapes: dict, topo: MeshTopology,
+                    local_batch: float) -> list[tuple]:
+        """``(node, strategy, instance, unit, forward time, tp comm, transient
+        bytes or None)`` of every node :meth:`_node_sums` adds up, in its
+        order: what does not depend on recompute, kept per decisions, shapes,
+        tp link and samples (the recompute choices share it)."""
+        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes))
+        hit = self.cache.node_times.get(key)
+        if hit is not None and hit[0] is shapes:
+            return hit[1]
+        isz, comm_tp = self.itemsize, self._tp_collective(tp, topo)
 
         def compute(nd: Node, frac: float) -> float:
             return self.node_time(nd, self.scale(nd, local_batch), frac)
@@ -1172,15 +1209,11 @@ class CostModel:
 
         dispatch = self.cluster.device.dispatch_overhead_s
         unit_of = self._outside_unit()
-        outside: dict[int, _Sums] = {}
-        per_inst: dict[str, _Sums] = {}
+        out = []
         for nd in self._nodes_to_cost(sh.copied_from):
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
-            inst = nd.group
-            acc = outside.setdefault(unit_of.get(nd.name, 0), _Sums()) if inst is None \
-                else per_inst.setdefault(inst, _Sums())
             # the op's time on the tensor-parallel axis, exactly as the searches charge it (an input
             # without a placement, shape arithmetic, arrives as read). A transition several readers
             # share (q, k and v reading one LayerNorm output) is charged per reader here, as in the
@@ -1189,24 +1222,27 @@ class CostModel:
             at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
                               nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
-            acc.fwd += t
-            if inst is not None and cfg.recompute == "selective" and not self._kept_selective(nd):
-                acc.refwd += t
-            if tp > 1:
-                acc.comm += at.comm
-            for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
-                acc.saved[name] = local
-            if cfg.recompute == "selective":   # what the layer holds again while it is recomputed
-                for name, local in self._saved(nd, st, sh, shapes, tp, "none"):
-                    acc.full[name] = local
-            if nd.out is not None:
-                acc.transient = max(acc.transient, _numel(shapes.get(nd.name)) * isz /
-                                    (tp if is_shard(sh.out.get(nd.name, R)) else 1))
-        out = self.graph.output
-        t_out = output_time(sh.out.get(out, R), nbytes(out), comm_tp) if tp > 1 and out else 0.0
-        if t_out:   # the loss made whole on every rank
-            outside.setdefault(unit_of.get(out, 0), _Sums()).comm += t_out
-        return outside, per_inst
+            transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
+                if nd.out is not None else None
+            out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient))
+        self.cache.hold(sh)
+        self.cache.node_times[key] = (shapes, out)
+        return out
+
+    def _tp_collective(self, tp: int, topo: MeshTopology) -> Callable[[str, float], float]:
+        """``comm(kind, nbytes)``: a collective's time on the tensor-parallel
+        axis of ``topo`` (bytes at 4 per element), memoised per itemsize, tp
+        size and link: the sums ask for the same few many times."""
+        isz = self.itemsize
+        comms = self.cache.tp_comm.setdefault((isz, tp, topo.spans_nodes(1)), {})
+
+        def comm_tp(kind: str, nbytes: float) -> float:
+            t = comms.get((kind, nbytes))
+            if t is None:
+                t = comms[kind, nbytes] = topo.collective_time(kind, nbytes * isz / 4, 1)
+            return t
+
+        return comm_tp
 
     def _first_node(self, inst: str) -> str:
         """The first non-parameter node of a layer instance."""

@@ -253,11 +253,10 @@ class ParallelConfig:
     def as_dict(self) -> dict[str, Any]:
         """Every key with its value (the plan's ``parallel`` section); a key
         recorded only when changed (``cp``) is left out at its default."""
-        d = dataclasses.asdict(self)
-        for k in FIELDS:
-            if k.recorded == "changed" and d[k.name] == k.default:
-                del d[k.name]
-        return d
+        # the values are scalars: no deep copy (dataclasses.asdict) needed; the search
+        # records one per configuration it prices
+        return {k.name: v for k in FIELDS
+                if (v := getattr(self, k.name)) != k.default or k.recorded != "changed"}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ParallelConfig:
