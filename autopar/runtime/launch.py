@@ -86,8 +86,8 @@ def _serve(inbox, results) -> None:
     starts as a fresh process would: the default torch seed, the environment
     as it was, and a process group of its own (destroyed after the job)."""
     import torch
+    import torch.distributed  # noqa: F401 - imported once, before the first job (what a job imports stays)
 
-    import autopar.parallelize  # noqa: F401 - imported once, before the first job
     seed = torch.initial_seed()
     while (job := inbox.get()) is not None:
         env = dict(os.environ)
