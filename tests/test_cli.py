@@ -54,7 +54,9 @@ def test_plan_json_is_only_json_and_uses_all_devices():
 def test_plan_plain_excludes_the_memory_options():
     d = json.loads(ok("plan", TINY, *WHERE, "--plain", "--json").stdout)
     assert d["parallel"]["zero"] == 0 and d["parallel"]["recompute"] == "none"
-    assert not d["parallel"]["sequence_parallel"] and d["parallel"]["offload"] == "none"
+    # keys at their defaults are left out of the plan (issue 18): read them through the config
+    cfg = autopar.Plan.from_dict(d).config
+    assert not cfg.sequence_parallel and cfg.offload == "none" and "offload" not in d["parallel"]
 
 
 def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):
@@ -64,7 +66,9 @@ def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):
     assert "dp=2,tp=2" in res.stdout
     assert "parameter placements" in res.stdout and "S(" in res.stdout   # tp shards some weights
     assert "op strategies" in res.stdout
-    assert json.loads(ok("show", saved_plan, "--json").stdout) == plan.to_dict()
+    shown = ok("show", saved_plan, "--json").stdout      # the plan file as saved (compact)
+    assert shown == plan.to_json() == saved_plan.read_text()
+    assert autopar.Plan.from_dict(json.loads(shown)).to_dict() == plan.to_dict()
 
 
 def test_show_missing_file_exits_2(tmp_path):
