@@ -10,7 +10,6 @@ the same code as a usage error.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import warnings
@@ -345,11 +344,6 @@ def evaluate(
     out.print(_kv_table(f"autopar evaluate: {escape(est.strategy)} (predicted)", rows))
 
 
-def _param_pattern(name: str) -> str:
-    """``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-
-
 @app.command()
 def diff(
     a: Path = typer.Argument(..., help="The plan to compare from (JSON, from `autopar plan --out`)."),
@@ -479,8 +473,9 @@ def show(
 
     # per parameter, repeated layers collapsed (blocks.0, blocks.1 ... -> blocks.*)
     patterns: dict[str, dict[tuple, int]] = {}
+    pattern = p.patterns()
     for name, pl in params.items():
-        patterns.setdefault(_param_pattern(name), Counter())[tuple(pl)] += 1
+        patterns.setdefault(pattern(name), Counter())[tuple(pl)] += 1
     t = Table(title="placement per parameter (repeated layers collapsed)", title_justify="left",
               title_style="bold")
     t.add_column("parameter")

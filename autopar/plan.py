@@ -18,7 +18,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 
@@ -374,6 +374,14 @@ class Plan:
         if self.version >= 2:
             return graph.op_keys()
         return {nd.name: nd.name for nd in graph.nodes if not nd.is_state}
+
+    def patterns(self) -> Callable[[str], str]:
+        """A function naming a parameter or op key by its template: its
+        repeated-layer instance replaced by the group's name
+        (``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``;
+        in a plan without groups, version 1, every number of a dotted path)."""
+        groups = {i: g["name"] for g in self.data.get("layers") or [] for i in g["instances"]}
+        return lambda key: _pattern(key, groups)
 
     def upgraded(self, graph: Any) -> "Plan":
         """This plan in the current version, for ``graph``, the model it was
