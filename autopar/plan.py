@@ -8,6 +8,12 @@ pipeline the ``pipeline`` record (schedule, layers per stage, the simulated
 bubble and per-stage times), the placement of every parameter and op on the
 (dp, tp) axes, and the predictions. ``to_json`` is deterministic: the same
 inputs give byte-identical text (sorted keys, rounded floats, no timestamps).
+
+Plan version 2 (docs/plan-format.md) keys ops by module path, op and position
+(:meth:`autopar.graph.Graph.op_keys`), writes the instances of a repeated
+layer placed alike once as a template (:func:`collapse`; :func:`expand` on
+load) and leaves default fields out. Version-1 files (ops under fx node
+names) are still read, and written back as they were read.
 """
 from __future__ import annotations
 
@@ -339,7 +345,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
-        """Validate ``d`` against the schema. Raises :class:`PlanError`."""
+        """The plan of the file form ``d`` (either version of
+        :data:`PLAN_VERSIONS`), validated against its schema, templates
+        written out. Raises :class:`PlanError`."""
         if not isinstance(d, dict):
             raise PlanError(f"{where}: a plan is a JSON object, got {type(d).__name__}")
         version = d.get("plan_version")
