@@ -19,7 +19,7 @@ from . import __version__
 from .cost import CostModel, Estimate
 from .errors import ClusterError, StrategyError
 from .graph import Graph
-from .plan import PLAN_VERSION, Plan, rounded
+from .plan import PLAN_VERSION, Plan, parallel_record, rounded
 from .search import pins as _pins
 from .search.grid import search_grid
 from .search.ilp import InfeasiblePins
@@ -349,13 +349,14 @@ def _pin_errors(graph: Graph, user_pins: dict[str, Any]):
 
 def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimate, tp_sharding: AxisSharding,
                global_batch: int, devices: int, search: dict) -> Plan:
-    """Assemble the Plan record (per-param and per-op placements on (dp, tp));
-    ``model`` is the request's cost model (its cluster, optimizer and
-    precision are recorded)."""
+    """Assemble the Plan record (per-param and per-op placements on (dp, tp),
+    ops under their stable keys, the repeated-layer groups); ``model`` is the
+    request's cost model (its cluster, optimizer and precision are recorded)."""
     cfg = dataclasses.replace(cfg, precision=cfg.precision or model.precision)
     dp_sh = model.batch
     params: dict[str, list[str]] = {}
     ops: dict[str, Any] = {}
+    keys = graph.op_keys()
     for nd in graph.nodes:
         if nd.is_state:
             if nd.param is not None:
@@ -370,13 +371,14 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
             "out": [sd.out, st.out],
             "in": [[a, b] for a, b in zip(sd.ins, st.ins)],
             "strategy": [sd.name, st.name],
-            "split": [sd.split, st.split],
         }
+        if sd.split or st.split:
+            entry["split"] = [sd.split, st.split]
         if st.kernel:
             entry["kernel"] = st.kernel
         if st.scale != 1.0 or sd.scale != 1.0:
             entry["scale"] = rounded([sd.scale, st.scale])
-        ops[nd.name] = entry
+        ops[keys[nd.name]] = entry
     pred = est.to_dict()
     predicted = {k: pred[k] for k in ("step_time_s", "compute_time_s", "comm_time_s", "tp_comm_time_s",
                                       "dp_comm_time_s", "optimizer_time_s", "tflops_per_device",
@@ -396,7 +398,7 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
         "precision": cfg.precision,
         "optimizer": model.optimizer,
         "mesh": _mesh_record(cfg),
-        "parallel": cfg.as_dict(),
+        "parallel": parallel_record(cfg),
         "params": params,
         "ops": ops,
         "predicted": predicted,
@@ -404,6 +406,8 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
     }
     if est.pipeline is not None:
         data["pipeline"] = dict(est.pipeline)
+    if graph.groups:
+        data["layers"] = [{"name": g.name, "instances": list(g.instances)} for g in graph.groups]
     # rounded as the JSON will be (params and ops are made so: placements, names, flags and
     # rounded scales); schema validation is for plans read from files (a test validates
     # what this builds: on GPT-3 175B validation alone took 0.9 s)
@@ -412,9 +416,10 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
 
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
     """The tensor-parallel decisions recorded in ``plan_`` for ``graph``, or
-    None when the graph's node names differ from the plan's (e.g. another
-    loss function): the caller then re-derives them from the strategy."""
+    None when the graph's ops differ from the plan's (e.g. another loss
+    function): the caller then re-derives them from the strategy."""
     ops = plan_.data["ops"]
+    keys = plan_.op_keys(graph)
     tp = plan_.parallel["tp"]
     sh = AxisSharding(n=tp)
     by_param = {v: k for k, v in ((nd.name, nd.param) for nd in graph.nodes if nd.param)}
@@ -426,7 +431,7 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
     for nd in graph.nodes:
         if nd.is_state:
             continue
-        e = ops.get(nd.name)
+        e = ops.get(keys[nd.name])
         if e is None:
             if nd.kind in ("shape", "constant", "output") or (nd.out is None and nd.kind != "split"):
                 continue

@@ -10,7 +10,6 @@ the same code as a usage error.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import warnings
@@ -345,43 +344,84 @@ def evaluate(
     out.print(_kv_table(f"autopar evaluate: {escape(est.strategy)} (predicted)", rows))
 
 
-def _param_pattern(name: str) -> str:
-    """``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
-
-
 @app.command()
 def diff(
     a: Path = typer.Argument(..., help="The plan to compare from (JSON, from `autopar plan --out`)."),
     b: Path = typer.Argument(..., help="The plan to compare to."),
+    limit: int = typer.Option(12, "--limit", min=0, help="Changed templates to list per section (0: all)."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """What changed between two plans, and what it does to the predictions."""
+    """What changed between two plans, and what it does to the predictions.
+    Exit code 0 when they are identical, 1 when they differ, 2 on an error."""
     from .plan import Plan
     with _errors():
         d = Plan.load(a).diff(Plan.load(b))
     if as_json:
         _echo_json(d)
-        return
+    elif d["identical"]:
+        out.print(f"{escape(str(a))} and {escape(str(b))} are the same plan")
+    else:
+        out.print(_kv_table(f"autopar diff: {escape(str(a))} -> {escape(str(b))}", _diff_rows(d, limit)))
+    raise typer.Exit(0 if d["identical"] else 1)
+
+
+def _placements_text(v: Any) -> str:
+    """A parameter's placements on (dp, tp) (``R,S(0)``) or an op's strategies
+    and output placements (``batch0,colwise (S(0),S(2))``)."""
+    if v is None:
+        return "absent"
+    if isinstance(v, dict):
+        return f"{','.join(v['strategy'])} ({','.join(v['out'])})"
+    return ",".join(v)
+
+
+def _signed(fmt: Callable[[float], str], x: float) -> str:
+    return ("+" if x > 0 else "") + fmt(x)
+
+
+def _diff_rows(d: dict[str, Any], limit: int) -> list[tuple[str, str]]:
+    """The rows of ``autopar diff``'s table (``d``: :meth:`autopar.plan.Plan.diff`)."""
     rows = [("model", "the same" if d["same_model"] else "DIFFERENT models (fingerprints differ)")]
     rows += [(k, f"{x} -> {y}") for k, (x, y) in d["request"].items()]
     rows += [(k, f"{x} -> {y}") for k, (x, y) in d["parallel"].items()] or [("strategy", "the same")]
+    rows += [(f"pipeline {k}", f"{x} -> {y}") for k, (x, y) in d["pipeline"].items()]
     for what in ("params", "ops"):
         c = d[what]
-        text = f"{c['changed']} of {c['of']} placed otherwise"
-        if c["examples"]:
-            pair = lambda v: ",".join(v) if v else "absent"     # noqa: E731 - (dp, tp) placements
-            text += ", e.g. " + "; ".join(f"{escape(k)} {pair(v[0])} -> {pair(v[1])}"
-                                          for k, v in list(c["examples"].items())[:3])
-        rows.append((what, text))
-    fmt = {"peak_memory_bytes": units.nbytes, "tflops_per_device": lambda v: units.flops_rate(v * 1e12)}
-    label = {"step_time_s": "step time", "compute_time_s": "compute", "tp_comm_time_s": "tp comm",
-             "dp_comm_time_s": "dp comm", "peak_memory_bytes": "peak memory", "tflops_per_device": "per device"}
+        if c["changed"] is None:
+            rows.append((what, c["note"]))
+            continue
+        rows.append((what, f"{c['changed']} of {c['of']} placed otherwise"))
+        shown = c["templates"] if limit == 0 else c["templates"][:limit]
+        rows += [(f"  {escape(t['pattern'])}", f"{_placements_text(t['from'])}  ->  {_placements_text(t['to'])}"
+                  + (f"  (x{t['count']})" if t["count"] > 1 else "")) for t in shown]
+        if len(shown) < len(c["templates"]):
+            rows.append(("", f"[dim]... and {len(c['templates']) - len(shown)} more (--limit 0 shows all)[/]"))
     for k, ch in d["predicted"].items():
-        f = fmt.get(k, units.seconds if k.endswith("_s") else str)
-        rel = f"  ({ch['relative']:+.1%})" if "relative" in ch else ""
-        rows.append((label.get(k, k), f"{f(ch['from'])} -> {f(ch['to'])}{rel}"))
-    out.print(_kv_table(f"autopar diff: {escape(str(a))} -> {escape(str(b))}", rows))
+        f = _prediction_format(k)
+        delta = (f"  ({_signed(f, ch['delta'])}" + (f", {ch['relative']:+.1%}" if ch["relative"] is not None else "")
+                 + ")") if "delta" in ch else ""
+        rows.append((_PREDICTION_LABELS.get(k, k.replace("memory.", "  memory ")), f"{f(ch['from'])} -> {f(ch['to'])}"
+                     + delta))
+    if d["other"]:
+        rows.append(("also differs", ", ".join(d["other"])))
+    return rows
+
+
+def _prediction_format(key: str) -> Callable[[Any], str]:
+    """How ``autopar diff`` writes a prediction of ``key``: human units, the fit in words."""
+    if key.endswith("_bytes") or key.startswith("memory."):
+        return units.nbytes
+    if key == "tflops_per_device":
+        return lambda v: units.flops_rate(v * 1e12)
+    if key == "fits":
+        return lambda v: "fits" if v else "does not fit"
+    return units.seconds if key.endswith("_s") else str
+
+
+_PREDICTION_LABELS = {"step_time_s": "step time", "compute_time_s": "compute", "tp_comm_time_s": "tp comm",
+                      "dp_comm_time_s": "dp comm", "cp_comm_time_s": "cp comm", "optimizer_time_s": "optimizer",
+                      "peak_memory_bytes": "peak memory per device", "host_memory_bytes": "host memory",
+                      "tflops_per_device": "per device", "fits": "fits"}
 
 
 @app.command()
@@ -433,8 +473,9 @@ def show(
 
     # per parameter, repeated layers collapsed (blocks.0, blocks.1 ... -> blocks.*)
     patterns: dict[str, dict[tuple, int]] = {}
+    pattern = p.patterns()
     for name, pl in params.items():
-        patterns.setdefault(_param_pattern(name), Counter())[tuple(pl)] += 1
+        patterns.setdefault(pattern(name), Counter())[tuple(pl)] += 1
     t = Table(title="placement per parameter (repeated layers collapsed)", title_justify="left",
               title_style="bold")
     t.add_column("parameter")

@@ -230,6 +230,28 @@ class Graph:
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
+    def op_keys(self) -> dict[str, str]:
+        """``{node name: stable key}`` for every node that is not model state:
+        the owning module's path, the op, and its position among the ops of
+        that name in that module (``model.blocks.3.attn:linear``,
+        ``model.blocks.3:add#1``; ``:cross_entropy`` at the root). Unlike fx's
+        counter names (``add_17``), a key does not change when layers are
+        added before it, and the k-th layer's keys are the first layer's with
+        the instance path changed, so a plan collapses repeated layers into
+        one template (:mod:`autopar.plan`). A call of a module or an attribute
+        read is named by its kind (its target is a path)."""
+        def compute() -> dict[str, str]:
+            seen: dict[tuple[str, str], int] = {}
+            keys = {}
+            for n in self.nodes:
+                if n.is_state:
+                    continue
+                op = n.target if n.op in ("call_function", "call_method") else n.kind
+                k = seen[n.module, op] = seen.get((n.module, op), -1) + 1
+                keys[n.name] = f"{n.module}:{op}" + (f"#{k}" if k else "")
+            return keys
+        return self.memo(("op_keys",), compute)
+
     def in_model(self, node: Node) -> bool:
         """False for the nodes of a loss traced together with the model."""
         pre = self.loss_prefix

@@ -8,34 +8,59 @@ pipeline the ``pipeline`` record (schedule, layers per stage, the simulated
 bubble and per-stage times), the placement of every parameter and op on the
 (dp, tp) axes, and the predictions. ``to_json`` is deterministic: the same
 inputs give byte-identical text (sorted keys, rounded floats, no timestamps).
+
+Plan version 2 (docs/plan-format.md) keys ops by module path, op and position
+(:meth:`autopar.graph.Graph.op_keys`), writes the instances of a repeated
+layer placed alike once as a template (:func:`collapse`; :func:`expand` on
+load) and leaves default fields out. Version-1 files (ops under fx node
+names) are still read, and written back as they were read.
 """
 from __future__ import annotations
 
 import json
 import os
+import dataclasses
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 
 from . import __version__, units
 from .errors import PlanError
-from .spec import PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema
+from .spec import FIELDS, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+#: the versions :meth:`Plan.load` reads: 1 (ops keyed by fx node names, every layer written out) and 2
+PLAN_VERSIONS = (1, 2)
 
 _PLACEMENT = {"type": "string", "pattern": r"^(R|P|S\([0-9]+\))$"}
-PLAN_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "autopar plan",
+_PARAMS = {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}}
+_OPS = {
     "type": "object",
-    "required": ["plan_version", "autopar_version", "model", "cluster", "devices", "global_batch", "mesh",
-                 "parallel", "params", "ops", "predicted", "search", "precision", "optimizer"],
-    "additionalProperties": False,
-    "properties": {
-        "plan_version": {"const": PLAN_VERSION},
+    "additionalProperties": {
+        "type": "object", "required": ["out", "in", "strategy"],
+        "properties": {
+            "out": {"type": "array", "items": _PLACEMENT},
+            "in": {"type": "array", "items": {"type": "array", "items": _PLACEMENT}},
+            "strategy": {"type": "array", "items": {"type": "string"}},
+            "kernel": {"type": "string"},
+            "scale": {"type": "array", "items": {"type": "number"}},
+            "split": {"type": "array", "items": {"type": "boolean"}},
+        },
+    },
+}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
+
+
+def plan_schema(version: int = PLAN_VERSION) -> dict[str, Any]:
+    """The JSON schema of a plan file of ``version`` (one of :data:`PLAN_VERSIONS`).
+    Version 2 adds ``layers`` (the repeated-layer groups) and ``templates``
+    (one layer's placements standing for every instance it lists)."""
+    props: dict[str, Any] = {
+        "plan_version": {"const": version},
         "autopar_version": {"type": "string"},
         "model": {
             "type": "object",
@@ -51,7 +76,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "mesh": {
             "type": "object", "required": ["shape", "axes"],
             "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
-                           "axes": {"type": "array", "items": {"type": "string"}}},
+                           "axes": _STRINGS},
         },
         "parallel": json_schema(),   # generated from the strategy keys of autopar.spec
         "pipeline": {
@@ -63,28 +88,112 @@ PLAN_SCHEMA: dict[str, Any] = {
                 "bubble_fraction": {"type": "number"},
             },
         },
-        "params": {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}},
-        "ops": {
-            "type": "object",
-            "additionalProperties": {
-                "type": "object", "required": ["out", "in", "strategy"],
-                "properties": {
-                    "out": {"type": "array", "items": _PLACEMENT},
-                    "in": {"type": "array", "items": {"type": "array", "items": _PLACEMENT}},
-                    "strategy": {"type": "array", "items": {"type": "string"}},
-                    "kernel": {"type": "string"},
-                    "scale": {"type": "array", "items": {"type": "number"}},
-                    "split": {"type": "array", "items": {"type": "boolean"}},
-                },
-            },
-        },
+        "params": _PARAMS,
+        "ops": _OPS,
         "predicted": {
             "type": "object",
             "required": ["step_time_s", "peak_memory_bytes", "tflops_per_device", "fits"],
         },
         "search": {"type": "object", "required": ["mode"]},
-    },
-}
+    }
+    if version >= 2:
+        props["layers"] = {"type": "array", "items": {
+            "type": "object", "required": ["name", "instances"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "instances": _STRINGS}}}
+        props["templates"] = {"type": "array", "items": {
+            "type": "object", "required": ["instances"], "additionalProperties": False,
+            "properties": {"instances": _STRINGS, "params": _PARAMS, "ops": _OPS}}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "autopar plan",
+        "type": "object",
+        "required": ["plan_version", "autopar_version", "model", "cluster", "devices", "global_batch", "mesh",
+                     "parallel", "params", "ops", "predicted", "search", "precision", "optimizer"],
+        "additionalProperties": False,
+        "properties": props,
+    }
+
+
+PLAN_SCHEMA: dict[str, Any] = plan_schema()
+
+
+def parallel_record(cfg: ParallelConfig) -> dict[str, Any]:
+    """The plan's ``parallel`` section of ``cfg``: the keys every plan
+    records, and the others only away from their defaults (no
+    ``reduce_dtype: ""``; a missing key reads back as its default)."""
+    d = cfg.as_dict()
+    return {k.name: d[k.name] for k in FIELDS if k.name in d and (k.required or d[k.name] != k.default)}
+
+
+# -- repeated layers: one template per set of equal instances -----------------------------------------------
+def _owner(key: str, instances: set[str]) -> str | None:
+    """The repeated-layer instance a parameter name or op key (``module:op#k``) lies in, or None."""
+    path = key.split(":", 1)[0]
+    while path:
+        if path in instances:
+            return path
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return None
+
+
+def _relative(key: str, instance: str) -> str:
+    """``model.blocks.3.attn.q.weight`` -> ``attn.q.weight``; ``model.blocks.3:add#1`` -> ``:add#1``."""
+    return key[len(instance):].removeprefix(".")
+
+
+def _absolute(instance: str, rel: str) -> str:
+    """The inverse of :func:`_relative`."""
+    return instance + (rel if rel.startswith(":") else "." + rel)
+
+
+def collapse(data: dict[str, Any]) -> dict[str, Any]:
+    """The file form of a version-2 plan's ``data``: the instances of a
+    repeated layer whose placements are all equal share one template (their
+    ``params`` and ``ops`` keyed relative to the instance); an instance
+    equal to no other stays in the flat ``params`` and ``ops``."""
+    groups = data.get("layers") or []
+    instances = {i for g in groups for i in g["instances"]}
+    flat: dict[str, dict[str, Any]] = {"params": {}, "ops": {}}
+    per: dict[str, dict[str, dict[str, Any]]] = {}
+    for section in ("params", "ops"):
+        for key, value in data[section].items():
+            inst = _owner(key, instances)
+            if inst is None:
+                flat[section][key] = value
+            else:
+                per.setdefault(inst, {"params": {}, "ops": {}})[section][_relative(key, inst)] = value
+    templates = []
+    for g in groups:
+        alike: dict[str, dict[str, Any]] = {}
+        for inst in g["instances"]:
+            mine = per.pop(inst, {"params": {}, "ops": {}})
+            alike.setdefault(_dumps(mine), {"instances": [], **mine})["instances"].append(inst)
+        for t in alike.values():
+            if len(t["instances"]) > 1 and (t["params"] or t["ops"]):
+                templates.append({k: v for k, v in t.items() if v})
+                continue
+            for section in ("params", "ops"):
+                flat[section].update((_absolute(t["instances"][0], r), v) for r, v in t[section].items())
+    out = {**data, **flat}
+    if templates:
+        out["templates"] = templates
+    return out
+
+
+def expand(d: dict[str, Any]) -> dict[str, Any]:
+    """The plan data of the file form ``d`` (:func:`collapse`'s inverse):
+    every template written out for each instance it lists. An entry in the
+    flat ``params`` or ``ops`` wins over a template's (so one layer of a
+    template can be edited by hand)."""
+    data = {k: v for k, v in d.items() if k != "templates"}
+    for section in ("params", "ops"):
+        merged = dict(d[section])
+        for t in d.get("templates", []):
+            for inst in t["instances"]:
+                for rel, value in t.get(section, {}).items():
+                    merged.setdefault(_absolute(inst, rel), _round(value))
+        data[section] = merged
+    return data
 
 
 def rounded(x: Any) -> Any:
@@ -203,12 +312,20 @@ class Plan:
         return ParallelConfig.from_dict(self.parallel).to_string()
 
     # -- serialisation --------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.data["plan_version"]
+
     def to_dict(self) -> dict[str, Any]:
+        """The plan's data, every layer written out (a valid plan file too,
+        only not the compact one :meth:`to_json` writes)."""
         return _round(self.data)
 
     def to_json(self) -> str:
-        """Deterministic JSON text (sorted keys, floats to 6 significant digits)."""
-        return _dumps(self.data) + "\n"
+        """Deterministic JSON text (sorted keys, floats to 6 significant
+        digits), repeated layers collapsed into templates (:func:`collapse`;
+        a plan read from a version-1 file is written as it was read)."""
+        return _dumps(collapse(self.data) if self.version >= 2 else self.data) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan atomically: to a temporary file beside ``path``,
@@ -228,20 +345,22 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
-        """Validate ``d`` against the schema. Raises :class:`PlanError`."""
+        """The plan of the file form ``d`` (either version of
+        :data:`PLAN_VERSIONS`), validated against its schema, templates
+        written out. Raises :class:`PlanError`."""
         if not isinstance(d, dict):
             raise PlanError(f"{where}: a plan is a JSON object, got {type(d).__name__}")
         version = d.get("plan_version")
-        if version != PLAN_VERSION:
+        if type(version) is not int or version not in PLAN_VERSIONS:
             raise PlanError(f"{where}: plan_version {version!r} is not supported; this autopar "
-                            f"({__version__}) reads version {PLAN_VERSION}")
+                            f"({__version__}) reads versions {', '.join(map(str, PLAN_VERSIONS))}")
         try:
-            jsonschema.validate(d, PLAN_SCHEMA)
+            jsonschema.validate(d, PLAN_SCHEMA if version == PLAN_VERSION else plan_schema(version))
         except jsonschema.ValidationError as e:
             path = "/".join(str(p) for p in e.absolute_path) or "<top>"
             raise PlanError(f"{where}: invalid plan at '{path}': {e.message}") from None
         _check_consistent(d, where)
-        return cls(d)
+        return cls(expand(d) if version >= 2 else d)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
@@ -255,6 +374,40 @@ class Plan:
         except OSError as e:      # a directory, no permission
             raise PlanError(f"plan file {str(p)!r} cannot be read: {e.strerror or e}") from None
         return cls.from_dict(d, where=f"plan file {str(p)!r}")
+
+    def op_keys(self, graph: Any) -> dict[str, str]:
+        """``{node name: the key of its entry in ops}`` for ``graph``: its
+        stable op keys (:meth:`autopar.graph.Graph.op_keys`), the fx node
+        names themselves for a version-1 plan."""
+        if self.version >= 2:
+            return graph.op_keys()
+        return {nd.name: nd.name for nd in graph.nodes if not nd.is_state}
+
+    def patterns(self) -> Callable[[str], str]:
+        """A function naming a parameter or op key by its template: its
+        repeated-layer instance replaced by the group's name
+        (``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``;
+        in a plan without groups, version 1, every number of a dotted path)."""
+        groups = {i: g["name"] for g in self.data.get("layers") or [] for i in g["instances"]}
+        return lambda key: _pattern(key, groups)
+
+    def upgraded(self, graph: Any) -> "Plan":
+        """This plan in the current version, for ``graph``, the model it was
+        made for (the fingerprints must match): a version-1 plan's ops keyed
+        by their stable keys instead of fx node names (ops ``graph`` lacks,
+        another loss function's, are dropped), default fields left out, the
+        repeated-layer groups recorded. The placements and predictions stay
+        as they are. Raises :class:`PlanError` for a plan of another model."""
+        if self.version >= PLAN_VERSION:
+            return self
+        self.check_model(graph.fingerprint, graph.name)
+        keys = graph.op_keys()
+        d = {**self.data, "plan_version": PLAN_VERSION, "parallel": parallel_record(self.config)}
+        d["ops"] = {keys[n]: {k: v for k, v in e.items() if k != "split" or any(v)}
+                    for n, e in self.data["ops"].items() if n in keys}
+        if graph.groups:
+            d["layers"] = [{"name": g.name, "instances": list(g.instances)} for g in graph.groups]
+        return Plan(_round(d), planning_time_s=self.planning_time_s, graph=graph)
 
     def check_graph(self, graph: Any) -> None:
         """Refuse a plan whose placements cannot be this graph's: a parameter
@@ -279,10 +432,12 @@ class Plan:
             _check_shard(f"{where}: parameter {pname}", place, nd.out.shape if nd.out is not None else (), tp)
         by_node = {nd.name: nd.param for nd in graph.nodes if nd.param}
         reads: dict[str, list[tuple[str, str]]] = {}     # parameter -> (op, placement it reads) per reader
-        for op, e in self.data["ops"].items():
-            if op not in graph:
+        ops = self.data["ops"]
+        for name, op in self.op_keys(graph).items():
+            e = ops.get(op)
+            if e is None:
                 continue        # another loss function's ops: the strategy's placements are derived again
-            for i, ins in zip(graph[op].inputs, e["in"]):
+            for i, ins in zip(graph[name].inputs, e["in"]):
                 if by_node.get(i) in params:
                     reads.setdefault(by_node[i], []).append((op, ins[1]))
         for pname, readers in reads.items():
@@ -303,37 +458,39 @@ class Plan:
                             "make a new plan for it with autopar.plan(...)")
 
     def diff(self, other: "Plan") -> dict[str, Any]:
-        """What changes from this plan to ``other``: the model (same
-        fingerprint or not), cluster, devices, global batch, every strategy
-        key that differs, the parameters and ops placed otherwise (counts and
-        a few names), and each prediction's change (absolute and relative)."""
+        """What changes from this plan to ``other``, as a JSON-able dict:
+        ``identical`` (everything but the autopar version equal), the model
+        (same fingerprint or not), the request (cluster, devices, global
+        batch, precision, optimizer), every strategy key and pipeline field
+        that differs (``[from, to]``), the parameters and ops placed
+        otherwise summarised per template (repeated layers counted under
+        their group's name, ``model.blocks.*.attn.q.weight``), each
+        prediction's change (``from``, ``to``, ``delta``, ``relative``; the
+        memory per device by part), and the other sections that differ."""
         a, b = self.data, other.data
-
-        def changed(x: dict, y: dict) -> dict[str, list]:
-            return {k: [x.get(k), y.get(k)] for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)}
-
-        params = changed(a["params"], b["params"])
-        ops = changed({k: v["out"] for k, v in a["ops"].items()}, {k: v["out"] for k, v in b["ops"].items()})
-        pred = {}
-        for k in ("step_time_s", "compute_time_s", "tp_comm_time_s", "dp_comm_time_s", "peak_memory_bytes",
-                  "tflops_per_device", "fits"):
-            x, y = a["predicted"].get(k), b["predicted"].get(k)
-            if x != y:
-                rel = (y - x) / x if isinstance(x, (int, float)) and not isinstance(x, bool) and x else None
-                pred[k] = {"from": x, "to": y, **({"relative": rel} if rel is not None else {})}
-        return {
+        differ = sorted(k for k in set(a) | set(b) if k != "autopar_version" and a.get(k) != b.get(k))
+        request = ("devices", "global_batch", "precision", "optimizer")
+        pipe_a, pipe_b = a.get("pipeline") or {}, b.get("pipeline") or {}
+        out = {
+            "identical": not differ,
             "same_model": a["model"]["fingerprint"] == b["model"]["fingerprint"],
-            "request": changed({k: a[k] for k in ("devices", "global_batch", "precision", "optimizer")} |
-                               {"cluster": a["cluster"]["name"]},
-                               {k: b[k] for k in ("devices", "global_batch", "precision", "optimizer")} |
-                               {"cluster": b["cluster"]["name"]}),
-            "parallel": changed(a["parallel"], b["parallel"]),
-            "params": {"changed": len(params), "of": len(set(a["params"]) | set(b["params"])),
-                       "examples": dict(list(params.items())[:5])},
-            "ops": {"changed": len(ops), "of": len(set(a["ops"]) | set(b["ops"])),
-                    "examples": dict(list(ops.items())[:5])},
-            "predicted": pred,
+            "request": _changed({k: a[k] for k in request} | {"cluster": a["cluster"]["name"]},
+                                {k: b[k] for k in request} | {"cluster": b["cluster"]["name"]}),
+            "parallel": _changed(dataclasses.asdict(self.config), dataclasses.asdict(other.config)),
+            "pipeline": _changed({k: pipe_a.get(k) for k in ("schedule", "layers", "bubble_fraction")},
+                                 {k: pipe_b.get(k) for k in ("schedule", "layers", "bubble_fraction")}),
+            "params": _placement_changes(self, other, "params"),
+            "predicted": _prediction_changes(a["predicted"], b["predicted"]),
         }
+        # said above: the cluster when its name changed (a calibrated cluster of the same name differs here)
+        shown = {"params", "ops", "predicted", "parallel", "mesh", "pipeline", "layers", *out["request"]}
+        out["other"] = [k for k in differ if k not in shown]
+        if self.version == other.version:
+            out["ops"] = _placement_changes(self, other, "ops")
+        else:       # version-1 ops are keyed by fx node names: nothing to pair them with
+            out["ops"] = {"changed": None, "note": f"not compared: plan versions {self.version} and "
+                                                   f"{other.version} key their ops differently"}
+        return out
 
     # -- presentation ---------------------------------------------------------
     def summary(self, width: int = 100) -> str:
@@ -446,3 +603,62 @@ def _check_consistent(d: dict[str, Any], where: str) -> None:
         total *= n
     if d["devices"] != total:
         raise PlanError(f"{where}: 'devices' is {d['devices']} but the mesh {dict(zip(axes, shape))} has {total}")
+
+
+# -- diff ---------------------------------------------------------------------------------------------------
+def _changed(x: dict[str, Any], y: dict[str, Any]) -> dict[str, list]:
+    """``{key: [x's value, y's value]}`` for each key whose values differ (None: absent)."""
+    return {k: [x.get(k), y.get(k)] for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)}
+
+
+def _pattern(key: str, groups: dict[str, str]) -> str:
+    """``key`` with its repeated-layer instance replaced by the group's name
+    (``model.blocks.7.attn.q.weight`` -> ``model.blocks.*.attn.q.weight``);
+    ``groups`` maps instances to group names. A plan without groups (version
+    1) has every number in a dotted path replaced."""
+    if not groups:
+        return re.sub(r"(?<=\.)\d+(?=[.:]|$)", "*", key)
+    inst = _owner(key, set(groups))
+    return key if inst is None else _absolute(groups[inst], _relative(key, inst))
+
+
+def _placement_changes(p: "Plan", q: "Plan", section: str) -> dict[str, Any]:
+    """The entries of ``section`` (params or ops) that differ between ``p``
+    and ``q``: how many of how many, and per template (pattern, from, to) the
+    number of tensors or ops changed that way, most first."""
+    x, y = p.data[section], q.data[section]
+    groups = {i: g["name"] for d in (p.data, q.data) for g in d.get("layers") or [] for i in g["instances"]}
+    keys = sorted(set(x) | set(y))
+    changes: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for k in keys:
+        if x.get(k) == y.get(k):
+            continue
+        pat = _pattern(k, groups)
+        c = changes.setdefault((pat, _dumps(x.get(k)), _dumps(y.get(k))),
+                               {"pattern": pat, "from": x.get(k), "to": y.get(k), "count": 0})
+        c["count"] += 1
+    templates = sorted(changes.values(), key=lambda c: (-c["count"], c["pattern"]))
+    return {"changed": sum(c["count"] for c in templates), "of": len(keys), "templates": templates}
+
+
+_PREDICTIONS = ("step_time_s", "compute_time_s", "tp_comm_time_s", "dp_comm_time_s", "cp_comm_time_s",
+                "optimizer_time_s", "tflops_per_device", "peak_memory_bytes", "host_memory_bytes", "fits")
+
+
+def _prediction_changes(x: dict[str, Any], y: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each prediction that differs (the memory per device by part as
+    ``memory.<part>``): ``from``, ``to``, and for numbers the signed
+    ``delta`` and the ``relative`` change (None from zero)."""
+    flat = [{**{k: d.get(k) for k in _PREDICTIONS},
+             **{f"memory.{k}": v for k, v in (d.get("memory") or {}).items()}} for d in (x, y)]
+    out = {}
+    for k in [*_PREDICTIONS, *sorted(set(flat[0]) | set(flat[1]) - set(_PREDICTIONS))]:
+        u, v = flat[0].get(k), flat[1].get(k)
+        if u == v:
+            continue
+        ch: dict[str, Any] = {"from": u, "to": v}
+        if all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in (u, v)):
+            ch["delta"] = rounded(v - u)
+            ch["relative"] = rounded((v - u) / u) if u else None
+        out[k] = ch
+    return out

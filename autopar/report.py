@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import html
 import os
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -173,8 +172,9 @@ def _placements(plan: Plan) -> str:
     (``blocks.7.attn.q.weight`` counts under ``blocks.*.attn.q.weight``)."""
     axes = [a for a in plan.data["mesh"]["axes"] if a != "pp"]
     patterns: dict[str, Counter] = {}
+    pattern = plan.patterns()
     for name, pl in plan.data["params"].items():
-        patterns.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name), Counter())[tuple(pl)] += 1
+        patterns.setdefault(pattern(name), Counter())[tuple(pl)] += 1
     head = "".join(f"<th>{_e(a)}</th>" for a in axes)
     rows = []
     for pat, pairs in patterns.items():

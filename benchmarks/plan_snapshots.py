@@ -1,12 +1,18 @@
 """Plans and estimates of the benchmark cases, written as files to compare
-across a refactoring: the same inputs must give byte-identical plans.
+across a refactoring: the same inputs must give the same plans.
 
     python -m benchmarks.plan_snapshots OUT_DIR [--quick]
-    diff -r BEFORE_DIR AFTER_DIR
+    diff -r BEFORE_DIR AFTER_DIR                                   # same plan format: bytes
+    python -m benchmarks.plan_snapshots --compare BEFORE_DIR AFTER_DIR   # across plan formats: content
 
 Each case writes ``<name>.json``: the plan's ``to_json()`` (automatic cases)
 or the estimate's ``to_dict()`` (manual strategies). Planning time is printed,
 never written, so the files depend only on the planner's decisions.
+``--compare`` reads both directories' plans, brings an older plan version to
+the current one for its case's model (:meth:`autopar.Plan.upgraded`: ops
+re-keyed, nothing else changed) and compares their content (everything but
+the autopar version; estimates as JSON), naming what differs; exit code 1
+when anything does.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import time
 from pathlib import Path
 
 import autopar
+from autopar.api import as_graph
+from autopar.plan import PLAN_VERSION, Plan
 
 GPT_1_3B = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
 GPT_6_7B = "gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200"
@@ -55,12 +63,51 @@ def run_case(model: str, cluster: str, devices: int, batch: int, strategy: str, 
     return json.dumps(est.to_dict(), indent=1, sort_keys=True)
 
 
+def _content(path: Path, model: str) -> dict:
+    """What a snapshot file says, independent of the plan format: an
+    estimate's JSON, or a plan's data in the current version (the autopar
+    version left out)."""
+    d = json.loads(path.read_text())
+    if "plan_version" not in d:
+        return d
+    p = Plan.from_dict(d, where=str(path))
+    if p.version < PLAN_VERSION:
+        p = p.upgraded(as_graph(model))
+    return {k: v for k, v in p.data.items() if k != "autopar_version"}
+
+
+def compare(before: Path, after: Path) -> int:
+    """Compare the snapshots of two directories by content; print each case
+    that differs (and what differs in it). Returns 0 when all are equal, 1 otherwise."""
+    models = {name: model for name, model, *_ in FULL}
+    bad = 0
+    for path in sorted(before.glob("*.json")):
+        other = after / path.name
+        if not other.exists():
+            print(f"{path.stem}: missing in {after}")
+            bad += 1
+            continue
+        x, y = _content(path, models[path.stem]), _content(other, models[path.stem])
+        if x != y:
+            print(f"{path.stem}: differs in {', '.join(sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k)))}")
+            bad += 1
+        else:
+            print(f"{path.stem}: same content")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("after", type=Path, nargs="?", help="with --compare: the directory to compare OUT with")
     ap.add_argument("--quick", action="store_true", help="skip the 175B cases")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--compare", action="store_true", help="compare the snapshots in OUT and AFTER by content")
     args = ap.parse_args(argv)
+    if args.compare:
+        if args.after is None:
+            ap.error("--compare needs two directories: BEFORE AFTER")
+        return compare(args.out, args.after)
     args.out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
     for name, model, cluster, devices, batch, strategy, kwargs in (QUICK if args.quick else FULL):

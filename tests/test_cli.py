@@ -54,7 +54,9 @@ def test_plan_json_is_only_json_and_uses_all_devices():
 def test_plan_plain_excludes_the_memory_options():
     d = json.loads(ok("plan", TINY, *WHERE, "--plain", "--json").stdout)
     assert d["parallel"]["zero"] == 0 and d["parallel"]["recompute"] == "none"
-    assert not d["parallel"]["sequence_parallel"] and d["parallel"]["offload"] == "none"
+    # keys at their defaults are left out of the plan (issue 18): read them through the config
+    cfg = autopar.Plan.from_dict(d).config
+    assert not cfg.sequence_parallel and cfg.offload == "none" and "offload" not in d["parallel"]
 
 
 def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):
@@ -64,7 +66,9 @@ def test_plan_out_is_a_loadable_plan_that_show_reads(saved_plan):
     assert "dp=2,tp=2" in res.stdout
     assert "parameter placements" in res.stdout and "S(" in res.stdout   # tp shards some weights
     assert "op strategies" in res.stdout
-    assert json.loads(ok("show", saved_plan, "--json").stdout) == plan.to_dict()
+    shown = ok("show", saved_plan, "--json").stdout      # the plan file as saved (compact)
+    assert shown == plan.to_json() == saved_plan.read_text()
+    assert autopar.Plan.from_dict(json.loads(shown)).to_dict() == plan.to_dict()
 
 
 def test_show_missing_file_exits_2(tmp_path):
@@ -188,16 +192,33 @@ def test_pipeline_plan_and_timeline(tmp_path, saved_plan):
     assert "micro_batch_num" in fails("plan", TINY, *WHERE, "--strategy", "pp=4,microbatches=2")
 
 
-def test_diff_two_plans(tmp_path):
-    """issue 18: `autopar diff a.json b.json`: what changed and what it does to the predictions."""
+def test_diff_two_plans(tmp_path, monkeypatch):
+    """issue 18: `autopar diff a.json b.json`: what changed (per template of the repeated layers) and what it does
+    to the predictions, in human units with signed deltas; exit 0 when identical, 1 when not; --json only JSON."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     ok("plan", TINY, *WHERE, "--strategy", "dp=2,tp=2", "--out", a)
     ok("plan", TINY, *WHERE, "--strategy", "dp=4", "--out", b)
-    d = json.loads(ok("diff", a, b, "--json").stdout)
-    assert d["same_model"] and d["parallel"]["dp"] == [2, 4] and d["parallel"]["tp"] == [2, 1]
+    res = run("diff", a, b, "--json")
+    assert res.exit_code == 1
+    d = json.loads(res.stdout)          # nothing but JSON
+    assert not d["identical"] and d["same_model"] and d["parallel"] == {"dp": [2, 4], "tp": [2, 1]}
     assert 0 < d["params"]["changed"] <= d["params"]["of"] and "step_time_s" in d["predicted"]
-    text = ok("diff", a, b).stdout
-    assert "2 -> 4" in text and "placed otherwise" in text and "step time" in text
-    same = json.loads(ok("diff", a, a, "--json").stdout)
-    assert same["parallel"] == {} and same["params"]["changed"] == 0 and same["predicted"] == {}
+    q = next(t for t in d["params"]["templates"] if t["pattern"] == "model.blocks.*.attn.q.weight")
+    assert (q["from"], q["to"], q["count"]) == (["R", "S(0)"], ["R", "R"], 2)
+    from rich.console import Console
+    monkeypatch.setattr("autopar.cli.out", Console(highlight=False, width=200))    # a wide terminal: no wrapping
+    res = run("diff", a, b, "--limit", "0")
+    assert res.exit_code == 1
+    text = " ".join(res.stdout.split())
+    assert "dp │ 2 -> 4" in text and "placed otherwise" in text
+    assert "model.blocks.*.attn.q.weight │ R,S(0) -> R,R (x2)" in text
+    assert "model.blocks.*.attn.q:linear │ batch0,colwise (S(0),S(2)) -> batch0,replicate (S(0),R) (x2)" in text
+    st = re.search(r"step time │ ([\d.]+) ms -> ([\d.]+) ms \((-[\d.]+ µs), (-[\d.]+)%\)", text)
+    assert st, text
+    pm = re.search(r"peak memory per device │ ([\d.]+) MiB -> ([\d.]+) MiB \((\+[\d.]+ KiB), (\+[\d.]+)%\)", text)
+    assert pm, text
+    res = run("diff", a, a)
+    assert res.exit_code == 0 and "are the same plan" in res.stdout
+    same = run("diff", a, a, "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["identical"]
     assert "does not exist" in fails("diff", a, tmp_path / "none.json")

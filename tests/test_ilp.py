@@ -172,8 +172,8 @@ def test_pins_are_kept(mode):
     assert p.data["search"]["pins"] == {"blocks.0.mlp.fc.weight": "S(1)", "blocks.1.attn.q.weight": "R",
                                         "blocks.0.attn": "S(1)"}
     assert autopar.Plan.from_dict(json.loads(p.to_json())).to_json() == p.to_json()   # valid against the schema
-    out = [n for n, e in p.data["ops"].items() if n == "add_8"]    # blocks.0.attn's output (o-projection bias add)
-    assert out and p.data["ops"]["add_8"]["out"][1] == "S(1)"
+    # blocks.0.attn's output: the o-projection's bias add, under its stable key (module and op, not fx's add_8)
+    assert p.data["ops"]["model.blocks.0.attn.o:add"]["out"][1] == "S(1)"
 
 
 def test_shard_annotation_on_module():

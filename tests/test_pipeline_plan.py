@@ -162,7 +162,7 @@ def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
     p = autopar.plan(gpt, cluster="cpu", devices=4, global_batch=8, strategy="pp=2,tp=2,microbatches=4")
     assert p.data["mesh"] == {"shape": [2, 1, 2], "axes": ["pp", "dp", "tp"]}
     assert p.data["pipeline"]["layers"] == [2, 2] and p.data["pipeline"]["schedule"] == "1f1b"
-    assert p.parallel["chunks"] == 1
+    assert p.config.chunks == 1 and "chunks" not in p.parallel      # a default: left out of the plan
     assert "schedule=1f1b" in p.strategy
     loaded = autopar.Plan.load(p.save(tmp_path / "p.json"))
     assert loaded.config == parse_strategy("pp=2,tp=2,microbatches=4,precision=fp32", 4)

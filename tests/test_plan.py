@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -96,7 +98,7 @@ def test_bad_op_placement(gpt_plan):
     assert f"ops/{op}/out/0" in str(e)
 
 
-@pytest.mark.parametrize("version", [2, 0, "1", None])
+@pytest.mark.parametrize("version", [PLAN_VERSION + 1, 0, "1", None])
 def test_wrong_plan_version(gpt_plan, version):
     e = _bad(gpt_plan, lambda d: d.__setitem__("plan_version", version))
     assert f"plan_version {version!r} is not supported" in str(e)
@@ -270,3 +272,116 @@ def test_save_is_atomic(gpt_plan, tmp_path, monkeypatch):
         gpt_plan.save(path)
     assert path.read_text() == before and Plan.load(path) == gpt_plan
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]      # no temporary left behind
+
+
+# ------------------------------------------------------------------ the compact format (issue 18, item 7)
+GPT3 = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+GPT3_STRATEGY = "dp=32,tp=4,pp=8,microbatches=48,schedule=interleaved,chunks=2,zero=1"
+#: the same plan's to_json() in plan version 1 (ops under fx node names, every layer written out): 692,297 bytes
+#: (the automatic 175B plan on 1024 A100s: 693,284); version 2 writes it in 21,096
+GPT3_V1_BYTES = 692_297
+V1_PLAN = Path(__file__).parent / "data" / "gpt-plan-v1.json"     # written by autopar 0.1.0 at plan version 1
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    return autopar.plan(GPT3, cluster="dgx-a100-80g", devices=1024, global_batch=1536, strategy=GPT3_STRATEGY)
+
+
+def test_175b_plan_is_compact(gpt3_plan, tmp_path):
+    text = gpt3_plan.to_json()
+    assert len(text) * 10 <= GPT3_V1_BYTES, len(text)         # 1/33 measured; at least 1/10
+    d = json.loads(text)
+    assert d["plan_version"] == PLAN_VERSION == 2
+    # one template stands for the 96 equal blocks: their 1,536 parameters and ~2,600 ops are not listed one by one
+    (t,) = d["templates"]
+    assert t["instances"] == [f"model.blocks.{i}" for i in range(96)] == d["layers"][0]["instances"]
+    assert len(d["params"]) + 96 * len(t["params"]) == len(gpt3_plan.data["params"]) == 1541
+    assert "attn.q.weight" in t["params"] and "attn.q:linear" in t["ops"] and ":add" in t["ops"]
+    # keys are module paths and positions, not fx's counters; no default fields
+    assert not re.search(r'"(add|linear|view)_\d+"', text)
+    assert '"reduce_dtype"' not in text and '"split": [\n    false,\n    false' not in text
+    assert '"overlap"' not in text and '"offload"' not in text
+    # and it reads back to the same plan, which writes the same bytes
+    loaded = Plan.load(gpt3_plan.save(tmp_path / "175b.json"))
+    assert loaded == gpt3_plan and loaded.to_json() == text
+    assert loaded.data["ops"].keys() == gpt3_plan.data["ops"].keys() and len(loaded.data["ops"]) > 2500
+
+
+def test_stable_op_keys(gpt_graph):
+    """A layer's op keys do not depend on how many layers come before or after it."""
+    keys2 = gpt_graph.op_keys()
+    keys4 = as_graph(GPT.replace("layers=2", "layers=4")).op_keys()
+    first = {k for k in keys2.values() if k.startswith("model.blocks.0")}
+    assert first and first == {k for k in keys4.values() if k.startswith("model.blocks.0")}
+    assert {k for k in keys2.values() if not k.startswith("model.blocks.")} == \
+        {k for k in keys4.values() if not k.startswith("model.blocks.")}
+    assert keys2["add_8"] == "model.blocks.0.attn.o:add" and keys2["cross_entropy"] == ":cross_entropy"
+    assert len(set(keys2.values())) == len(keys2)
+
+
+def test_byte_deterministic_whatever_the_order(gpt_plan):
+    """Same plan, same bytes: the order entries were recorded in does not show."""
+    shuffled = copy.deepcopy(gpt_plan.data)
+    for section in ("params", "ops"):
+        shuffled[section] = dict(reversed(list(shuffled[section].items())))
+    again = Plan(shuffled)
+    assert again == gpt_plan and again.to_json() == gpt_plan.to_json()
+
+
+def test_an_edited_layer_leaves_the_template(gpt_plan, gpt_graph):
+    """One layer placed otherwise is written out on its own; a flat entry wins over a template."""
+    data = copy.deepcopy(gpt_plan.data)
+    data["ops"]["model.blocks.1.mlp.gelu:gelu"]["strategy"][1] = "edited"
+    d = json.loads(Plan(data).to_json())
+    assert "templates" not in d and "model.blocks.1.mlp.gelu:gelu" in d["ops"]      # two layers, now unequal
+    d = json.loads(gpt_plan.to_json())
+    d["params"]["model.blocks.1.mlp.fc.weight"] = ["R", "R"]                       # a hand edit of one layer
+    edited = Plan.from_dict(d)
+    assert edited.data["params"]["model.blocks.1.mlp.fc.weight"] == ["R", "R"]
+    assert edited.data["params"]["model.blocks.0.mlp.fc.weight"] == gpt_plan.data["params"]["model.blocks.0.mlp.fc.weight"]
+    with pytest.raises(PlanError, match="in 'params' but op"):
+        edited.check_graph(gpt_graph)
+
+
+def test_bad_template_placement(gpt_plan):
+    d = json.loads(gpt_plan.to_json())
+    d["templates"][0]["params"]["attn.q.weight"][1] = "S(x)"
+    with pytest.raises(PlanError, match="templates/0/params/attn.q.weight/1"):
+        Plan.from_dict(d)
+
+
+def test_version_1_plans_still_load(gpt_plan, gpt_graph, tmp_path):
+    """A plan file written at plan version 1 (tests/data, by the code before this format) reads, checks against
+    its model, gives the same decisions, is written back as it was, and upgrades to this plan."""
+    old = Plan.load(V1_PLAN)
+    assert old.version == 1 and old.strategy == gpt_plan.strategy and old.predicted == gpt_plan.predicted
+    assert old.data["params"] == gpt_plan.data["params"] and "add_8" in old.data["ops"]
+    old.check_graph(gpt_graph)
+    a, b = sharding_from_plan(gpt_graph, old), sharding_from_plan(gpt_graph, gpt_plan)
+    assert a.out == b.out and a.strategy == b.strategy
+    assert old.to_json() == V1_PLAN.read_text()
+    assert Plan.load(old.save(tmp_path / "v1.json")) == old
+    new = old.upgraded(gpt_graph)
+    assert new.version == 2 and {**new.data, "autopar_version": ""} == {**gpt_plan.data, "autopar_version": ""}
+    assert new.to_json().replace(new.data["autopar_version"], "") == \
+        gpt_plan.to_json().replace(gpt_plan.data["autopar_version"], "")
+    with pytest.raises(PlanError, match="fingerprint"):
+        old.upgraded(as_graph("mlp:layers=2,inp=8,hidden=16,classes=4"))
+    assert old.diff(gpt_plan)["ops"]["changed"] is None and old.diff(gpt_plan)["params"]["changed"] == 0
+
+
+def test_diff_by_template():
+    a = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="dp=2,tp=2")
+    b = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, strategy="dp=4")
+    d = a.diff(b)
+    assert not d["identical"] and d["parallel"] == {"dp": [2, 4], "tp": [2, 1]}
+    q = next(t for t in d["params"]["templates"] if t["pattern"] == "model.blocks.*.attn.q.weight")
+    assert q == {"pattern": "model.blocks.*.attn.q.weight", "from": ["R", "S(0)"], "to": ["R", "R"], "count": 2}
+    assert sum(t["count"] for t in d["params"]["templates"]) == d["params"]["changed"]
+    st = d["predicted"]["step_time_s"]
+    assert st["delta"] == pytest.approx(st["to"] - st["from"], rel=1e-5)
+    assert "memory.weights" in d["predicted"] and "peak_memory_bytes" in d["predicted"]
+    assert a.diff(a) == {"identical": True, "same_model": True, "request": {}, "parallel": {}, "pipeline": {},
+                         "params": {"changed": 0, "of": 37, "templates": []}, "predicted": {}, "other": [],
+                         "ops": {"changed": 0, "of": len(a.data["ops"]), "templates": []}}

@@ -36,7 +36,7 @@ def test_every_readme_command_runs(tmp_path, monkeypatch):
     failed = []
     for cmd in transcript.readme_commands():
         res = runner.invoke(app, shlex.split(cmd)[1:])
-        if res.exit_code != 0:
+        if res.exit_code != transcript.expected_exit(cmd):
             failed.append(f"{cmd}: exit {res.exit_code}\n{res.output[-1500:]}")
     assert not failed, "\n\n".join(failed)
     assert Path("plan.json").exists() and Path("report.html").exists()
