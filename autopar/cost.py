@@ -178,6 +178,12 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
     if global_batch < 1 or global_batch % (cfg.dp * cfg.microbatches):
         raise StrategyError(f"global batch {global_batch} is not divisible by dp={cfg.dp} x "
                             f"microbatches={cfg.microbatches} = {cfg.dp * cfg.microbatches}")
+    per_rank = global_batch // (cfg.dp * cfg.microbatches)
+    if per_rank % cfg.copies:
+        raise StrategyError(f"copies={cfg.copies}: the per-rank microbatch of {per_rank} samples (global batch "
+                            f"{global_batch} / dp={cfg.dp} / microbatches={cfg.microbatches}) does not divide "
+                            f"into {cfg.copies} copies; valid copies: "
+                            f"{', '.join(str(c) for c in divisors(per_rank))}")
 
 
 @dataclass
