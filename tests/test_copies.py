@@ -32,6 +32,31 @@ def _order(pm) -> list[tuple[str, str]]:
     return out
 
 
+def _backward_order(pm, x, y) -> list[str]:
+    """The program's nodes in the order autograd runs their backward (one more
+    forward and backward; the gradients are dropped): a split collective's
+    ``_wait`` node is where its backward collective starts, its ``_start``
+    node where that is waited for."""
+    from torch.fx import Interpreter
+
+    from autopar.runtime.collectives import Flight
+    log: list[str] = []
+
+    class Recorder(Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            t = out.token if isinstance(out, Flight) else out
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(lambda g, name=n.name: log.append(name))
+            return out
+
+    inputs, target = pm._prepare((x,), y, "backward order")
+    pm.dist_optimizer.start_microbatch(last=False)
+    Recorder(pm.program).run(*inputs, target).backward()
+    pm.dist_optimizer.zero_grad()
+    return log
+
+
 def _worker(rank: int, world: int, runs) -> dict:
     import autopar
     out = {}
@@ -42,7 +67,8 @@ def _worker(rank: int, world: int, runs) -> dict:
         losses = [pm.train_step((x,), y) for _ in range(STEPS)]
         sd = pm.full_state_dict()
         out[(spec, strategy)] = {"losses": losses, "weights": sd if rank == 0 else None,
-                                 "order": _order(pm) if rank == 0 else None}
+                                 "order": _order(pm) if rank == 0 else None,
+                                 "backward": _backward_order(pm, x, y) if strategy == RUNS[0][1] else None}
     return out
 
 
@@ -79,3 +105,15 @@ def test_copy1_computes_while_copy0_communicates(results, spec, strategy):
         if any(n.endswith("_c1") and "_start" not in n for n in between):
             overlapped += 1
     assert overlapped >= len(starts) // 2, (overlapped, len(starts))
+
+
+def test_backward_collectives_overlap_the_other_copy(results):
+    log = results[0][RUNS[0]]["backward"]
+    hidden = 0
+    for k, name in enumerate(log):
+        if name.endswith("_wait0"):      # copy 0's backward collective starts here ...
+            comm = name[:-len("_wait0")]
+            end = log.index(f"{comm}_start0", k)      # ... and is waited for here
+            hidden += any(n.endswith("_c1") for n in log[k + 1:end])
+    # Megatron's f (reduce_grad) before every column-parallel block: its backward all-reduce
+    assert hidden >= 4, log
