@@ -19,6 +19,7 @@ Run: ``python -m benchmarks.multi_copy [--steps N]``; results in
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 from benchmarks.common import device_tag, save
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args(argv)
     pred = predicted()
+    load = os.getloadavg()[0]
     meas = measured(args.steps)
+    load = max(load, os.getloadavg()[0])
     rows = [[r["model"], r["cluster"], r["strategy"], r["step_s"], r["copies2_step_s"],
              f"{r['copies2_gain'] * 100:+.1f}%", r["copies4_step_s"], f"{r['copies4_gain'] * 100:+.1f}%",
              r["tp_comm_s"], r["copies2_tp_comm_s"]] for r in pred]
@@ -113,7 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
            "summary": summary,
            "table": {"columns": ["model", "cluster", "strategy", "step s", "copies=2 s", "gain", "copies=4 s",
                                  "gain", "tp comm s", "copies=2 tp comm s"], "rows": rows},
-           "device": device_tag(), "predicted": pred, "measured": meas, "params": {"steps": args.steps}}
+           "notes": [f"load average of this 2-core machine during the measured runs: up to {load:.1f} (other "
+                     "jobs): the measured step times are far above the cpu preset's predictions and vary by tens "
+                     "of percent between runs; compare copies=1 and copies=2 only as a rough indication",
+                     "on the cpu preset comm_overlap is 0, so the cost model predicts copies to cost time there "
+                     "(more, smaller ops and messages); gloo does run the async collectives on its own threads, "
+                     "which can hide some waiting on other ranks"],
+           "device": device_tag(), "predicted": pred, "measured": meas, "load_average": load,
+           "params": {"steps": args.steps}}
     save("multi_copy", res)
     return res
 
