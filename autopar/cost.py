@@ -67,7 +67,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, track_batch
+from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, scaled_shapes, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
@@ -158,6 +158,16 @@ def _tp_sizes_cached(graph: Graph) -> list[int]:
     return graph.memo(("tp_valid_sizes",), lambda: tp_valid_sizes(graph))
 
 
+def _times_copies(sums: tuple, n: int) -> tuple:
+    """One copy's microbatch sums (:meth:`CostModel._microbatch_sums`) for
+    ``n`` copies of it: times, saved values and transients add up (the
+    copies' values live at once in the interleaved program); the
+    per-instance dicts scaled alike."""
+    if n == 1:
+        return sums
+    return tuple({k: v * n for k, v in x.items()} if isinstance(x, dict) else x * n for x in sums)
+
+
 def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: int) -> None:
     """Raise :class:`StrategyError` if ``cfg`` cannot run this model on ``devices``."""
     if cfg.devices != devices:
@@ -178,6 +188,12 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
     if global_batch < 1 or global_batch % (cfg.dp * cfg.microbatches):
         raise StrategyError(f"global batch {global_batch} is not divisible by dp={cfg.dp} x "
                             f"microbatches={cfg.microbatches} = {cfg.dp * cfg.microbatches}")
+    per_rank = global_batch // (cfg.dp * cfg.microbatches)
+    if per_rank % cfg.copies:
+        raise StrategyError(f"copies={cfg.copies}: the per-rank microbatch of {per_rank} samples (global batch "
+                            f"{global_batch} / dp={cfg.dp} / microbatches={cfg.microbatches}) does not divide "
+                            f"into {cfg.copies} copies; valid copies: "
+                            f"{', '.join(str(c) for c in divisors(per_rank))}")
 
 
 @dataclass
@@ -402,6 +418,17 @@ class CostModel:
         shown = max(c, n * c - backward_s * (1 - 1 / n) * self.cluster.device.comm_overlap)
         return shown + self._beside(n * c - shown)
 
+    def _copies_overlap(self, n: int, compute: float, tp_comm: float) -> tuple[float, float]:
+        """Multi-copy parallel (``copies=n``): the tensor-parallel
+        communication left exposed and the compute beside the hidden part.
+        A copy's collectives run while the other ``n - 1`` copies compute, so
+        up to ``(n - 1) / n`` of them hide behind as much of the compute,
+        times the device's ``comm_overlap`` (0 on the CPU here: nothing
+        hides, and copies only cost the smaller ops' efficiency); what hides
+        slows the compute beside it (:meth:`_beside`)."""
+        hidden = self.cluster.device.comm_overlap * (n - 1) / n * min(tp_comm, compute)
+        return tp_comm - hidden, compute + self._beside(hidden)
+
     def _beside(self, resident_s: float) -> float:
         """Compute time lost to collectives resident ``resident_s`` seconds
         beside it (summed over concurrent ones): NCCL's thread blocks hold the
@@ -616,19 +643,24 @@ class CostModel:
                        devices: int) -> Estimate:
         """:meth:`estimate` without a pipeline (``cfg`` checked). (Long because the
         Estimate's fields are assembled here, one per line.)"""
-        tp, dp, m = cfg.tp, cfg.dp, cfg.microbatches
+        tp, dp, m, n = cfg.tp, cfg.dp, cfg.microbatches, cfg.copies
         topo = self.topology((dp, tp))
-        local_batch = global_batch / (dp * m)
+        local_batch = global_batch / (dp * m * n)     # one copy's samples (the microbatch's without copies)
+        if n > 1:
+            shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         isz = self.itemsize
         # the sums see dp only through the samples per rank and the tp axis's link
         skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute == "selective", id(sh))
         if skey not in self.cache.sums:
             self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
-        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm = self.cache.sums[skey]
+        fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm = \
+            _times_copies(self.cache.sums[skey], n)
 
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         compute = m * (passes * fwd + refwd)    # selective: the cheap ops of the layers run again
         tp_comm_total = m * (tp_comm + (_comm_passes(cfg) - 1) * layer_comm)
+        if n > 1:
+            tp_comm_total, compute = self._copies_overlap(n, compute, tp_comm_total)
 
         # model states, data-parallel communication, optimizer
         local_params, n_tensors = self._local_params(sh, tp)
@@ -638,10 +670,10 @@ class CostModel:
         activations = saved_outside + sum(inst_saved.values())
         recomputed = 0.0     # one layer's values materialised again while its backward runs
         if cfg.recompute == "full" and inst_saved:
-            activations = saved_outside + self._layer_inputs(sh, shapes, tp)
+            activations = saved_outside + n * self._layer_inputs(sh, shapes, tp)
             recomputed = max(inst_saved.values())
         elif cfg.recompute == "selective" and inst_saved:
-            activations += self._layer_inputs(sh, shapes, tp)
+            activations += n * self._layer_inputs(sh, shapes, tp)
             recomputed = max(inst_full[k] - inst_saved[k] for k in inst_saved)
         gathered = self._gathered(cfg, sh)
         # DDP-style (ZeRO-0, fp32, on the device) and FSDP2 (ZeRO-3) with one microbatch: the

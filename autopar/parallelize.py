@@ -35,7 +35,8 @@ import torch.nn as nn
 from . import api, ops
 from .compile.fx_utils import get_attr
 from .compile.context import apply_cp as _apply_cp
-from .compile.regions import layer_regions
+from .compile.copies import apply_copies as _apply_copies
+from .compile.regions import layer_labels, layer_regions
 from .compile.rewrite import LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
@@ -56,7 +57,7 @@ from .strategies.context import positions, sequence_length
 from .trace import keyword_inputs, trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp",
-           "trace_local_sequence", "apply_pipeline",
+           "trace_local_sequence", "apply_copies", "apply_pipeline",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
 
 
@@ -149,6 +150,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph)
     if cfg.cp > 1:
         apply_cp(prog, run_graph, cfg, mesh, graph)
+    if cfg.copies > 1:
+        apply_copies(prog, run_graph, cfg)
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
@@ -287,6 +290,9 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
+    if cfg.copies > 1 and (cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp == 1):
+        raise UnsupportedError(f"copies={cfg.copies} runs with tp > 1 and without pp, cp and zero=3; this plan has "
+                               f"{cfg.to_string()}")
     if cfg.cp > 1 and cfg.zero == 3:
         raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
                                "reduced over dp x cp; use zero<=2 with context parallelism")
@@ -358,7 +364,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
         tp_sh, _ = planner.sharding(cfg)
-    shapes = scaled_shapes(graph, global_batch // cfg.microbatches, cfg.dp)
+    shapes = scaled_shapes(graph, global_batch // (cfg.microbatches * cfg.copies), cfg.dp)   # one copy's
     gm = graph.gm
     # the weights as the model holds them now (a trace in another dtype may hold copies)
     pre = graph.loss_prefix or ""
@@ -408,6 +414,17 @@ def apply_cp(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, mesh: Mesh, 
     :class:`UnsupportedError` naming an op it cannot rewrite."""
     prog.comms += _apply_cp(prog.module, graph, cp=cfg.cp, rank=mesh.coord("cp"), group=mesh.group("cp"),
                             seq=sequence_length(full), device=local_device(), full=full)
+    return prog
+
+
+def apply_copies(prog: LocalProgram, graph: Graph, cfg: ParallelConfig) -> LocalProgram:
+    """``prog`` (compiled for one copy, ``1/copies`` of a microbatch) run as
+    ``cfg.copies`` interleaved copies whose tensor-parallel collectives
+    overlap each other's compute (:mod:`autopar.compile.copies`); with
+    recompute the copies' segments are cut at layer changes so each layer
+    stays one region. Returns ``prog``."""
+    labels = layer_labels(prog.module, graph) if cfg.recompute != "none" or cfg.zero == 3 else None
+    prog.module = _apply_copies(prog.module, cfg.copies, labels)
     return prog
 
 

@@ -47,8 +47,9 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
     # precision is the user's choice, offload the search's last resort, overlap and bucket
     # size fixed at their defaults, accumulate an alias: none of them is a grid dimension; cp
     # (context parallelism) is searched only for attention over 16384 positions or more, which
-    # none of this benchmark's models has (checked below), so it is not one either
-    assert set(KEYS) == {"dp", "tp", "pp", "cp", "microbatches", "schedule", "chunks", "recompute", "zero",
+    # none of this benchmark's models has (checked below), so it is not one either; copies (2, 4
+    # where they divide the per-rank microbatch) with tp > 1 and ZeRO < 3 is
+    assert set(KEYS) == {"dp", "tp", "pp", "cp", "microbatches", "schedule", "chunks", "copies", "recompute", "zero",
                          "sequence_parallel", "accumulate", "offload", "precision", "reduce_dtype", "overlap",
                          "bucket_mb"}, f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     assert cp_choices(graph, devices) == [1], f"{graph.name} attends over a long sequence: add cp to this grid"
@@ -66,6 +67,8 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
                 for z in ZEROS:
                     for sp in ("", ",sequence_parallel=true") if tp > 1 else ("",):
                         out.append(f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z}{sp}")
+                        out += [f"dp={dp},tp={tp},pp=1,microbatches={mb},copies={n},recompute={rc},zero={z}{sp}"
+                                for n in (2, 4) if tp > 1 and z < 3 and batch // (dp * mb) % n == 0]
     out += [s for s in manual_grid(graph, devices, batch, quick=False) if ",pp=1," not in s]
     return out, rejected
 
@@ -76,7 +79,7 @@ def _eval(graph: Graph, cluster: str, devices: int, batch: int, strategy: str):
 
 def _tie_key(est) -> tuple:
     p = est.parallel
-    return (est.step_time_s, p["pp"], p["tp"], p["microbatches"], p["zero"], p["recompute"])
+    return (est.step_time_s, p["pp"], p["tp"], p["microbatches"], p["zero"], p["recompute"], p.get("copies", 1))
 
 
 def exhaustive(graph: Graph, cluster: str, devices: int, batch: int) -> dict[str, Any]:

@@ -180,6 +180,8 @@ CASES: list[Case] = [
     Case(S, '"pp=2,chunks=2" (not interleaved)', lambda fx: _strategy("pp=2,chunks=2"), r"interleaved"),
     Case(S, '"pp=2,microbatches=3,schedule=interleaved"',
          lambda fx: _strategy("pp=2,microbatches=3,schedule=interleaved"), r"multiple"),
+    Case(S, '"copies=2" without tp', lambda fx: _strategy("copies=2"), r"needs tp > 1"),
+    Case(S, '"tp=2,pp=2,copies=2"', lambda fx: _strategy("tp=2,pp=2,copies=2"), r"pipeline"),
     Case(S, '"recompute=some"', lambda fx: _strategy("recompute=some"), r"recompute"),
     Case(S, '"zero=4"', lambda fx: _strategy("zero=4"), r"zero"),
     Case(S, '"precision=fp8"', lambda fx: _strategy("precision=fp8"), r"precision"),

@@ -72,8 +72,10 @@ def test_manual_strategies_cover_the_grammar():
     strategies, rejected = plan_quality.manual_strategies(g, devices=8, batch=8)
     assert rejected == 1                                  # tp=8 does not divide 4 heads
     # tp in {1, 2, 4} (dp 8, 4, 2); microbatches divide 8/dp; 3 recompute modes x 4 ZeRO stages;
-    # with and without sequence parallelism where tp > 1
-    assert len([s for s in strategies if ",pp=1," in s]) == (1 + 2 * (2 + 3)) * 3 * 4
+    # with and without sequence parallelism where tp > 1; and copies 2 / 4 dividing the per-rank
+    # microbatch with tp > 1 and ZeRO < 3 (tp=2: mb 1; tp=4: mb 1 x copies 2, 4 and mb 2 x copies 2)
+    assert len([s for s in strategies if ",pp=1," in s]) == (1 + 2 * (2 + 3)) * 3 * 4 + (1 + 3) * 3 * 3 * 2
+    assert "dp=2,tp=4,pp=1,microbatches=1,copies=4,recompute=none,zero=2" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3,sequence_parallel=true" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3" in strategies
     g2 = as_graph("gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64")

@@ -38,7 +38,7 @@ COLOSSAL = [("dp=8", 8), ("dp=2,tp=4", 8), ("dp=2,tp=2,pp=2,microbatches=4", 8),
             ("dp=4,tp=2,precision=fp16", 8)]
 MINDFORMERS = [("dp=8", 8), ("dp=2,tp=4", 8), ("dp=2,tp=2,pp=2,microbatches=4", 8), ("dp=4,zero=1,recompute=full", 4),
                ("dp=2,tp=2,sequence_parallel=true,recompute=selective", 4), ("dp=4,microbatches=4", 4),
-               ("dp=1,tp=2,pp=4,microbatches=8,zero=1", 8)]
+               ("dp=1,tp=2,pp=4,microbatches=8,zero=1", 8), ("dp=2,tp=2,copies=2", 4)]
 TORCHTITAN = [("dp=8,precision=bf16", 8), ("dp=2,tp=4,sequence_parallel=true,precision=bf16", 8),
               ("dp=2,tp=2,pp=2,microbatches=4,sequence_parallel=true,precision=fp32", 8),
               ("dp=4,zero=3,recompute=full,precision=bf16", 4), ("dp=4,zero=2,recompute=selective,precision=bf16", 4),
@@ -224,7 +224,12 @@ def test_mindformers_modes_and_options():
     assert compat.from_mindformers(cfg, 4).config == parse_strategy("dp=2,pp=2,microbatches=4,recompute=full", 4)
     cfg = {"parallel_config": {"data_parallel": 4}, "recompute_config": {"select_recompute": ["mlp"]}}
     assert compat.from_mindformers(cfg).config.recompute == "selective"
-    with pytest.raises(UnsupportedError, match="micro_batch_interleave_num=2 is MindSpore's multi-copy"):
+    # multi-copy parallel: micro_batch_interleave_num is copies (top level or in parallel_config)
+    cfg = {"parallel_config": {"data_parallel": 2, "model_parallel": 2}, "micro_batch_interleave_num": 2}
+    assert compat.from_mindformers(cfg).config == parse_strategy("dp=2,tp=2,copies=2", 4)
+    cfg = {"parallel_config": {"model_parallel": 4, "micro_batch_interleave_num": 2}}
+    assert compat.from_mindformers(cfg, 4).config.copies == 2
+    with pytest.raises(ConfigError, match=r"copies=2 .* needs tp > 1.*micro_batch_interleave_num"):
         compat.from_mindformers({"parallel_config": {"data_parallel": 4}, "micro_batch_interleave_num": 2})
     with pytest.raises(UnsupportedError, match="expert parallel"):
         mf(data_parallel=8, expert_parallel=2)

@@ -305,3 +305,31 @@ def test_no_state_hung_on_graph_or_plan():
     # the warm state is api's, per graph; a cold plan is the same plan
     WARM.clear(g)
     assert autopar.plan(g, cluster="cpu", devices=4, global_batch=8).to_json() == p.to_json()
+
+
+# ------------------------------------------------------------------ multi-copy parallel
+def test_copies_pay_only_where_communication_overlaps():
+    spec = "gpt:layers=4,hidden=2048,heads=16,seq=1024,vocab=8192"
+    for cluster in ("dgx-a100-80g", "cpu"):
+        one = est(spec, cluster, "dp=2,tp=8", devices=16, global_batch=16)
+        two = est(spec, cluster, "dp=2,tp=8,copies=2", devices=16, global_batch=16)
+        # the copies' ops are priced at half the batch: never cheaper in total
+        assert two.compute_time_s >= one.compute_time_s * 0.999
+        if cluster == "cpu":     # comm_overlap 0: nothing hides, more and smaller messages
+            assert two.step_time_s > one.step_time_s and two.tp_comm_time_s >= one.tp_comm_time_s
+        else:                    # up to half of the tp communication hides behind the other copy
+            assert two.step_time_s < one.step_time_s
+            assert one.tp_comm_time_s * 0.4 < two.tp_comm_time_s < one.tp_comm_time_s * 0.75
+        # the copies' activations add up to the microbatch's
+        assert two.memory["activations"] == pytest.approx(one.memory["activations"], rel=0.05)
+    with pytest.raises(autopar.errors.StrategyError, match="valid copies: 1, 2, 4, 8"):
+        est(spec, "cpu", "dp=2,tp=8,copies=16", devices=16, global_batch=16)
+
+
+def test_search_tries_copies_on_gpus_only():
+    spec = "gpt:layers=8,hidden=5120,heads=40,seq=2048,vocab=50304"
+    p = autopar.plan(graph(spec), cluster="dgx-a100-80g", devices=8, global_batch=16, search_mode="grid")
+    assert p.parallel.get("copies") == 2 and p.parallel["tp"] > 1 and p.parallel["pp"] == 1
+    p = autopar.plan(graph("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"), cluster="cpu", devices=4,
+                     global_batch=8)
+    assert "copies" not in p.parallel          # comm_overlap 0: not tried, plans unchanged

@@ -348,3 +348,20 @@ def test_evaluate_valid(gpt_graph):
                            global_batch=8)
     assert est.strategy == "dp=2,tp=2,pp=1,microbatches=2,recompute=none,zero=0"
     assert est.parallel["tp"] == 2
+
+
+def test_copies_rules():
+    cfg = parse_strategy("dp=2,tp=2,micro_batch_interleave_num=2", 4)
+    assert cfg.copies == 2 and cfg.to_string() == "dp=2,tp=2,pp=1,microbatches=1,copies=2,recompute=none,zero=0"
+    assert "copies" not in ParallelConfig(tp=2).as_dict()       # plans without it stay byte-identical
+    for text, words in (("tp=1,copies=2", "needs tp > 1"), ("tp=2,pp=2,copies=2", "with pp=2: .* pipeline"),
+                        ("tp=2,zero=3,copies=2", "zero=3"), ("tp=2,copies=0", "'copies' must be >= 1")):
+        with pytest.raises(StrategyError, match=words):
+            parse_strategy(text, 8)
+
+
+def test_copies_must_divide_the_microbatch(gpt_graph):
+    from autopar.cost import check_config
+    check_config(gpt_graph, parse_strategy("dp=2,tp=2,copies=2", 4), 4, 8)
+    with pytest.raises(StrategyError, match=r"per-rank microbatch of 2 samples .* valid copies: 1, 2"):
+        check_config(gpt_graph, parse_strategy("dp=2,tp=2,microbatches=2,copies=4", 4), 4, 8)

@@ -178,6 +178,9 @@ def common_losses(cfg: ParallelConfig, plan: Plan | None, framework: str) -> lis
     if mode is not None and cfg.tp > 1:
         notes.append(f"per-op placements: the plan's were searched ({mode}); {framework} lays tensor-parallel "
                      "layers out Megatron-style, so those placements are not carried")
+    if cfg.copies > 1 and framework != "MindFormers":
+        notes.append(f"copies={cfg.copies} (multi-copy parallel, MindSpore's micro_batch_interleave_num): no "
+                     f"{framework} key")
     if not cfg.overlap:
         notes.append(f"overlap=false (gradients reduced after backward, not bucket by bucket): no {framework} key")
     bucket = next(k for k in FIELDS if k.name == "bucket_mb")

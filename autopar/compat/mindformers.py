@@ -21,8 +21,9 @@ The seed's rules are :class:`ConfigError` naming the field: ``parallel_mode``
 and ``search_mode`` values, ``full_batch`` true in data-parallel mode,
 ``micro_batch_num >= pipeline_stage``, ``data_parallel x model_parallel x
 pipeline_stage`` against the device count (autopar also refuses fewer: it
-plans every device). ``micro_batch_interleave_num > 1`` (MindSpore's
-multi-copy parallel) is :class:`UnsupportedError`.
+plans every device). ``micro_batch_interleave_num`` (MindSpore's multi-copy
+parallel, at the top level or in ``parallel_config``) is ``copies``, and is
+written back as it; its rules (tp > 1, no pipeline) are the grammar's.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ SPELLED = {"dp": "parallel_config.data_parallel", "tp": "parallel_config.model_p
            "microbatches": "parallel_config.micro_batch_num (runner_config.gradient_accumulation_steps without a "
                            "pipeline)",
            "sequence_parallel": "parallel_config.use_seq_parallel", "zero": "parallel.enable_parallel_optimizer",
-           "recompute": "recompute_config", "cp": "parallel_config.context_parallel"}
+           "recompute": "recompute_config", "cp": "parallel_config.context_parallel",
+           "copies": "micro_batch_interleave_num"}
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -66,8 +68,7 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
     gives ``Imported(config=None, search_mode=...)``: a search.
 
     Raises :class:`ConfigError` for a config that breaks one of the seed's
-    rules (naming the field), :class:`UnsupportedError` for multi-copy
-    parallel and expert parallel."""
+    rules (naming the field), :class:`UnsupportedError` for expert parallel."""
     if isinstance(cfg_or_path, Mapping):
         where, cfg = "MindFormers config", cfg_or_path
     else:
@@ -110,7 +111,8 @@ def from_mindformers(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices
                 devices, where)
     keys = {"dp": dp, "tp": tp, "pp": pp, **context, "microbatches": _microbatches(cfg, pc, pp, where, notes),
             "sequence_parallel": boolean(pc.get("use_seq_parallel", False), "parallel_config.use_seq_parallel", where),
-            "zero": 1 if _parallel_optimizer(par, pc, where) else 0, "recompute": _recompute(cfg, pc, where, notes)}
+            "zero": 1 if _parallel_optimizer(par, pc, where) else 0, "recompute": _recompute(cfg, pc, where, notes),
+            "copies": _copies(cfg, pc, where)}
     if search is not None and mode == 1:
         notes.append(f"search_mode={search} with parallel_mode 1: MindSpore applies search_mode in automatic mode "
                      "only; autopar searches the per-op placements on your mesh with it (its semi-automatic mode)")
@@ -134,13 +136,7 @@ def _parallel_mode(value: Any, where: str, notes: list[str]) -> int:
 
 
 def _refuse(cfg: Mapping[str, Any], pc: Mapping[str, Any], where: str) -> None:
-    """:class:`UnsupportedError` for what autopar does not run: multi-copy and expert parallel."""
-    interleave = cfg.get("micro_batch_interleave_num", pc.get("micro_batch_interleave_num", 1))
-    copies = positive_int(interleave, "micro_batch_interleave_num", where)
-    if copies > 1:
-        raise UnsupportedError(f"{where}: micro_batch_interleave_num={copies} is MindSpore's multi-copy parallel "
-                               "(the batch split in copies so one computes while another communicates), which "
-                               "autopar does not implement yet; use micro_batch_interleave_num: 1")
+    """:class:`UnsupportedError` for what autopar does not run: expert parallel."""
     if positive_int(pc.get("expert_parallel", 1), "parallel_config.expert_parallel", where) > 1:
         raise UnsupportedError(f"{where}: parallel_config.expert_parallel={pc['expert_parallel']}: expert "
                                "parallel (MoE) is not implemented in autopar; use expert_parallel: 1")
@@ -190,6 +186,12 @@ def _dataset_strategy(par: Mapping[str, Any], pc: Mapping[str, Any], mode: int, 
     if cp > 1:
         notes.append(f"parallel.dataset_strategy slices each input's sequence in {cp}: context parallel cp={cp}")
     return {**pc, "data_parallel": dp, "context_parallel": cp}
+
+
+def _copies(cfg: Mapping[str, Any], pc: Mapping[str, Any], where: str) -> int:
+    """``micro_batch_interleave_num`` (top level, or in ``parallel_config``) as ``copies``."""
+    return positive_int(cfg.get("micro_batch_interleave_num", pc.get("micro_batch_interleave_num", 1)),
+                        "micro_batch_interleave_num", where)
 
 
 def _microbatches(cfg: Mapping[str, Any], pc: Mapping[str, Any], pp: int, where: str, notes: list[str]) -> int:
@@ -284,7 +286,7 @@ def to_mindformers(what: Source) -> Exported:
         "parallel_config": {"data_parallel": cfg.dp, "model_parallel": cfg.tp, "pipeline_stage": cfg.pp,
                             "use_seq_parallel": cfg.sequence_parallel,
                             "micro_batch_num": cfg.microbatches if cfg.pp > 1 else 1, "vocab_emb_dp": cfg.tp == 1},
-        "micro_batch_interleave_num": 1,
+        "micro_batch_interleave_num": cfg.copies,
         "recompute_config": {"recompute": cfg.recompute == "full", "select_recompute": cfg.recompute == "selective"},
     }
     if cp_of(cfg) > 1:

@@ -53,7 +53,7 @@ from ..graph import Graph
 from ..runtime.regions import Region
 from .fx_utils import free_nodes, get_attr
 
-__all__ = ["layer_regions"]
+__all__ = ["layer_regions", "layer_labels"]
 
 _PARENT = -1      # run id of the parent graph
 
@@ -86,16 +86,24 @@ def _labels(gm: fx.GraphModule, graph: Graph, free: set[str]) -> dict[str, str |
     src = {n.name: n for n in graph.gm.graph.nodes} if graph.gm is not None else {}
     label: dict[str, str | None] = {}
     order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
+    copy_of = gm.meta.get("autopar_copy_of", {})     # multi-copy: the node each copy's node repeats
     for n in reversed(gm.graph.nodes):
         if n.op in ("placeholder", "output", "get_attr") or n.name in free:
             continue
-        s = src.get(n.name)
-        if n.name in graph and (not src or s is not None and (s.op, s.target) == (n.op, n.target)):
-            label[n.name] = graph[n.name].group
+        name = copy_of.get(n.name, n.name)
+        s = src.get(name)
+        if name in graph and (not src or s is not None and (s.op, s.target) == (n.op, n.target)):
+            label[n.name] = graph[name].group
         else:
             users = sorted((u for u in n.users if u.name in label), key=lambda u: order[u.name])
             label[n.name] = label[users[0].name] if users else None
     return label
+
+
+def layer_labels(gm: fx.GraphModule, graph: Graph) -> dict[str, str | None]:
+    """The layer instance of every non-floating node of ``gm`` (None: the
+    parent), as :func:`layer_regions` groups them."""
+    return _labels(gm, graph, free_nodes(gm))
 
 
 def _runs(gm: fx.GraphModule, label: dict[str, str | None]) -> tuple[dict[str, int], list[str]]:

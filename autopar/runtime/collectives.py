@@ -32,7 +32,7 @@ Sharded dims must divide evenly by the group size. Works with gloo and nccl.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from autopar.errors import DistributedError
 
 from . import regather
 
-__all__ = ["all_reduce", "reduce_grad", "all_gather", "split", "reduce_scatter", "all_to_all",
+__all__ = ["start", "finish", "Flight", "all_reduce", "reduce_grad", "all_gather", "split", "reduce_scatter", "all_to_all",
            "all_gather_reduce_grad",
            "all_reduce_mean_", "GradSync", "broadcast_params_", "group_size", "group_rank"]
 
@@ -74,42 +74,79 @@ def _merge_leading(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(0, dim).reshape(*s[:dim], t.shape[0] * s[dim], *s[dim + 1:])
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+class Pending:
+    """A collective that may still be in flight: :meth:`wait` gives its result
+    (``work`` None: done already)."""
+
+    __slots__ = ("work", "finish")
+
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor]) -> None:
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.finish()
+
+
+def _start_gather(x: torch.Tensor, dim: int, group, async_op: bool = False) -> Pending:
     w = dist.get_world_size(group)
     x = x.contiguous()
     out = x.new_empty((w * x.shape[0], *x.shape[1:]))  # gloo: only the concat-along-dim-0 layout
-    _all_gather_single(out, x, group=group)
-    return _merge_leading(out.view(w, *x.shape), dim)
+    work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return Pending(work, lambda: _merge_leading(out.view(w, *x.shape), dim))
 
 
-def _take(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _start_take(x: torch.Tensor, dim: int, group, async_op: bool = False) -> Pending:
     c = _chunk_size(x, dim, dist.get_world_size(group), "split")
-    return x.narrow(dim, dist.get_rank(group) * c, c).clone(memory_format=torch.contiguous_format)
+    out = x.narrow(dim, dist.get_rank(group) * c, c).clone(memory_format=torch.contiguous_format)
+    return Pending(None, lambda: out)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _start_reduce_scatter(x: torch.Tensor, dim: int, group, async_op: bool = False) -> Pending:
     c = _chunk_size(x, dim, dist.get_world_size(group), "reduce_scatter")
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((c, *xt.shape[1:]))
-    _reduce_scatter_single(out, xt, group=group)
-    return out.movedim(0, dim).contiguous()
+    work = _reduce_scatter_single(out, xt, group=group, async_op=async_op)
+    return Pending(work, lambda: out.movedim(0, dim).contiguous())
 
 
-def _all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group) -> torch.Tensor:
+def _start_all_reduce(x: torch.Tensor, dim: int, group, async_op: bool = False) -> Pending:
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=async_op)
+    return Pending(work, lambda: out)
+
+
+def _start_all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group, async_op: bool = False) -> Pending:
     w = dist.get_world_size(group)
     _chunk_size(x, out_dim, w, "all_to_all")
     send = torch.stack(x.chunk(w, out_dim))  # send[j]: my in_dim shard of rank j's out_dim chunk
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return _merge_leading(recv, in_dim)  # recv[i]: rank i's in_dim shard of my chunk
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return Pending(work, lambda: _merge_leading(recv, in_dim))  # recv[i]: rank i's in_dim shard of my chunk
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _start_gather(x, dim, group).wait()
+
+
+def _take(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _start_take(x, dim, group).wait()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _start_reduce_scatter(x, dim, group).wait()
+
+
+def _all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group) -> torch.Tensor:
+    return _start_all_to_all(x, in_dim, out_dim, group).wait()
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return _start_all_reduce(x, 0, group).wait()
 
     @staticmethod
     def backward(ctx, g):
@@ -124,9 +161,7 @@ class _ReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return _start_all_reduce(g, 0, ctx.group).wait(), None
 
 
 def _dim_collective(name: str, forward, backward) -> type:
@@ -223,6 +258,99 @@ def all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group) -> torch.Tenso
         return x
     in_dim, out_dim = _norm_dim(x, in_dim), _norm_dim(x, out_dim)
     return x if in_dim == out_dim else _AllToAll.apply(x, in_dim, out_dim, group)
+
+
+# ------------------------------------------------- split collectives (multi-copy)
+
+def _identity(x: torch.Tensor, group, async_op: bool) -> Pending:
+    return Pending(None, lambda: x)
+
+
+def _directions(kind: str, dim: int, dim2: int) -> tuple[Callable, Callable]:
+    """The forward and the backward of the compiler's collective ``kind`` (the
+    table above), each ``(x, group, async_op) -> Pending``."""
+    def gather(x, g, a): return _start_gather(x, dim, g, a)
+    def take(x, g, a): return _start_take(x, dim, g, a)
+    def rs(x, g, a): return _start_reduce_scatter(x, dim, g, a)
+    def ar(x, g, a): return _start_all_reduce(x, 0, g, a)
+    def a2a(x, g, a): return _start_all_to_all(x, dim, dim2, g, a)
+    def a2a_back(x, g, a): return _start_all_to_all(x, dim2, dim, g, a)
+    table = {"all_reduce": (ar, _identity), "reduce_grad": (_identity, ar), "all_gather": (gather, take),
+             "split": (take, gather), "reduce_scatter": (rs, gather), "all_gather_reduce_grad": (gather, rs),
+             "all_to_all": (a2a, a2a_back)}
+    if kind not in table:
+        raise DistributedError(f"unknown collective {kind!r}")
+    return table[kind]
+
+
+class Flight:
+    """One collective split into :func:`start` and :func:`finish`, so that
+    other work runs while it is in flight, forward and backward: the
+    backward's collective starts where the forward's ended (``finish``'s
+    backward) and is waited for where the forward's started (``start``'s
+    backward). It holds no tensor once waited for."""
+
+    __slots__ = ("forward", "backward", "group", "fwd", "bwd", "token", "value")
+
+    def __init__(self, kind: str, dim: int, dim2: int, group) -> None:
+        self.forward, self.backward = _directions(kind, dim, dim2)
+        self.group, self.fwd, self.bwd, self.token, self.value = group, None, None, None, None
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.fwd = flight.forward(x, flight.group, True)
+        return x.new_empty(0)          # the token carrying the autograd edge to finish
+
+    @staticmethod
+    def backward(ctx, _):
+        f = ctx.flight
+        g, f.bwd = f.bwd.wait(), None
+        return g, None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, flight):
+        ctx.flight = flight
+        out, flight.fwd = flight.fwd.wait(), None
+        return out.detach()            # a fresh tensor (or an alias of the input) whose history is this node
+
+    @staticmethod
+    def backward(ctx, g):
+        f = ctx.flight
+        f.bwd = f.backward(g, f.group, True)
+        return g.new_zeros(0), None
+
+
+def start(kind: str, x: torch.Tensor, dim: int, dim2: int, group) -> Flight:
+    """Start the compiler's collective ``kind`` on ``x`` (async on the group's
+    stream or worker) and return its :class:`Flight`; :func:`finish` gives the
+    value ``kind``'s function above would have. Autograd-aware: the
+    backward's collective is started by ``finish``'s backward and waited for
+    by ``start``'s, so backward work between them overlaps it too."""
+    if kind == "all_to_all" and x.dim():
+        dim, dim2 = _norm_dim(x, dim), _norm_dim(x, dim2)
+    elif x.dim():
+        dim = _norm_dim(x, dim)
+    if group_size(group) == 1 or (kind == "all_to_all" and dim == dim2):
+        flight = Flight("all_reduce", 0, 0, group)
+        flight.value = x               # nothing to communicate
+        return flight
+    flight = Flight(kind, dim, dim2, group)
+    flight.token = _Start.apply(x, flight)
+    return flight
+
+
+def finish(flight: Flight) -> torch.Tensor:
+    """The result of the collective :func:`start` began (waits for it)."""
+    if flight.value is not None:
+        value, flight.value = flight.value, None
+        return value
+    token, flight.token = flight.token, None
+    return _Finish.apply(token, flight)
 
 
 # ----------------------------------------------------------------- data parallel

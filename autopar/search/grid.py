@@ -64,6 +64,8 @@ PIPE_SCHEDULES = ("1f1b", "interleaved")
 PIPE_MARGIN = 1.10     # pipelined configurations this close to the best time get the per-op search
 PIPE_SEARCHED = 8      # and at most this many of them
 PIPE_PROGRESS = 10     # progress steps the pipelined configurations count for
+COPIES = (2, 4)        # multi-copy counts tried ...
+COPIES_TOP = 3         # ... on this many of the fastest flat configurations
 
 
 @dataclass
@@ -293,6 +295,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     finally:
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
+    evaluated += _try_copies(planner, feasible)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -308,12 +311,39 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
             f"no strategy fits in device memory ({closest.device_memory_bytes / 2**30:.3g} GiB); the closest, "
             f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device")
     feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].pp, ec[1].tp, ec[1].microbatches, ec[1].zero,
-                                  ec[1].recompute))
+                                  ec[1].recompute, ec[1].copies))
     best, cfg, sh = feasible[0]
     return SearchResult(best=best, best_config=cfg, candidates=evaluated, feasible=len(feasible),
                         time_s=time.perf_counter() - t0, top=[e for e, _, _ in feasible[:5]],
                         best_sharder=sh, mode=mode, won=planner.tally.won, ilp_solves=planner.tally.ilp_solves,
                         ilp_time_s=planner.tally.ilp_time_s)
+
+
+def _try_copies(planner: Planner, feasible: list) -> int:
+    """Multi-copy parallel (``copies``) on the ``COPIES_TOP`` fastest fitting
+    configurations without a pipeline, with tp > 1 and no ZeRO-3: every
+    count in ``COPIES`` that divides the per-rank microbatch, with the
+    sharder and placements that won there (their decisions do not depend on
+    the copies, so nothing is solved again). Only where the device overlaps
+    communication with compute (``comm_overlap > 0``): elsewhere copies only
+    cost time. Appends what fits to ``feasible``; returns how many were
+    evaluated."""
+    if planner.cluster.device.comm_overlap <= 0:
+        return 0
+    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3),
+                  key=lambda f: f[0].step_time_s)[:COPIES_TOP]
+    count = 0
+    for _, cfg, sh in flat:
+        per_rank = planner.global_batch // (cfg.dp * cfg.microbatches)
+        for n in COPIES:
+            if per_rank % n:
+                continue
+            c = dataclasses.replace(cfg, copies=n)
+            est = planner.evaluate(c, sh)
+            count += 1
+            if est.fits:
+                feasible.append((est, c, sh))
+    return count
 
 
 def _first_fits(planner: Planner, lines: list[list[ParallelConfig]], manual: Sharder,

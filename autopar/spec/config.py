@@ -190,6 +190,11 @@ class ParallelConfig:
     chunks: int = _key(
         1, "model chunks per pipeline rank (virtual stages), for schedule=interleaved only", minimum=1,
         pipeline=True, aliases=("num_model_chunks", "vpp", "virtual_pipeline_stages"))
+    copies: int = _key(
+        1, "multi-copy parallel (MindSpore's micro_batch_interleave_num): each microbatch split into this many "
+           "copies inside one step, one copy's tensor-parallel collectives running while the other copy computes; "
+           "the per-rank microbatch must divide by it; needs tp > 1", minimum=1, recorded="changed",
+        aliases=("micro_batch_interleave_num", "multi_copy", "interleave_num"))
     recompute: str = _key(
         "none", "none | full (every repeated layer keeps only its input and runs again in backward) | selective "
                 "(matmul outputs kept; norms, activations, softmax, dropout recomputed)",
@@ -382,10 +387,32 @@ def _check_rules(vals: dict[str, Any]) -> None:
     if vals.get("sequence_parallel") and vals["tp"] == 1:
         raise StrategyError("sequence_parallel=true splits the norm and dropout regions along the sequence inside "
                             "the tensor-parallel group: it needs tp > 1")
+    _check_copies(vals)
     reduce_dtype = vals.get("reduce_dtype", "")
     if reduce_dtype and reduce_dtype != "fp32" and vals.get("precision") == "fp32":
         raise StrategyError(f"reduce_dtype={reduce_dtype} with precision=fp32: gradients are never reduced in a "
                             "lower precision than the weights; use precision=bf16 or fp16")
+
+
+def _check_copies(vals: dict[str, Any]) -> None:
+    """The rules of ``copies`` (multi-copy parallel): it hides tensor-parallel
+    collectives, so it needs tp > 1 (with tp = 1 it would only make the
+    GEMMs smaller); it runs without a pipeline or context parallelism, and
+    not under ZeRO-3 (FSDP2's hooks around the copies' interleaved layers)."""
+    copies = vals.get("copies", 1)
+    if copies == 1:
+        return
+    if vals["tp"] == 1:
+        raise StrategyError(f"copies={copies} overlaps one copy's tensor-parallel collectives with the other "
+                            "copy's compute: it needs tp > 1 (with tp=1 there is nothing to overlap and the "
+                            "smaller matmuls only cost time); use microbatches= to split the batch instead")
+    for name, why in (("pp", "a pipeline"), ("cp", "context parallelism")):
+        if vals.get(name, 1) > 1:
+            raise StrategyError(f"copies={copies} with {name}={vals[name]}: multi-copy parallel is not "
+                                f"implemented with {why} yet; use {name}=1 or copies=1")
+    if vals.get("zero", 0) == 3:
+        raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
+                            "yet; use zero<=2 or copies=1")
 
 
 def _pipeline(pp: int, microbatches: int, schedule: str | None, chunks: int | None) -> tuple[str, int]:
