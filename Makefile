@@ -6,6 +6,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autopar-installed
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5,<3' || echo 'torch==2.13.0')
+# The vision extras (torchvision, timm: the tv-* / timm-* model strings, tests/test_vision.py).
+# Beside the CPU wheel: torchvision 0.28.0 (the release for torch 2.13) without dependencies, as
+# its wheel pins torch==2.13.0 and pip would fetch the CUDA build; its C extension (detection ops)
+# links the CUDA torch and cannot load, which autopar.zoo.vision works around (see there).
+VISION_PIP ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torchvision timm' || echo '--no-deps torchvision==0.28.0 timm==1.0.31')
 
 .PHONY: all demo test bench matrix venv clean
 
@@ -15,6 +20,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	@$(PY) -m pip install -q $(VISION_PIP) || echo "torchvision / timm not installed: tests/test_vision.py will be skipped"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -1133,6 +1133,11 @@ class CostModel:
                 and not info.is_buffer and info.requires_grad]
 
     @cached_property
+    def _trainable_total(self) -> tuple[int, int]:
+        """Elements and tensors of the trainable parameters."""
+        return sum(numel for _, numel in self._trainable), len(self._trainable)
+
+    @cached_property
     def _instance_params(self) -> tuple[list[tuple[str, int]], dict[str, list[tuple[str, int]]], dict[str, tuple]]:
         """The trainable parameters (node, elements) outside the repeated
         layers, those of each layer instance, and each instance's sizes."""
@@ -1166,8 +1171,8 @@ class CostModel:
             if src not in counted:
                 counted[src] = sharded_in(per_inst[src])
             sharded += counted[src]
-        total = sum(numel for _, numel in self._trainable)
-        local, n = total - sharded + sharded / tp, len(self._trainable)
+        total, n = self._trainable_total
+        local = total - sharded + sharded / tp
         self.cache.local_params[key] = (local, n)
         return local, n
 

@@ -372,7 +372,9 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
                                    *model.named_buffers(remove_duplicate=False)]}
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
-    prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full)
+    # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
+    prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
+                         batch_group=mesh.group("dp") if cfg.dp > 1 else None)
     prog.module.to(device)
     return prog
 

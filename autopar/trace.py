@@ -923,7 +923,9 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
         elif k == "softmax":
             a["dim"] = int(_arg(n, 1, "dim", -1)) % max(nd, 1)
         elif k in ("split", "cat"):
-            a["dim"] = int(_arg(n, 2 if k == "split" else 1, "dim", 0))
+            # split(x, sizes, dim), chunk(x, n, dim); unbind(x, dim) and cat(tensors, dim)
+            unbind = _target_name(n) == "unbind"
+            a["dim"] = int(_arg(n, 2 if k == "split" and not unbind else 1, "dim", 0))
         elif k == "cross_entropy" and t == "cross_entropy_loss":
             # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
             a["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported")

@@ -117,6 +117,12 @@ class Case:
     target: torch.Tensor
     loss_fn: Callable | str      # or "labels": the model's own loss from labels=target
     layers: int
+    # BatchNorm: a step's statistics are those of each microbatch (as gradient accumulation in
+    # one process), so the reference of a strategy with microbatches accumulates the same ones
+    batch_stats: bool = False
+    # the matrix's SGD learning rate (None: its default): the ResNets with BatchNorm at batch 8
+    # are chaotic at 0.1 (a rounding difference of 1e-6 grows 300x per step); at 0.001 it stays noise
+    lr: float | None = None
 
     def loss(self, inputs: tuple | None = None) -> torch.Tensor:
         """The loss of one eager forward (on ``inputs``, default the case's)."""
@@ -208,6 +214,36 @@ def hf_vit() -> Case:
     return Case(T.ViTForImageClassification(cfg), (x,), y, class_loss, LAYERS)
 
 
+# ----------------------------------------------------------------------------- vision (torchvision, timm)
+def _vision(spec: str, layers: int, batch_stats: bool) -> Case:
+    """A zoo vision string (:mod:`autopar.zoo.vision`) built on the CPU, seeded."""
+    from autopar import zoo
+    z = zoo.build(spec, device="cpu", batch=BATCH)
+    return Case(z.model, z.example_inputs, z.example_target, z.loss_fn, layers, batch_stats,
+                0.001 if batch_stats else None)
+
+
+def tv_resnet18() -> Case:
+    """torchvision's ResNet-18 on 64x64 images, 10 classes (BatchNorm in training mode)."""
+    return _vision("tv-resnet18:num_classes=10,image=64", 2, True)
+
+
+def tv_resnet50() -> Case:
+    """torchvision's ResNet-50 on 64x64 images, 10 classes."""
+    return _vision("tv-resnet50:num_classes=10,image=64", 5, True)
+
+
+def timm_vit() -> Case:
+    """timm's ViT-Tiny, 4 blocks, on 32x32 images in 8x8 patches, 10 classes."""
+    return _vision(f"timm-vit:arch=vit_tiny_patch16_224,img_size=32,patch_size=8,num_classes=10,"
+                   f"depth={LAYERS},embed_dim={HIDDEN * 2},num_heads={HEADS}", LAYERS, False)
+
+
+#: the vision cases: they need torchvision / timm (the ``vision`` extra); fx-traceable
+VISION = {"tv-resnet18": tv_resnet18, "tv-resnet50": tv_resnet50, "timm-vit": timm_vit}
+#: the models with batch statistics (BatchNorm in training mode)
+BATCH_STATS = {"tv-resnet18", "tv-resnet50"}
+
 MODELS: dict[str, Callable[[], Case]] = {
     "nanogpt": nanogpt,
     "nanogpt-tied": lambda: nanogpt(tied=True, flash=True),
@@ -217,4 +253,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
     "hf-vit": hf_vit,
+    **VISION,
 }

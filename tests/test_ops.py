@@ -545,10 +545,6 @@ KNOWN_BUGS = {
     ("pointwise", "truediv_1<truediv>", "partial"):
         "1.0 / x: the rule sees one tensor input and cannot tell it is the divisor (trace records "
         "no operand positions), so it offers P -> P",
-    ("pointwise", "unbind<unbind>", "dim1"):
-        "trace._attrs reads unbind's dim from argument 2 (it is argument 1): the unbound dim is offered",
-    ("pointwise", "unbind<unbind>", "dim2"):
-        "same: unbind(x, 0) seen as dim 0 by luck, unbind's dim from the wrong argument",
     ("pointwise", "unflatten<unflatten>", "dim1"):
         "the compiler localises only view/reshape/expand/_unsafe_view shapes: unflatten's global "
         "sizes do not fit the local chunk of the unflattened dim",

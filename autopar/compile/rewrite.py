@@ -96,6 +96,53 @@ class VocabCrossEntropy(nn.Module):
                                               self.ignore_index, self.reduction)
 
 
+class SyncBatchNorm(nn.Module):
+    """Training-mode batch norm with statistics over the data-parallel group
+    (:func:`~autopar.runtime.kernels.sync_batch_norm`)."""
+
+    def __init__(self, momentum: float, eps: float, group: Any) -> None:
+        super().__init__()
+        self.momentum, self.eps, self.group = momentum, eps, group
+
+    def forward(self, x, running_mean, running_var, weight, bias):
+        return K.sync_batch_norm(x, running_mean, running_var, weight, bias, self.momentum, self.eps, self.group)
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}, eps={self.eps}"
+
+
+def _batch_norm_args(fnode: fx.Node) -> tuple | None:
+    """``(x, running_mean, running_var, weight, bias, momentum, eps)`` of a
+    training-mode ``F.batch_norm`` / ``aten.batch_norm`` node, else None."""
+    t = fnode.target
+    name = getattr(t, "__name__", str(t))
+    if fnode.op != "call_function" or name not in ("batch_norm", "batch_norm.default"):
+        return None
+    if t is torch.nn.functional.batch_norm:
+        keys = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        defaults = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+    else:   # aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn)
+        keys = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+        defaults = {}
+    a = {**defaults, **dict(zip(keys, fnode.args)), **fnode.kwargs}
+    if not all(k in a for k in keys) or a["training"] is not True:
+        return None
+    return (a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"], float(a["momentum"]),
+            float(a["eps"]))
+
+
+def _keep_runtime_sizes(local: tuple[int, ...], given: tuple, traced: tuple[int, ...]) -> tuple:
+    """A view's local sizes, keeping a size the program computes at run time
+    (an fx node: ``x.shape[0]``) where the analysis left the traced size as it
+    was: there the runtime value is this rank's own (timm's
+    ``cls_token.expand(x.shape[0], -1, -1)``, whose batch dim the batch
+    analysis of an fx graph cannot see, reads the local batch)."""
+    sizes = given[0] if len(given) == 1 and isinstance(given[0], (tuple, list)) else given
+    if len(sizes) != len(local) or len(traced) != len(local):
+        return local
+    return tuple(g if isinstance(g, fx.Node) and loc == t else loc for loc, g, t in zip(local, sizes, traced))
+
+
 @dataclass
 class LocalProgram:
     """This rank's program: the module and where each parameter came from."""
@@ -117,12 +164,17 @@ def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, .
 
 
 def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, ...] | None], *,
-                  tp_rank: int, tp_group: Any, params: dict[str, torch.Tensor]) -> LocalProgram:
+                  tp_rank: int, tp_group: Any, params: dict[str, torch.Tensor],
+                  batch_group: Any = None) -> LocalProgram:
     """Build this rank's GraphModule.
 
     ``shapes`` are the node shapes local to the data-parallel axis (at the
     microbatch size the program will run with); ``params`` maps parameter /
     buffer qualified names to their full tensors (identical on every rank).
+    ``batch_group``: the data-parallel group when it has several ranks; every
+    training-mode batch norm then takes its statistics over the whole batch
+    of that group (:class:`SyncBatchNorm`), so data parallelism computes what
+    one process does on the global batch.
     """
     if graph.gm is None:
         raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
@@ -230,8 +282,17 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
             if shape is not None:
                 # the traced sizes (symbolic ones included) become this rank's local sizes
                 local = _local_shape(tuple(shape), tp.out.get(fnode.name, R) if n > 1 else R, n)
-                args = (*args[:info.shape_arg], tuple(local))
+                args = (*args[:info.shape_arg], _keep_runtime_sizes(
+                    tuple(local), args[info.shape_arg:], nd.out.shape))
                 kwargs = {}
+        bn = _batch_norm_args(fnode) if batch_group is not None and nd is not None and \
+            nd.kind == "batchnorm" else None
+        if bn is not None:
+            # another name than the traced node's: stage cutting and regions place it by its first user
+            x = new.call_module(add_module("sync_bn", SyncBatchNorm(bn[5], bn[6], batch_group)),
+                                fx.map_arg(bn[:5], lambda a: remap.get(a.name, env[a.name])))
+            env[fnode.name] = x
+            continue
         if op == "call_module":
             root[target] = graph.gm.get_submodule(target)
         x = new.create_node(op, target, args, kwargs, name=fnode.name)

@@ -1,5 +1,6 @@
 """Local kernels for vocabulary-parallel layers (vocab sharded over a tensor-parallel group)
-and for context-parallel attention (sequence sharded over a cp group).
+for context-parallel attention (sequence sharded over a cp group), and batch
+normalisation with statistics over the data-parallel group (:func:`sync_batch_norm`).
 
 Rank i of the group holds rows ``[vocab_start, vocab_end)`` of the embedding /
 the same columns of the logits. Under context parallelism rank i holds the
@@ -16,9 +17,10 @@ import torch.nn.functional as F
 
 from autopar.errors import DistributedError
 
-from .collectives import all_gather_reduce_grad, group_size
+from .collectives import all_gather_reduce_grad, all_reduce, group_size, reduce_grad
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "gather_sequence", "context_attention"]
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "gather_sequence", "context_attention",
+           "sync_batch_norm"]
 
 
 def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> None:
@@ -137,3 +139,41 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
         keys = torch.arange(k.shape[-2], device=q.device)
         mask = q_pos.to(q.device)[:, None] >= keys[None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+def _sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group of a statistic every rank's loss reads: all-reduce forward,
+    and all-reduce of its gradient backward (each rank's loss depends on the sum)."""
+    return reduce_grad(all_reduce(x, group), group)
+
+
+def sync_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                    weight: torch.Tensor | None, bias: torch.Tensor | None, momentum: float, eps: float,
+                    group) -> torch.Tensor:
+    """Training-mode batch normalisation of ``x[N, C, ...]`` with the mean and
+    variance of the whole batch spread over ``group`` (the data-parallel
+    ranks), as ``torch.nn.SyncBatchNorm``: the same values as one process on
+    the global batch. Two passes (the mean, then the centred squares), each a
+    sum over the group whose gradient is summed back; the running statistics
+    (unbiased variance) are updated in place, as ``F.batch_norm`` does."""
+    dims = [0, *range(2, x.dim())]
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    local = torch.tensor([x.numel() // max(x.shape[1], 1)], dtype=x.dtype, device=x.device)
+    stats = _sum_over_group(torch.cat([x.sum(dims), local]), group)
+    count = stats[-1].detach()
+    mean = stats[:-1] / count
+    xc = x - mean.reshape(shape)
+    var = _sum_over_group((xc * xc).sum(dims), group) / count
+    y = xc * torch.rsqrt(var + eps).reshape(shape)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.detach().to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            n = float(count)
+            unbiased = var.detach() * (n / max(n - 1.0, 1.0))
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    return y

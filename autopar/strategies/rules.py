@@ -229,9 +229,11 @@ def _norm(ctx: Ctx) -> list[Strategy]:
 @ops.register_rule("batchnorm")
 def _batchnorm(ctx: Ctx) -> list[Strategy]:
     """batch_norm(x, running_mean, running_var, weight, bias): channels exactly;
-    batch only on the data-parallel axis, with per-replica statistics (what
-    DDP does without SyncBatchNorm). On a tensor-parallel axis a batch split
-    would change the result, so it is not offered there."""
+    batch only on the data-parallel axis, where the compiler takes the
+    statistics over the whole dp group in training mode (synchronised batch
+    norm, :func:`autopar.runtime.kernels.sync_batch_norm`), so the result is one
+    process's. On a tensor-parallel axis a batch split would change the
+    statistics, so it is not offered there."""
     x = ctx.ins[0]
     out = _replicated(ctx)
     if ctx.div(x, 0) and ctx.batch_axis:
@@ -448,9 +450,10 @@ def _split(ctx: Ctx) -> list[Strategy]:
     if x is None:
         return out
     dim %= len(x)
+    unbind = ctx.node.target == "unbind"     # its pieces lose the unbound dim
     for d in range(len(x)):
         if d != dim and ctx.div(x, d):
-            out.append(Strategy(f"dim{d}", (S(d),), S(d), False))
+            out.append(Strategy(f"dim{d}", (S(d),), S(d - 1 if unbind and d > dim else d), False))
     return out
 
 

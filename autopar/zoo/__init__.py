@@ -11,6 +11,10 @@ Two forms are accepted:
     ``hf-bert`` or ``hf-vit``, keyed by the config's own field names
     (``hf-llama:hidden_size=4096,num_key_value_heads=8``) plus ``batch`` and
     ``seq``.
+    Or a vision model (:mod:`autopar.zoo.vision`, needs ``torchvision`` /
+    ``timm``): ``tv-resnet18``, ``tv-resnet50`` (``num_classes``, ``image``,
+    ``batch``) or ``timm-vit`` (``arch``, ``img_size``, ``patch_size``,
+    ``num_classes``, ``depth``, ``embed_dim``, ``num_heads``, ``batch``).
 
 ``path/to/file.py:factory`` or ``package.module:factory``
     ``factory()`` returns ``(model, example_inputs)``, optionally followed by a
@@ -38,6 +42,8 @@ import torch.nn.functional as F
 
 from ..errors import ZooError
 from . import hf as _hf
+from . import vision as _vision
+_vision.install_shim()   # before anything imports torchvision (transformers does): see zoo/vision.py
 from .models import (CNN, GPT, MLP, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig,
                      n_params)
 
@@ -81,6 +87,7 @@ def families() -> dict[str, dict]:
     out = {name: {f.name: f.default for f in dataclasses.fields(cfg)}
            for name, (cfg, _, _) in _FAMILIES.items()}
     out.update(_hf.families())
+    out.update(_vision.families())
     return out
 
 
@@ -95,7 +102,7 @@ def build_for_planning(spec: str, *, batch: int | None = None) -> ZooModel:
     do: a zoo family at ``batch`` (default :data:`PLAN_BATCH`), a factory at
     the batch its example inputs have."""
     family = spec.split(":", 1)[0].strip().lower() if isinstance(spec, str) else ""
-    if family in _FAMILIES or family in _hf.FAMILIES:
+    if family in _FAMILIES or family in _hf.FAMILIES or family in _vision.FAMILIES:
         return build(spec, batch=batch or PLAN_BATCH)
     return build(spec)
 
@@ -125,6 +132,8 @@ def build(spec: str, *, device="meta", batch: int | None = None, seed: int | Non
         return _build_family(head.lower(), rest, device, batch, seed)
     if head.lower() in _hf.FAMILIES:
         return _build_hf(head.lower(), rest, device, batch, seed)
+    if head.lower() in _vision.FAMILIES:
+        return _build_vision(head.lower(), rest, device, batch, seed)
     if sep and "=" not in spec and spec.rpartition(":")[2].isidentifier():
         if batch is not None:
             warnings.warn(f"batch={batch} is ignored for factory {spec!r}: its example inputs "
@@ -135,7 +144,7 @@ def build(spec: str, *, device="meta", batch: int | None = None, seed: int | Non
 
 
 def _names() -> list[str]:
-    return [*_FAMILIES, *_hf.FAMILIES]
+    return [*_FAMILIES, *_hf.FAMILIES, *_vision.FAMILIES]
 
 
 def load(spec: str, *, device="meta") -> tuple[nn.Module, tuple]:
@@ -225,6 +234,29 @@ def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
     target = _randint(classes, target_shape, g, dev)
     name = family + ":" + ",".join(f"{k}={_hf_repr(cfg[k])}" for k in sorted(cfg))
     return ZooModel(name, model, inputs, _hf.loss_fn(family), target, dict(cfg))
+
+
+def _build_vision(family: str, text: str, device, batch, seed) -> ZooModel:
+    cfg = _vision.parse(family, text, batch)   # ZooError for a bad key or value
+    dev = torch.device(device)
+
+    def construct():
+        with dev, (_meta_init() if dev.type == "meta" else contextlib.nullcontext()):
+            return _vision.construct(family, cfg)   # ZooError without torchvision / timm
+
+    if seed is None:
+        model = construct()
+    else:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            model = construct()
+
+    g = torch.Generator().manual_seed(0)
+    in_shape, target_shape, classes = _vision.input_shapes(family, cfg)
+    inputs = (_randn(in_shape, g, dev),)
+    target = _randint(classes, target_shape, g, dev)
+    name = family + ":" + ",".join(f"{k}={_hf_repr(cfg[k])}" for k in sorted(cfg))
+    return ZooModel(name, model, inputs, _vision.classification_loss, target, dict(cfg))
 
 
 def _hf_repr(v) -> str:
