@@ -97,6 +97,20 @@ def _serve(inbox, results) -> None:
         finally:
             os.environ.clear()
             os.environ.update(env)
+            _forget_process_groups()
+
+
+def _forget_process_groups() -> None:
+    """Clear torch.distributed's memoised results after a job: DTensor's
+    sharding propagation caches outputs that hold the job's DeviceMesh, whose
+    process-group names a later job's groups reuse (the names restart at 0)."""
+    import functools
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, functools._lru_cache_wrapper) and \
+                str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+            obj.cache_clear()
 
 
 class _Pool:
@@ -140,6 +154,17 @@ class _Pool:
 _pool = _Pool()
 
 
+def _sendable(job) -> bool:
+    """Whether ``job`` can go to a running rank (a multiprocessing queue among
+    the arguments can only be given to a process as it starts)."""
+    from multiprocessing.reduction import ForkingPickler
+    try:
+        ForkingPickler.dumps(job)
+    except Exception:  # noqa: BLE001 - anything unpicklable: start fresh ranks
+        return False
+    return True
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: int = 1,
                     dead_ok: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
@@ -152,7 +177,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, threads: i
     ``dead_ok`` runs) the ranks are processes kept from the previous run.
     """
     port = _free_port()
-    reuse = os.environ.get(REUSE_ENV) == "1" and not dead_ok
+    reuse = os.environ.get(REUSE_ENV) == "1" and not dead_ok and _sendable((fn, args))
     if reuse:
         procs, results = _pool.take(world_size)
         for r in range(world_size):
