@@ -1385,6 +1385,8 @@ class CostModel:
             # an input resharded for this op (e.g. all-gathered before a column-parallel
             # linear) is saved in the placement the op reads, as a tensor of its own
             want = wants.get(i, have) if tp > 1 else have
+            if st is not None and st.split and want == R and is_shard(have) and self.grad.get(i, False):
+                want = have     # the sequence-parallel entry: the shard is kept, gathered again in backward
             local = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(want) else 1)
             out.append((i if want == have else f"{i}@{want}", local))
         return out

@@ -68,7 +68,7 @@ for _h in PLACEMENTS:
 RUNS = {"all_reduce": (["all_reduce"], []), "reduce_grad": ([], ["all_reduce"]),
         "all_gather": (["all_gather"], []), "split": ([], ["all_gather"]),
         "reduce_scatter": (["reduce_scatter"], ["all_gather"]),
-        "all_gather_reduce_grad": (["all_gather"], ["reduce_scatter"]),
+        "all_gather_reduce_grad": (["all_gather"], ["reduce_scatter", "all_gather"]),   # gathered again
         "all_to_all": (["all_to_all"], ["all_to_all"])}
 
 
@@ -146,6 +146,7 @@ def _run_table(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     import autopar.runtime.collectives as C
+    from autopar.runtime import regather
 
     log: list[str] = []
 
@@ -192,8 +193,11 @@ def _run_table(rank: int, world: int) -> list[str]:
             # the gradient the consumer gives back: partial per rank when split work
             # reads a replicated value (Megatron's f), else as the placement it read
             up = local(G, "P") if f and want == "R" else (G.clone() if want == "P" else local(G, want))
+            reader = torch.ones_like(y, requires_grad=True)     # the consumer keeps its input for backward,
+            with regather.scope():                              # as a split matmul does
+                z = y * reader
             log.clear()
-            y.backward(up)
+            z.backward(up)
             bwd = sorted(log)
             want_bwd = sorted(k for s in steps for k, _ in s.backward)
             if bwd != want_bwd:
@@ -332,8 +336,8 @@ def test_every_candidate_costs_the_same_in_ilp_greedy_and_cost_model(spec, tp, s
 def test_sequence_parallel_entry_charged_a_reduce_scatter_by_the_ilp():
     """Under sequence parallelism (Megatron's placements with the pins) a
     shard is gathered into split work (the column-parallel matmuls after a
-    norm): its backward reduce-scatters, and the ILP's edge charges that, not
-    an all-reduce."""
+    norm): its backward reduce-scatters (and gathers the shard its readers
+    kept again), and the ILP's edge charges that, not an all-reduce."""
     ax = _Axis(GPT, 2, True)
     sh = ax.sharding(MANUAL)
     by_name = {nd.name: nd for nd in ax.graph.nodes}
@@ -346,7 +350,7 @@ def test_sequence_parallel_entry_charged_a_reduce_scatter_by_the_ilp():
                 entries += 1
                 nbytes = numel(ax.shapes[i]) * 4.0
                 assert ax.ilp.edge_cost(i, have, ax.ilp.read(i, st, slot)) == pytest.approx(
-                    ax.comm("all_gather", nbytes) + ax.comm("reduce_scatter", nbytes))
+                    2 * ax.comm("all_gather", nbytes) + ax.comm("reduce_scatter", nbytes))
     assert entries > 0, "no sequence-parallel entry in the ILP's decisions: the case is not exercised"
 
 

@@ -50,7 +50,8 @@ COLLECTIVES: dict[str, tuple[tuple[tuple[str, float], ...], tuple[tuple[str, flo
     "all_gather": ((("all_gather", 1.0),), ()),
     "split": ((), (("all_gather", 1.0),)),
     "reduce_scatter": ((("reduce_scatter", 1.0),), (("all_gather", 1.0),)),
-    "all_gather_reduce_grad": ((("all_gather", 1.0),), (("reduce_scatter", 1.0),)),
+    # the readers keep the shard and gather it again in backward (runtime/regather.py)
+    "all_gather_reduce_grad": ((("all_gather", 1.0),), (("reduce_scatter", 1.0), ("all_gather", 1.0))),
     "all_to_all": ((("all_to_all", 1.0),), (("all_to_all", 1.0),)),
 }
 
