@@ -290,11 +290,14 @@ class Flight:
     backward) and is waited for where the forward's started (``start``'s
     backward). It holds no tensor once waited for."""
 
-    __slots__ = ("forward", "backward", "group", "fwd", "bwd", "token", "value")
+    __slots__ = ("forward", "backward", "group", "fwd", "bwd", "token", "value", "regather", "local")
 
     def __init__(self, kind: str, dim: int, dim2: int, group) -> None:
         self.forward, self.backward = _directions(kind, dim, dim2)
         self.group, self.fwd, self.bwd, self.token, self.value = group, None, None, None, None
+        # the sequence-parallel entry: its readers keep the shard (:mod:`.regather`), as in the sync path
+        self.regather = (lambda t: _gather(t, dim, group)) if kind == "all_gather_reduce_grad" else None
+        self.local = None
 
 
 class _Start(torch.autograd.Function):
@@ -302,6 +305,8 @@ class _Start(torch.autograd.Function):
     def forward(ctx, x, flight):
         ctx.flight = flight
         flight.fwd = flight.forward(x, flight.group, True)
+        if flight.regather is not None:
+            flight.local = x.detach()
         return x.new_empty(0)          # the token carrying the autograd edge to finish
 
     @staticmethod
@@ -316,6 +321,9 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, token, flight):
         ctx.flight = flight
         out, flight.fwd = flight.fwd.wait(), None
+        if flight.regather is not None:
+            regather.register(out, flight.local, flight.regather)
+            flight.local = None
         return out.detach()            # a fresh tensor (or an alias of the input) whose history is this node
 
     @staticmethod
