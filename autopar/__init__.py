@@ -8,6 +8,12 @@
 """
 __version__ = "0.1.0"
 
+# first: torchvision beside a torch its C extension was not built for (the CPU wheel) imports
+# through this hook, and so does transformers, which imports torchvision (see zoo/vision.py)
+from .zoo.vision import install_shim as _install_torchvision_shim  # noqa: E402
+
+_install_torchvision_shim()
+
 from .api import evaluate, load_cluster, plan, plan_and_record  # noqa: E402
 from .cost import Estimate  # noqa: E402
 from .errors import (AutoparError, CheckpointError, ClusterError, CompileError, DistributedError,  # noqa: E402

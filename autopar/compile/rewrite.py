@@ -132,11 +132,14 @@ def _batch_norm_args(fnode: fx.Node) -> tuple | None:
 
 
 def _keep_runtime_sizes(local: tuple[int, ...], given: tuple, traced: tuple[int, ...]) -> tuple:
-    """A view's local sizes, keeping a size the program computes at run time
-    (an fx node: ``x.shape[0]``) where the analysis left the traced size as it
-    was: there the runtime value is this rank's own (timm's
+    """An ``expand``'s local sizes, keeping a size the program computes at run
+    time (an fx node: ``x.shape[0]``) where the analysis left the traced size
+    as it was: there the runtime value is this rank's own (timm's
     ``cls_token.expand(x.shape[0], -1, -1)``, whose batch dim the batch
-    analysis of an fx graph cannot see, reads the local batch)."""
+    analysis of an fx graph cannot see, reads the local batch). Only for
+    ``expand``: a view's runtime sizes may be read off a tensor of another
+    placement (a size computed from a sharded value), so views take the
+    analysis' local sizes."""
     sizes = given[0] if len(given) == 1 and isinstance(given[0], (tuple, list)) else given
     if len(sizes) != len(local) or len(traced) != len(local):
         return local
@@ -282,8 +285,10 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
             if shape is not None:
                 # the traced sizes (symbolic ones included) become this rank's local sizes
                 local = _local_shape(tuple(shape), tp.out.get(fnode.name, R) if n > 1 else R, n)
-                args = (*args[:info.shape_arg], _keep_runtime_sizes(
-                    tuple(local), args[info.shape_arg:], nd.out.shape))
+                given = args[info.shape_arg:]
+                if "expand" in getattr(fnode.target, "__name__", str(fnode.target)):
+                    local = _keep_runtime_sizes(tuple(local), given, nd.out.shape)
+                args = (*args[:info.shape_arg], tuple(local))
                 kwargs = {}
         bn = _batch_norm_args(fnode) if batch_group is not None and nd is not None and \
             nd.kind == "batchnorm" else None

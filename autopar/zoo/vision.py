@@ -24,7 +24,7 @@ meta kernels for those ops. Everything that imports torchvision fails with it,
 ``transformers`` included: it imports torchvision whenever it is installed, so
 with such a torchvision no ``transformers`` model can be built. The
 classification models never call the C ops, so :func:`install_shim` (run when
-``autopar.zoo`` is imported, so before any ``hf-*`` or vision model is built)
+``autopar`` is imported, so before anything of autopar builds a model)
 puts an import hook on that one module: the real module runs first, and only
 when it fails with that error is it left empty (the ops then raise when
 called, as torchvision does without its extension). A torchvision whose
