@@ -229,7 +229,11 @@ def tv_resnet18() -> Case:
 
 
 def tv_resnet50() -> Case:
-    """torchvision's ResNet-50 on 64x64 images, 10 classes."""
+    """torchvision's ResNet-50 on 64x64 images, 10 classes. Its training here is chaotic: a
+    rounding difference of 2e-6 in the first step's loss grows to a few % by the third, between
+    eager fp32 and fp64 (6.6%) and between eager and autopar's unsplit program (dp=1: 2e-6,
+    1.4e-5, 4.7%) alike, so its cells fail the 1e-4 criterion after the first step whatever
+    the strategy (dp=2, tp=2, pp=2 match to 3e-6 at step 1)."""
     return _vision("tv-resnet50:num_classes=10,image=64", 5, True)
 
 
