@@ -11,6 +11,7 @@ the single-process loss to a relative 1e-4 on every rank.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from distributed import run_distributed
 import test_parallel
@@ -49,7 +50,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
             "losses": losses, "full_shapes": {k: tuple(v.shape) for k, v in sd.items()},
             "params": pm.plan.data["params"], "ops": {k: v["strategy"][1] for k, v in pm.plan.data["ops"].items()},
             "search": pm.plan.data["search"], "comms": pm.comms, "placement": dict(pm.param_placement),
-            "dp": pm.config.dp,
+            "dp": pm.config.dp, "microbatches": pm.config.microbatches,
         }
     return results
 
@@ -58,16 +59,21 @@ def _runs(specs, labels):
     return [(s, lab, "adamw" if i % 2 else "sgd") for s in specs for i, lab in enumerate(labels)]
 
 
-def _single_per_replica_bn(spec: str, opt: str, dp: int) -> list[float]:
-    """The single-process reference with BatchNorm statistics per data-parallel
-    replica, as DDP (and autopar's data-parallel axis) computes them: the
-    loss is the mean of the losses of the ``dp`` equal slices of the batch."""
+def _single_bn_per_microbatch(spec: str, opt: str, dp: int, m: int) -> list[float]:
+    """The single-process reference with BatchNorm statistics per microbatch
+    of the whole data-parallel group, as autopar's synchronised batch norm
+    computes them: microbatch ``i`` is chunk ``i`` of every replica's part of
+    the batch, and the loss is the mean over the microbatches."""
     z, x, y = _data(spec)
     o = _opt(opt)(list(z.model.parameters()))
     out = []
+
+    def micro(t, i):
+        return torch.cat([part.chunk(m)[i] for part in t.chunk(dp)])
+
     for _ in range(STEPS):
         o.zero_grad()
-        loss = sum(z.loss_fn(z.model(xs), ys) for xs, ys in zip(x.chunk(dp), y.chunk(dp))) / dp
+        loss = sum(z.loss_fn(z.model(micro(x, i)), micro(y, i)) for i in range(m)) / m
         loss.backward()
         o.step()
         out.append(loss.item())
@@ -88,10 +94,10 @@ def test_searched_and_pinned_plans_match_single_process(specs, monkeypatch, sear
     runs = _runs(specs, LABELS)
     res = searched
     single = test_parallel._single
-    for dp in (1, 2, 4):
-        # the CNN's BatchNorm has per-replica statistics over dp (DDP semantics)
-        mine = [r for r in runs if res[0][r]["dp"] == dp]
-        monkeypatch.setattr(test_parallel, "_single", lambda spec, opt: _single_per_replica_bn(spec, opt, dp)
+    for split in sorted({(res[0][r]["dp"], res[0][r]["microbatches"]) for r in runs}):
+        # the CNN's BatchNorm takes its statistics over each microbatch of the whole dp group
+        mine = [r for r in runs if (res[0][r]["dp"], res[0][r]["microbatches"]) == split]
+        monkeypatch.setattr(test_parallel, "_single", lambda spec, opt: _single_bn_per_microbatch(spec, opt, *split)
                             if spec == CNN else single(spec, opt))
         _check(mine, res)
     for spec in specs:

@@ -97,20 +97,26 @@ def _serve(inbox, results) -> None:
         finally:
             os.environ.clear()
             os.environ.update(env)
-            _forget_process_groups()
+        if _meshes_outlive_the_job():
+            return       # this rank retires: the pool starts a fresh one for the next run
 
 
-def _forget_process_groups() -> None:
-    """Clear torch.distributed's memoised results after a job: DTensor's
-    sharding propagation caches outputs that hold the job's DeviceMesh, whose
-    process-group names a later job's groups reuse (the names restart at 0)."""
+def _meshes_outlive_the_job() -> bool:
+    """Clear torch.distributed's memoised results after a job (DTensor's
+    sharding propagation caches outputs that hold the job's DeviceMesh) and
+    say whether a DeviceMesh is still alive: its process-group names are
+    reused by a later job's groups, so such a rank must not run another job."""
     import functools
     import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
 
     for obj in gc.get_objects():
         if isinstance(obj, functools._lru_cache_wrapper) and \
                 str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
             obj.cache_clear()
+    gc.collect()
+    return any(isinstance(obj, DeviceMesh) for obj in gc.get_objects())
 
 
 class _Pool:
