@@ -415,8 +415,7 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
     None when the graph's node names differ from the plan's (e.g. another
     loss function): the caller then re-derives them from the strategy."""
     ops = plan_.data["ops"]
-    tp = plan_.parallel["tp"]
-    sh = AxisSharding(n=tp)
+    sh = AxisSharding(n=plan_.config.tp_grid[-1])     # tp_mode=2d: the grid's columns
     by_param = {v: k for k, v in ((nd.name, nd.param) for nd in graph.nodes if nd.param)}
     for pname, placements in plan_.data["params"].items():
         node = by_param.get(pname)

@@ -36,7 +36,7 @@ from . import api, ops
 from .compile.fx_utils import get_attr
 from .compile.context import apply_cp as _apply_cp
 from .compile.regions import layer_regions
-from .compile.rewrite import LocalProgram, compile_local
+from .compile.rewrite import Axis, LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
@@ -50,8 +50,8 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import scaled_shapes
-from .spec import ParallelConfig, is_shard, parse_strategy
+from .sharding import grid_rows, scaled_shapes
+from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import keyword_inputs, trace
 
@@ -161,7 +161,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     else:
         pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
         modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
-    copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp) if max_grad_norm is not None else {}
+    copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
+                         cfg.tp_grid[0]) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
@@ -176,6 +177,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    if cfg.tp_mode == "2d":
+        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"))
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
@@ -287,6 +290,8 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
+    if cfg.tp_mode != "1d":
+        check_grid(cfg, cfg.dp * cfg.microbatches * cfg.tp_grid[0])
     if cfg.cp > 1 and cfg.zero == 3:
         raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
                                "reduced over dp x cp; use zero<=2 with context parallelism")
@@ -335,6 +340,8 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
+    if cfg.tp_mode == "2d":      # the grid's rows, then its columns (the tp axis of the columns' decisions)
+        return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", "tp_row", "tp"), timeout_s=timeout_s)
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
     return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"), timeout_s=timeout_s)
@@ -366,7 +373,11 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
                                    *model.named_buffers(remove_duplicate=False)]}
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
-    prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full)
+    rows = None
+    if cfg.tp_mode == "2d":      # the grid's rows: the batch split, the weights stored split and gathered
+        rows = Axis(grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes), mesh.coord("tp_row"), mesh.group("tp_row"))
+    prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
+                         rows=rows)
     prog.module.to(device)
     return prog
 
@@ -474,16 +485,20 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
-                tp: int) -> dict[str, int]:
+                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1) -> dict[str, int]:
     """Program name -> how many ranks hold the same reduced gradient of that
     parameter besides its dp replicas: ``tp`` for a weight replicated over
-    tp, times the ranks of its tie group for a weight tied across pipeline
-    stages. Only entries above 1 (what gradient clipping must not count twice)."""
+    tp (with ``tp_mode=2d``: the grid's columns, and ``n_rows`` more for one
+    replicated over its rows, ``rows`` holding those placements), times the
+    ranks of its tie group for a weight tied across pipeline stages. Only
+    entries above 1 (what gradient clipping must not count twice)."""
     tie = {id(t): dist.get_world_size(g) for t, g in tied}
+    rows = rows or {}
     out = {}
     for name, t in local.items():
         if isinstance(t, nn.Parameter) and t.requires_grad:
-            n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1)
+            n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1) * \
+                (1 if is_shard(rows.get(name, "R")) else n_rows)
             if n > 1:
                 out[name] = n
     return out

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 from ..spec import is_shard, shard_dim
 from . import collectives as C
 from .collectives import _all_gather_single
@@ -105,6 +105,9 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
 def _held(pm) -> list[tuple[str, torch.Tensor, list[str], int | None]]:
     """(program name, local tensor, state_dict keys, tp shard dim or None) of
     every tensor this rank holds that the model's ``state_dict`` has."""
+    if getattr(pm, "row_placement", None):
+        raise UnsupportedError(f"checkpoints under tp_mode={pm.config.tp_mode} (weights split over a tensor-parallel "
+                               "grid) are not implemented yet; use full_state_dict() to get the weights")
     out = []
     for name, t in pm._local_tensors().items():
         keys = pm.state_names.keys_of(name)
