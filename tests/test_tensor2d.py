@@ -67,6 +67,19 @@ def test_cost_shards_states_over_the_grid_and_charges_the_rows():
                                                                   "recompute=none,zero=0"
 
 
+def test_search_tries_grids_only_when_asked():
+    m = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
+    kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=32, search_mode="grid")
+    # a 2 x 2 grid quarters every matrix with 2-way activation traffic: faster here than any 1d layout
+    with_2d = autopar.plan(m, tp_modes=("1d", "2d"), **kw)
+    assert with_2d.config.tp_mode == "2d", with_2d.strategy
+    default = autopar.plan(m, **kw)
+    assert default.config.tp_mode == "1d"
+    assert with_2d.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
+    with pytest.raises(StrategyError, match="'3d' is not a layout the search tries"):
+        autopar.plan(GPT, cluster="dgx-h100", devices=8, global_batch=8, tp_modes=("1d", "3d"))
+
+
 # ----------------------------------------------------------------------------- 4 processes
 def _opt(ps):
     return torch.optim.SGD(ps, lr=0.1)

@@ -129,6 +129,29 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
     return out
 
 
+def grid2d_configs(graph: Graph, devices: int, global_batch: int, *,
+                   offload: str = "none", memory_options: bool = True) -> list[list[ParallelConfig]]:
+    """The ``tp_mode=2d`` lines: ``tp = q^2`` on a ``q x q`` grid for every
+    ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
+    with the microbatches whose samples per data-parallel rank the grid's rows
+    divide, times recompute and ZeRO 0-2 (2d runs no ZeRO-3, pipeline or cp)."""
+    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    zeros = (0, 1, 2) if memory_options else (0,)
+    out = []
+    for q in tp_valid_sizes(graph):
+        tp = q * q
+        if q == 1 or devices % tp or global_batch % (devices // tp):
+            continue
+        dp = devices // tp
+        mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % q == 0]
+        for rc in recomputes:
+            for z in zeros:
+                if mbs and not (z and dp == 1):
+                    out.append([ParallelConfig(dp=dp, tp=tp, tp_mode="2d", microbatches=m, recompute=rc, zero=z,
+                                               offload=offload) for m in mbs])
+    return out
+
+
 def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
                      memory_options: bool = True, devices_per_node: int | None = None) -> list[ParallelConfig]:
@@ -176,26 +199,28 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
 
 def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None = None,
                 pipeline: bool = True, schedules: tuple[str, ...] = PIPE_SCHEDULES,
-                memory_options: bool = True) -> SearchResult:
+                memory_options: bool = True, tp_modes: tuple[str, ...] = ("1d",)) -> SearchResult:
     """Best fitting strategy of ``planner``'s request (lowest predicted step
     time; ties go to the smaller pp, then smaller tp, then fewer
     microbatches; ``pipeline=False`` leaves pipelines out), the
     tensor-parallel axis decided as the planner's mode says (see the module
     docstring). ``memory_options=False`` searches the plain strategies only
-    (no recompute, ZeRO, sequence parallelism or offload). Raises
+    (no recompute, ZeRO, sequence parallelism or offload). ``tp_modes``:
+    the tensor-parallel layouts tried, ``("1d",)`` by default; with ``"2d"``
+    also the q x q grids (:func:`grid2d_configs`). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
     and the fewest devices that would fit."""
     t0 = time.perf_counter()
     cluster, global_batch = planner.cluster, planner.global_batch
     try:
-        return _search(planner, progress, pipeline, schedules, "none", t0, memory_options)
+        return _search(planner, progress, pipeline, schedules, "none", t0, memory_options, tp_modes)
     except NoFeasibleStrategyError as first:
         if not memory_options:
             raise
         if cluster.host is None:
             raise
         try:   # the last resort: the optimizer state in host memory
-            return _search(planner, progress, pipeline, schedules, "optimizer", t0, True)
+            return _search(planner, progress, pipeline, schedules, "optimizer", t0, True, tp_modes)
         except NoFeasibleStrategyError:
             pass
         need = smallest_fitting_devices(planner)
@@ -253,11 +278,13 @@ def smallest_fitting_devices(planner: Planner) -> tuple[int, Estimate] | None:
 
 
 def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ...], offload: str, t0: float,
-            memory_options: bool) -> SearchResult:
+            memory_options: bool, tp_modes: tuple[str, ...] = ("1d",)) -> SearchResult:
     """One pass of :func:`search_grid` with ``offload`` (see its docstring)."""
     graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
+    if "2d" in tp_modes:
+        lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
     piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
                              memory_options=memory_options,
                              devices_per_node=planner.cluster.devices_per_node) if pipeline else []
