@@ -375,7 +375,8 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
             for n in gm.graph.nodes if n.op == "get_attr"}
     rows = None
     if cfg.tp_mode == "2d":      # the grid's rows: the batch split, the weights stored split and gathered
-        rows = Axis(grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes), mesh.coord("tp_row"), mesh.group("tp_row"))
+        rows = Axis(grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes), mesh.coord("tp_row"), mesh.group("tp_row"),
+                    whole_sizes=True)
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
                          rows=rows)
     prog.module.to(device)

@@ -117,6 +117,7 @@ class Axis:
     sh: AxisSharding
     rank: int
     group: Any
+    whole_sizes: bool = False    # a size read off a value this axis splits is the whole one (x n)
 
     @property
     def n(self) -> int:
@@ -289,10 +290,33 @@ class _Rewriter:
         if op == "call_module":
             self.root[target] = graph.gm.get_submodule(target)
         x = self.new.create_node(op, target, args, kwargs, name=fnode.name)
+        x = self.whole_size(fnode, x)
         scale = math.prod(st.scale for st in sts if st is not None)
         if scale != 1.0:
             x = self.new.call_function(operator.mul, (x, scale))
         env[fnode.name] = x
+
+    def whole_size(self, fnode: fx.Node, x: fx.Node) -> fx.Node:
+        """``x``, or for a size read off dim ``d`` of a value an axis with
+        ``whole_sizes`` splits on ``d`` (``aten.sym_size.int(v, d)``,
+        ``v.size(d)``), that size times the axis's size: the batch a grid's rows
+        split stays the whole one in sizes (``arange(B)`` positions, expands),
+        as the placements of the values made from it say."""
+        is_size = fnode.target is torch.ops.aten.sym_size.int or (fnode.op == "call_method" and fnode.target == "size")
+        if not is_size or len(fnode.args) < 2 or not isinstance(fnode.args[0], fx.Node) \
+                or not isinstance(fnode.args[1], int):
+            return x
+        src, d = fnode.args[0].name, fnode.args[1]
+        for ax in self.axes:
+            p = ax.out(src)
+            if ax.whole_sizes and is_shard(p) and (shard_dim(p) == d or (d < 0 and self._rank_of(src) + d ==
+                                                                          shard_dim(p))):
+                x = self.new.call_function(operator.mul, (x, ax.n))
+        return x
+
+    def _rank_of(self, name: str) -> int:
+        nd = self.graph[name] if name in self.graph else None
+        return len(nd.out.shape) if nd is not None and nd.out is not None else 0
 
     def kernel(self, nd: Any, ax: Axis, st: Any, remap: dict[str, fx.Node]) -> fx.Node:
         """The vocabulary-parallel kernel ``st`` names, over ``ax``."""
