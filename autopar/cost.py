@@ -270,13 +270,14 @@ class CostModel:
 
     @staticmethod
     def grid_view(cfg: ParallelConfig) -> ParallelConfig:
-        """A ``tp_mode=2d`` ``cfg`` seen from its grid's columns: a 1d config
-        with the columns as tp and the rows counted as data-parallel ranks
-        (``dp x q``, ``tp=q``), the same mesh laid out row-major. What a grid
-        rank computes and sends over its columns is that config's; the rows'
-        weight gathers and what the rows keep are :meth:`_estimate_2d`'s."""
-        rows, cols = cfg.tp_grid[0], cfg.tp_grid[-1]
-        return dataclasses.replace(cfg, dp=cfg.dp * rows, tp=cols, tp_mode="1d")
+        """A ``tp_mode=2d`` (or 2.5d) ``cfg`` seen from its grid's columns: a
+        1d config with the columns as tp and the rows (times 2.5d's depth)
+        counted as data-parallel ranks (``dp x q``, ``tp=q``), the same mesh
+        laid out row-major. What a grid rank computes and sends over its
+        columns is that config's; the rows' weight gathers, the depth's
+        gradient sums and what they keep are :meth:`_estimate_2d`'s."""
+        return dataclasses.replace(cfg, dp=cfg.dp * cfg.grid_batch_split, tp=cfg.tp_grid[-1], tp_mode="1d",
+                                   tp_depth=1)
 
     def token_shapes(self, shapes: dict, cp: int) -> dict:
         """``shapes`` (local to dp) with the batch dim divided by ``cp``: the
@@ -329,19 +330,24 @@ class CostModel:
 
     def _estimate_2d(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
                      devices: int) -> Estimate:
-        """:meth:`estimate` of a ``tp_mode=2d`` ``cfg`` (``sh``: its columns,
-        ``shapes``: one grid rank's)."""
+        """:meth:`estimate` of a ``tp_mode=2d`` or ``2.5d`` ``cfg`` (``sh``:
+        its columns, ``shapes``: one grid rank's)."""
         view = self.grid_view(cfg)
         est = self._estimate_flat(view, sh, shapes, global_batch, devices)
-        (rows, cols), m = cfg.tp_grid, cfg.microbatches
-        topo = self.topology((cfg.dp, rows, cols))
+        grid, m = cfg.tp_grid, cfg.microbatches
+        rows, cols = grid[-2], grid[-1]
+        topo = self.topology((cfg.dp, *grid))
+        r_axis = len(grid) - 1          # the rows' axis in (dp, [depth,] rows, cols)
         split, whole, n_split = self._grid_params(sh, rows, cols)
         isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         # per microbatch: every split weight gathered along the rows (again when recomputed), its
-        # gradient reduce-scattered; the gradients of the weights the rows replicate all-reduced
-        gathers = (2 if cfg.recompute == "full" else 1) * topo.collective_time("all_gather", split * isz, 1)
-        row_comm = m * (gathers + topo.collective_time("reduce_scatter", split * isz, 1) +
-                        topo.collective_time("all_reduce", whole * isz, 1))
+        # gradient reduce-scattered; the gradients of the weights the rows replicate all-reduced;
+        # with 2.5d's depth, every gradient shard summed over the depth (it replicates the weights)
+        gathers = (2 if cfg.recompute == "full" else 1) * topo.collective_time("all_gather", split * isz, r_axis)
+        row_comm = m * (gathers + topo.collective_time("reduce_scatter", split * isz, r_axis) +
+                        topo.collective_time("all_reduce", whole * isz, r_axis) +
+                        (topo.collective_time("all_reduce", (split / rows + whole) * isz, 1) if len(grid) == 3
+                         else 0.0))
         # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
         local, n_tensors = self._local_params(sh, cols)
         local -= split * (1 - 1 / rows)
@@ -681,7 +687,7 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode == "2d":
+        if cfg.tp_mode in ("2d", "2.5d"):
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)

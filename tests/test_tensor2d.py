@@ -44,9 +44,10 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
     with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
         autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
-    for text in ("tp=8,tp_mode=3d", "tp=8,tp_mode=2.5d,tp_depth=2"):
-        with pytest.raises(UnsupportedError, match="not implemented"):
-            autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy=text)
+    with pytest.raises(UnsupportedError, match="not implemented"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy="tp=8,tp_mode=3d")
+    with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=2.5d,tp_depth=2")
     with pytest.raises(UnsupportedError, match="pp=2 is not implemented"):
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy="tp=4,tp_mode=2d,pp=2")
 
@@ -63,6 +64,9 @@ def test_cost_shards_states_over_the_grid_and_charges_the_rows():
     assert two_d.memory["grid_weights_gathered"] > 0
     # the rows' weight gathers and reduce-scatters are tp communication beyond the columns'
     assert two_d.tp_comm_time_s > cols.tp_comm_time_s
+    # 2.5d: the same 2 x 2 grids twice deep hold what 2d's hold; their gradients are summed over the depth too
+    deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
+    assert states(deep) == pytest.approx(states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
     assert two_d.parallel["tp_mode"] == "2d" and two_d.strategy == "dp=4,tp=4,tp_mode=2d,pp=1,microbatches=1," \
                                                                   "recompute=none,zero=0"
 

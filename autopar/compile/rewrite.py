@@ -30,7 +30,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -141,18 +141,20 @@ def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, .
 
 def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, ...] | None], *,
                   tp_rank: int, tp_group: Any, params: dict[str, torch.Tensor],
-                  rows: Axis | None = None) -> LocalProgram:
+                  grid: Sequence[Axis] = ()) -> LocalProgram:
     """Build this rank's GraphModule.
 
     ``shapes`` are the node shapes local to the data-parallel axis (at the
     microbatch size the program will run with); ``params`` maps parameter /
     buffer qualified names to their full tensors (identical on every rank).
-    ``rows``: with ``tp_mode=2d``, the grid's rows (``tp`` then decides its
-    columns); each value is moved along both axes, rows first.
+    ``grid``: with ``tp_mode=2d`` the grid's rows (with 2.5d its depth, then
+    its rows), outermost first; ``tp`` then decides its columns. Each value
+    is moved along every axis (splits outermost first, gathers innermost
+    first where two axes split the same dim).
     """
     if graph.gm is None:
         raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
-    axes = ([rows] if rows is not None else []) + [Axis(tp, tp_rank, tp_group)]
+    axes = [*grid, Axis(tp, tp_rank, tp_group)]
     rw = _Rewriter(graph, axes, shapes, params)
     for fnode in graph.gm.graph.nodes:
         rw.node(fnode)
@@ -160,7 +162,7 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
-                        row_placement=rw.placement[0] if rows is not None else {})
+                        row_placement=rw.placement[-2] if grid else {})
 
 
 class _Rewriter:
@@ -196,12 +198,8 @@ class _Rewriter:
         if key in self.cache:
             return self.cache[key]
         haves = [ax.out(name) for ax in self.axes]
-        dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
-        for k, (h, w) in enumerate(zip(haves, wants)):
-            if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k):
-                raise CompileError(f"{name}: two tensor axes shard the same dim ({haves} -> {list(wants)})")
         x = self.env[name]
-        for ax, have, want, split in zip(self.axes, haves, wants, splits):
+        for ax, have, want, split in self._order(name, haves, wants, splits):
             try:
                 steps = transition_steps(have, want, g and ax.n > 1, split)
             except CompileError as e:
@@ -210,6 +208,20 @@ class _Rewriter:
                 x = self.comm(x, ax, step.kind, *step.dims)
         self.cache[key] = x
         return x
+
+    def _order(self, name: str, haves: list[str], wants: tuple[str, ...], splits: tuple[bool, ...]) -> list:
+        """The axes in the order ``name`` moves along them: outermost first,
+        but innermost first when an axis gathers a dim another axis splits too
+        (the chunks of a dim split twice are ordered outer axis first).
+        Raises :class:`CompileError` when axes sharing a dim move it both ways."""
+        dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
+        shared = [k for k, (h, w) in enumerate(zip(haves, wants))
+                  if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k)]
+        gathers = {is_shard(haves[k]) and not is_shard(wants[k]) for k in shared}
+        if len(gathers) > 1 or any(is_shard(haves[k]) == is_shard(wants[k]) for k in shared):
+            raise CompileError(f"{name}: tensor axes sharing a dim move it unlike ({haves} -> {list(wants)})")
+        order = list(zip(self.axes, haves, wants, splits))
+        return order[::-1] if gathers == {True} else order
 
     def node(self, fnode: fx.Node) -> None:
         if fnode.op == "placeholder":

@@ -242,6 +242,15 @@ class ParallelConfig:
         return tp_grid(self.tp, self.tp_mode, self.tp_depth)
 
     @property
+    def grid_batch_split(self) -> int:
+        """The tp ranks that split a microbatch's samples: 1 for 1d, the rows
+        of a 2d grid, depth x rows for 2.5d (every grid axis but the columns)."""
+        k = 1
+        for n in self.tp_grid[:-1]:
+            k *= n
+        return k
+
+    @property
     def stages(self) -> int:
         """Virtual pipeline stages: ``pp x chunks``."""
         return self.pp * self.chunks
@@ -452,27 +461,29 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
-    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d):
-    2d runs without pipelines, context parallelism and ZeRO-3, with the
-    samples of a microbatch on a data-parallel rank divisible by the grid's
-    rows; 2.5d and 3d are read and validated but not implemented
-    (:class:`UnsupportedError`)."""
+    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d
+    and 2.5d run without pipelines, context parallelism and ZeRO-3, with the
+    samples of a microbatch on a data-parallel rank divisible by the ranks
+    that split them (the rows, times the depth of 2.5d); 3d is read and
+    validated but not implemented (:class:`UnsupportedError`)."""
     if cfg.tp_mode == "1d":
         return
-    if cfg.tp_mode != "2d":
-        raise UnsupportedError(f"tp_mode={cfg.tp_mode} (tp={cfg.tp} as a {' x '.join(map(str, cfg.tp_grid))} "
-                               f"grid) is valid but not implemented yet; tp_mode=2d and 1d are")
+    mode = cfg.tp_mode
+    if mode not in ("2d", "2.5d"):
+        raise UnsupportedError(f"tp_mode={mode} (tp={cfg.tp} as a {' x '.join(map(str, cfg.tp_grid))} "
+                               f"grid) is valid but not implemented yet; tp_mode=1d, 2d and 2.5d are")
     for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("zero=3", cfg.zero == 3)):
         if bad:
-            raise UnsupportedError(f"tp_mode=2d with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
-                                   f"is not implemented yet; tp_mode=2d runs with dp, microbatches, recompute "
+            raise UnsupportedError(f"tp_mode={mode} with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
+                                   f"is not implemented yet; tp_mode={mode} runs with dp, microbatches, recompute "
                                    f"and zero<=2")
-    rows = cfg.tp_grid[0]
+    rows = cfg.grid_batch_split
     per = global_batch // max(cfg.dp * cfg.microbatches, 1)
     if per % rows:
-        raise StrategyError(f"tp_mode=2d splits each microbatch's {per} samples on a data-parallel rank over the "
-                            f"grid's {rows} rows: they must be divisible by {rows} (global batch {global_batch} / "
-                            f"(dp={cfg.dp} x microbatches={cfg.microbatches}))")
+        who = "rows" if mode == "2d" else "depth x rows"
+        raise StrategyError(f"tp_mode={mode} splits each microbatch's {per} samples on a data-parallel rank over "
+                            f"the grid's {rows} {who}: they must be divisible by {rows} (global batch "
+                            f"{global_batch} / (dp={cfg.dp} x microbatches={cfg.microbatches}))")
 
 
 def int_root_floor(n: int, k: int) -> int:
