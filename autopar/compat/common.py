@@ -178,7 +178,7 @@ def common_losses(cfg: ParallelConfig, plan: Plan | None, framework: str) -> lis
     if mode is not None and cfg.tp > 1:
         notes.append(f"per-op placements: the plan's were searched ({mode}); {framework} lays tensor-parallel "
                      "layers out Megatron-style, so those placements are not carried")
-    if getattr(cfg, "tp_mode", "1d") != "1d" and framework != "Colossal-AI":
+    if getattr(cfg, "tp_mode", "1d") != "1d" and not framework.startswith("Colossal-AI"):
         notes.append(f"tp_mode={cfg.tp_mode} (tensor parallel on a {' x '.join(map(str, cfg.tp_grid))} grid, "
                      f"Colossal-AI's): {framework} has 1D tensor parallel only, so tp={cfg.tp} is written as 1D")
     if not cfg.overlap:
