@@ -3,7 +3,8 @@ the cost model, and training against one process.
 
 Every training scenario runs in ONE spawn of 4 gloo processes (the suite has a
 time budget): the zoo GPT (fx, fused causal attention, a tied-free head) and
-the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) on a 2 x 2 grid; fp32, every step's loss and the final
+the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) on a 2 x 2 grid, GPT
+with its gradients clipped to a global norm (the norm equal to one process's); fp32, every step's loss and the final
 weights within rel 1e-4 of one process, and every trainable weight of two
 dims held as a quarter on each rank (split over the grid's rows and columns).
 """
@@ -20,8 +21,10 @@ from autopar.spec import parse_strategy
 STEPS = 2
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
-#: one run per model (the suite's time budget): Llama with two microbatches (each split over the rows)
+#: one run per model (the suite's time budget): Llama with two microbatches (each split over the rows),
+#: GPT with its gradients clipped to a global norm (each shard and each replica counted once)
 CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",)}
+CLIP = {GPT: 0.5, LLAMA: None}
 
 
 # ----------------------------------------------------------------------------- fast, one process
@@ -102,14 +105,16 @@ def _case(spec):
 def _reference(spec):
     model, x, y, loss_fn = _case(spec)
     o = _opt(list(model.parameters()))
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         o.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
+        if CLIP[spec] is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[spec]).item())
         o.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, \
+    return (losses, norms), {k: v.detach().clone() for k, v in model.state_dict().items()}, \
         {k: v.numel() for k, v in model.named_parameters() if v.dim() >= 2}
 
 
@@ -121,8 +126,13 @@ def _worker(rank, world):
         for strategy in strategies:
             model, x, y, loss_fn = _case(spec)
             pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
-                                     strategy=strategy)
-            losses = [pm.train_step((x,), y) for _ in range(STEPS)]
+                                     strategy=strategy, max_grad_norm=CLIP[spec])
+            losses, norms = [], []
+            for _ in range(STEPS):
+                losses.append(pm.train_step((x,), y))
+                if CLIP[spec] is not None:
+                    norms.append(float(pm.grad_norm))
+            losses = (losses, norms)
             pre = len("model.")
             held = {k[pre:]: t.numel() for k, t in pm._local_tensors().items() if k[pre:] in matrices}
             w = pm.full_state_dict()
@@ -142,7 +152,8 @@ def results():
 def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
     for r in results:
         for strategy in CASES[spec]:
-            want, got, worst, missing, not_quarter, matrices = r[spec, strategy]
+            (want, want_norms), (got, norms), worst, missing, not_quarter, matrices = r[spec, strategy]
             assert got == pytest.approx(want, rel=1e-4), (spec, strategy)
+            assert norms == pytest.approx(want_norms, rel=1e-4), (spec, strategy)
             assert worst < 1e-4 and not missing, (spec, strategy, worst, missing)
             assert matrices > 0 and not not_quarter, (spec, strategy, not_quarter)
