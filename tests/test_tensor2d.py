@@ -4,7 +4,8 @@ the cost model, and training against one process.
 Every training scenario runs in ONE spawn of 4 gloo processes (the suite has a
 time budget): the zoo GPT (fx, fused causal attention, a tied-free head) and
 the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) on a 2 x 2 grid, GPT
-with its gradients clipped to a global norm (the norm equal to one process's); fp32, every step's loss and the final
+with its gradients clipped to a global norm (the norm equal to one process's), then
+saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step's loss and the final
 weights within rel 1e-4 of one process, and every trainable weight of two
 dims held as a quarter on each rank (split over the grid's rows and columns).
 """
@@ -118,7 +119,18 @@ def _reference(spec):
         {k: v.numel() for k, v in model.named_parameters() if v.dim() >= 2}
 
 
-def _worker(rank, world):
+def _checkpoint(pm, path):
+    """A checkpoint saved under the grid resumes under dp=2,tp=2 with ZeRO-1: the next step's loss, both ways."""
+    pm.save_checkpoint(path)
+    going_on = pm.train_step(*pm.last_batch)
+    model, x, y, loss_fn = _case(GPT)
+    other = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
+                                strategy="dp=2,tp=2,zero=1", max_grad_norm=CLIP[GPT])
+    other.load_checkpoint(path)
+    return going_on, other.train_step((x,), y)
+
+
+def _worker(rank, world, path):
     warnings.simplefilter("ignore")
     out = {}
     for spec, strategies in CASES.items():
@@ -140,12 +152,21 @@ def _worker(rank, world):
                         for k, v in want_w.items() if k in w)
             quarter = sorted(k for k, n in held.items() if 4 * n != matrices[k])
             out[spec, strategy] = (want_losses, losses, worst, sorted(set(want_w) - set(w)), quarter, len(held))
+            if spec == GPT:
+                pm.last_batch = ((x,), y)
+                out["checkpoint"] = _checkpoint(pm, path)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(_worker, 4, timeout=600)
+def results(tmp_path_factory):
+    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("grid") / "ckpt"), timeout=600)
+
+
+def test_checkpoint_of_the_grid_resumes_under_1d(results):
+    for r in results:
+        going_on, resumed = r["checkpoint"]
+        assert resumed == pytest.approx(going_on, rel=1e-5)
 
 
 @pytest.mark.parametrize("spec", list(CASES), ids=["gpt", "llama"])

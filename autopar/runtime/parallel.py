@@ -178,8 +178,7 @@ class ParallelModule(nn.Module):
     def set_grid_rows(self, placement: dict[str, str], group: Any) -> None:
         """``tp_mode=2d``: each parameter's placement on the grid's rows (the
         tp axis being its columns) and the rows' process group, over which
-        :meth:`full_state_dict` gathers the shards too. Checkpoints are not
-        written or read under a grid yet."""
+        :meth:`full_state_dict` and checkpoints gather the shards too."""
         self.row_placement, self.row_group = dict(placement), group
 
     def set_context_split(self, input_dims: list[int | None], target_dim: int | None, positions: Sequence[int]) -> None:
