@@ -11,7 +11,7 @@ import gc
 import math
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import cost_models
 
@@ -229,12 +229,30 @@ SEARCH_MODES = {
 }
 
 
+#: the tensor-parallel layouts the automatic search can try (3d is not implemented)
+SEARCH_TP_MODES = ("1d", "2d", "2.5d")
+
+
+def check_tp_modes(tp_modes: Sequence[str]) -> tuple[str, ...]:
+    """``tp_modes`` as a tuple, checked: each one the search can try, 1d among them.
+    Raises :class:`StrategyError` naming the bad one."""
+    modes = (tp_modes,) if isinstance(tp_modes, str) else tuple(tp_modes)
+    for m in modes:
+        if m not in SEARCH_TP_MODES:
+            raise StrategyError(f"tp_modes: {m!r} is not a layout the search tries; valid: "
+                                f"{', '.join(SEARCH_TP_MODES)} (3d is not implemented yet)")
+    if "1d" not in modes:
+        raise StrategyError(f"tp_modes={list(modes)} must include '1d' (tp=1 and every 1d tp size are its lines)")
+    return modes
+
+
 def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, global_batch: int,
          strategy: str | ParallelConfig = "auto", optimizer: str = "adamw", precision: str | None = None,
          loss_fn: Callable | None = None, target: Any = None, executable_only: bool = False,
          memory_options: bool = True,
          search_mode: str | None = None, shardings: dict[str, Any] | None = None,
-         progress: Callable[[int, int], None] | None = None, solver: str = "highs") -> Plan:
+         progress: Callable[[int, int], None] | None = None, solver: str = "highs",
+         tp_modes: Sequence[str] = ("1d",)) -> Plan:
     """Choose a strategy and return the :class:`Plan` with its predictions
     (:func:`plan_and_record` also returns how the search got there).
 
@@ -257,7 +275,10 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     ``solver``: the MILP solver of the ILP, ``"highs"`` (default) or
     ``"pulp:CBC"``, ``"pulp:GLPK"``, ``"pulp:GUROBI"``, ``"pulp:CPLEX"``
     through PuLP (``pip install autopar[pulp]``); recorded in the plan's
-    ``search.ilp.solver`` when not HiGHS.
+    ``search.ilp.solver`` when not HiGHS. ``tp_modes``: the tensor-parallel
+    layouts the search tries, ``("1d",)`` by default; add ``"2d"`` for
+    Colossal-AI's q x q grids (``tp_mode=2d``) and ``"2.5d"`` for them 2 and
+    4 deep, which the cost model prices.
 
     Raises :class:`StrategyError` for an invalid strategy, search mode,
     solver (or one not installed) or pin (two contradicting pins are both
@@ -266,7 +287,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
                            strategy=strategy, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
                            target=target, executable_only=executable_only, memory_options=memory_options,
                            search_mode=search_mode, shardings=shardings, progress=progress,
-                           solver=solver)[0]
+                           solver=solver, tp_modes=tp_modes)[0]
 
 
 @_collector_paused()
@@ -276,7 +297,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
                     executable_only: bool = False, memory_options: bool = True, search_mode: str | None = None,
                     shardings: dict[str, Any] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    solver: str = "highs") -> tuple[Plan, SearchRecord]:
+                    solver: str = "highs", tp_modes: Sequence[str] = ("1d",)) -> tuple[Plan, SearchRecord]:
     """:func:`plan`, and beside the plan the
     :class:`~autopar.search.planner.SearchRecord` of how it was found (the
     configurations compared, the ILP's runners-up: what
@@ -288,6 +309,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
     if search_mode is not None and search_mode not in SEARCH_MODES:
         raise StrategyError(f"search_mode {search_mode!r} is invalid; valid: {', '.join(SEARCH_MODES)}")
     check_sizes(devices, global_batch)
+    tp_modes = check_tp_modes(tp_modes)
     user_pins = {**_pins.annotations(model), **(shardings or {})}
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
     check_batch(graph, global_batch)
@@ -304,7 +326,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
     with _cluster_errors(), _pin_errors(graph, user_pins), grouped_warnings():
         spec.check_devices(devices)
         if strategy == "auto":
-            res = search_grid(planner, memory_options=memory_options, progress=progress)
+            res = search_grid(planner, memory_options=memory_options, progress=progress, tp_modes=tp_modes)
             est, cfg, sharder = res.best, res.best_config, res.best_sharder
             # the search time is not part of the JSON: the same inputs must give the same bytes
             search = {"mode": search_mode, "candidates": res.candidates, "feasible": res.feasible,
@@ -420,8 +442,7 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
     function): the caller then re-derives them from the strategy."""
     ops = plan_.data["ops"]
     keys = plan_.op_keys(graph)
-    tp = plan_.parallel["tp"]
-    sh = AxisSharding(n=tp)
+    sh = AxisSharding(n=plan_.config.tp_grid[-1])     # tp_mode=2d: the grid's columns
     by_param = {v: k for k, v in ((nd.name, nd.param) for nd in graph.nodes if nd.param)}
     for pname, placements in plan_.data["params"].items():
         node = by_param.get(pname)

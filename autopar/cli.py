@@ -233,6 +233,10 @@ def plan(
     html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the plan as one self-contained HTML "
                                             "page, with the search's runners-up."),
     as_json: bool = JsonOpt,
+    tp_modes: str = typer.Option("1d", "--tp-modes",
+                                 help="Tensor-parallel layouts the search tries, comma-separated: 1d (default), "
+                                      "or 1d,2d to add Colossal-AI's q x q grids (tp_mode=2d), 1d,2d,2.5d also them 2 and "
+                                      "4 deep (tp_mode=2.5d)."),
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan_and_record as make_plan
@@ -268,7 +272,8 @@ def plan(
                 p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                                       strategy="auto", optimizer=optimizer, precision=precision,
                                       memory_options=not plain, progress=tick, search_mode=search_mode,
-                                      shardings=shardings, solver=solver)
+                                      shardings=shardings, solver=solver,
+                                      tp_modes=tuple(m.strip() for m in tp_modes.split(",") if m.strip()))
         else:
             p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                                   strategy=strategy, optimizer=optimizer, precision=precision,
@@ -752,7 +757,7 @@ def import_config(
         return
     plan(model=model, cluster=cluster, devices=devices, global_batch=global_batch, strategy=got.strategy,
          optimizer=optimizer, precision=precision, plain=False, out_path=out_path, search_mode=got.search_mode,
-         pin=pin, explain=False, solver="highs", html_out=None, as_json=as_json)
+         pin=pin, explain=False, solver="highs", html_out=None, as_json=as_json, tp_modes="1d")
 
 
 @app.command()

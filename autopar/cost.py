@@ -67,11 +67,12 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, scaled_shapes, track_batch
+from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, row_placement, scaled_shapes, \
+    track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
-from .spec import ParallelConfig, divisors
+from .spec import ParallelConfig, check_grid, divisors
 from .spec.placement import R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
@@ -175,10 +176,14 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
         raise StrategyError(f"dp={cfg.dp} x tp={cfg.tp} x pp={cfg.pp}{cps} = {cfg.devices} devices, "
                             f"but {devices} were given")
     check_cp(graph, cfg.cp)
+    check_grid(cfg, global_batch)
     valid = _tp_sizes_cached(graph)
-    if cfg.tp not in valid:
+    cols = cfg.tp_grid[-1]
+    if cols not in valid:
         what = "attention heads" if any(n.kind == "sdpa" for n in graph.nodes) else "layer widths"
-        raise StrategyError(f"tensor parallel size {cfg.tp} does not divide the model's {what}; "
+        grid = f" (the columns of tp_mode={cfg.tp_mode}'s {'x'.join(map(str, cfg.tp_grid))} grid)" \
+            if cfg.tp_mode != "1d" else ""
+        raise StrategyError(f"tensor parallel size {cols}{grid} does not divide the model's {what}; "
                             f"valid sizes: {', '.join(map(str, valid))}")
     if cfg.pp > 1:
         n_layers = units(graph).layers
@@ -282,6 +287,17 @@ class CostModel:
         without context parallelism."""
         return cfg if cfg.cp == 1 else dataclasses.replace(cfg, dp=cfg.dp * cfg.cp, cp=1)
 
+    @staticmethod
+    def grid_view(cfg: ParallelConfig) -> ParallelConfig:
+        """A ``tp_mode=2d`` (or 2.5d) ``cfg`` seen from its grid's columns: a
+        1d config with the columns as tp and the rows (times 2.5d's depth)
+        counted as data-parallel ranks (``dp x q``, ``tp=q``), the same mesh
+        laid out row-major. What a grid rank computes and sends over its
+        columns is that config's; the rows' weight gathers, the depth's
+        gradient sums and what they keep are :meth:`_estimate_2d`'s."""
+        return dataclasses.replace(cfg, dp=cfg.dp * cfg.grid_batch_split, tp=cfg.tp_grid[-1], tp_mode="1d",
+                                   tp_depth=1)
+
     def token_shapes(self, shapes: dict, cp: int) -> dict:
         """``shapes`` (local to dp) with the batch dim divided by ``cp``: the
         elements one cp rank holds (a fraction of a sample when ``cp`` does
@@ -330,6 +346,72 @@ class CostModel:
             comm_time_s=est.comm_time_s + comm, cp_comm_time_s=comm, memory=memory, peak_memory_bytes=peak,
             fits=est.fits and peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
             tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
+
+    def _estimate_2d(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
+                     devices: int) -> Estimate:
+        """:meth:`estimate` of a ``tp_mode=2d`` or ``2.5d`` ``cfg`` (``sh``:
+        its columns, ``shapes``: one grid rank's)."""
+        view = self.grid_view(cfg)
+        est = self._estimate_flat(view, sh, shapes, global_batch, devices)
+        grid, m = cfg.tp_grid, cfg.microbatches
+        rows, cols = grid[-2], grid[-1]
+        topo = self.topology((cfg.dp, *grid))
+        r_axis = len(grid) - 1          # the rows' axis in (dp, [depth,] rows, cols)
+        split, whole, n_split = self._grid_params(sh, rows, cols)
+        isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
+        # per microbatch: every split weight gathered along the rows (again when recomputed), its
+        # gradient reduce-scattered; the gradients of the weights the rows replicate all-reduced;
+        # with 2.5d's depth, every gradient shard summed over the depth (it replicates the weights)
+        gathers = (2 if cfg.recompute == "full" else 1) * topo.collective_time("all_gather", split * isz, r_axis)
+        row_comm = m * (gathers + topo.collective_time("reduce_scatter", split * isz, r_axis) +
+                        topo.collective_time("all_reduce", whole * isz, r_axis) +
+                        (topo.collective_time("all_reduce", (split / rows + whole) * isz, 1) if len(grid) == 3
+                         else 0.0))
+        # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
+        local, n_tensors = self._local_params(sh, cols)
+        local -= split * (1 - 1 / rows)
+        fwd = est.compute_time_s / (m * passes)
+        dp_comm, opt, states = self._dp_tail(dataclasses.replace(view, dp=cfg.dp), local, n_tensors, topo, 0,
+                                             fwd, (passes - 1) * fwd, self._fsdp_units())
+        # the gathered weights their matmuls keep for backward (one layer's at a time when recomputed)
+        kept = split * isz * ((1 - 1 / rows) if cfg.recompute == "none" else (1 - 1 / rows) / max(n_split, 1))
+        memory = dict(est.memory, weights=states["weights"], gradients=states["gradients"],
+                      optimizer=states["optimizer"], grid_weights_gathered=kept)
+        old_states = est.memory["weights"] + est.memory["gradients"] + est.memory["optimizer"]
+        peak = est.peak_memory_bytes - old_states + states["total"] + kept
+        step = est.step_time_s - est.dp_comm_time_s - est.optimizer_time_s + dp_comm + opt + row_comm
+        return dataclasses.replace(
+            est, strategy=cfg.to_string(), parallel=cfg.as_dict(), step_time_s=step,
+            comm_time_s=est.tp_comm_time_s + row_comm + dp_comm, tp_comm_time_s=est.tp_comm_time_s + row_comm,
+            dp_comm_time_s=dp_comm, optimizer_time_s=opt, memory=memory, peak_memory_bytes=peak,
+            fits=peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
+            tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
+
+    def _grid_params(self, sh: AxisSharding, rows: int, cols: int) -> tuple[float, float, int]:
+        """Trainable elements of one grid column's share of the weights that
+        :func:`~autopar.sharding.grid_rows` splits over the rows (summed), of
+        those it replicates there (whose gradients the rows all-reduce), and
+        the number of layer units holding split ones."""
+        key = ("grid", id(sh), rows, cols)
+        hit = self.cache.local_params.get(key)
+        if hit is not None:
+            return hit
+        split = whole = 0.0
+        units_: set = set()
+        grad = needs_grad(self.graph)
+        for nd in self.graph.nodes:
+            if nd.kind != "param" or not grad.get(nd.name) or nd.out is None:
+                continue
+            col = sh.out.get(nd.name, R)
+            elems = _numel(nd.out.shape) / (cols if is_shard(col) else 1)
+            if row_placement(nd.out.shape, col, cols, rows) == R:
+                whole += elems
+            else:
+                split += elems
+                units_.add(nd.group)
+        out = (split, whole, len(units_))
+        self.cache.local_params[key] = out
+        return out
 
     def cp_attention_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict) -> tuple[float, list[float]]:
         """Per microbatch under ``cfg.cp``: the time of every attention op's
@@ -635,6 +717,8 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
+        if cfg.tp_mode in ("2d", "2.5d"):
+            return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
         return self._estimate_flat(cfg, sh, shapes, global_batch, devices)

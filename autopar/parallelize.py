@@ -37,7 +37,7 @@ from .compile.fx_utils import get_attr
 from .compile.context import apply_cp as _apply_cp
 from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
-from .compile.rewrite import LocalProgram, compile_local
+from .compile.rewrite import Axis, LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
@@ -51,8 +51,8 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import scaled_shapes
-from .spec import ParallelConfig, is_shard, parse_strategy
+from .sharding import follow_batch, grid_rows, scaled_shapes
+from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import keyword_inputs, trace
 
@@ -164,7 +164,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     else:
         pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
         modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
-    copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp) if max_grad_norm is not None else {}
+    copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
+                         cfg.tp_grid[-2] if len(cfg.tp_grid) > 1 else 1,
+                         cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
@@ -179,6 +181,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    if cfg.tp_mode in ("2d", "2.5d"):
+        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"))
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
@@ -293,6 +297,8 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     if cfg.copies > 1 and (cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp == 1):
         raise UnsupportedError(f"copies={cfg.copies} runs with tp > 1 and without pp, cp and zero=3; this plan has "
                                f"{cfg.to_string()}")
+    if cfg.tp_mode != "1d":
+        check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
     if cfg.cp > 1 and cfg.zero == 3:
         raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
                                "reduced over dp x cp; use zero<=2 with context parallelism")
@@ -341,6 +347,9 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
+    if cfg.tp_mode in ("2d", "2.5d"):   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
+        names = (("tp_depth",) if cfg.tp_mode == "2.5d" else ()) + ("tp_row", "tp")
+        return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", *names), timeout_s=timeout_s)
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
     return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"), timeout_s=timeout_s)
@@ -372,9 +381,16 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
                                    *model.named_buffers(remove_duplicate=False)]}
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
+    grid: list[Axis] = []
+    if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
+        grid.append(Axis(follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False), mesh.coord("tp_depth"),
+                         mesh.group("tp_depth"), whole_sizes=True))
+    if cfg.tp_mode in ("2d", "2.5d"):    # the grid's rows: the batch split, the weights stored split and gathered
+        grid.append(Axis(grid_rows(graph, tp_sh, cfg.tp_grid[-2], shapes), mesh.coord("tp_row"),
+                         mesh.group("tp_row"), whole_sizes=True))
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
-                         batch_group=mesh.group("dp") if cfg.dp > 1 else None)
+                         grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None)
     prog.module.to(device)
     return prog
 
@@ -493,16 +509,21 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
-                tp: int) -> dict[str, int]:
+                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1, depth: int = 1) -> dict[str, int]:
     """Program name -> how many ranks hold the same reduced gradient of that
     parameter besides its dp replicas: ``tp`` for a weight replicated over
-    tp, times the ranks of its tie group for a weight tied across pipeline
-    stages. Only entries above 1 (what gradient clipping must not count twice)."""
+    tp (with ``tp_mode=2d``: the grid's columns, and ``n_rows`` more for one
+    replicated over its rows, ``rows`` holding those placements, and 2.5d's
+    ``depth``, which replicates every weight), times the
+    ranks of its tie group for a weight tied across pipeline stages. Only
+    entries above 1 (what gradient clipping must not count twice)."""
     tie = {id(t): dist.get_world_size(g) for t, g in tied}
+    rows = rows or {}
     out = {}
     for name, t in local.items():
         if isinstance(t, nn.Parameter) and t.requires_grad:
-            n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1)
+            n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1) * \
+                (1 if is_shard(rows.get(name, "R")) else n_rows) * depth
             if n > 1:
                 out[name] = n
     return out

@@ -417,7 +417,7 @@ class Plan:
         way by every op that reads it in ``ops`` (an edited plan would
         otherwise be run as something else than its predictions describe)."""
         where = f"plan for {self.data['model']['name']!r}"
-        tp = int(self.parallel.get("tp", 1))
+        tp = self.config.tp_grid[-1]       # tp_mode=2d: the placements are the grid's columns
         params = self.data["params"]
         names = {nd.param: nd for nd in graph.nodes if nd.param and nd.kind == "param"}
         missing = sorted(set(names) - set(params))

@@ -319,6 +319,14 @@ def track_batch(graph: Graph) -> AxisSharding:
 
 def _track_batch(graph: Graph) -> AxisSharding:
     shapes = {nd.name: (nd.out.shape if nd.out is not None else None) for nd in graph.nodes}
+    return follow_batch(graph, 1, shapes, batch_axis=True)
+
+
+def follow_batch(graph: Graph, n: int, shapes: dict[str, Shape | None], batch_axis: bool) -> AxisSharding:
+    """An axis of size ``n`` that splits the batch (dim 0 of every input)
+    wherever a rule allows it, on the local ``shapes``: the data-parallel axis
+    (``n=1``, ``batch_axis``: per-replica statistics allowed) and the rows of
+    a 2-D tensor-parallel grid (:func:`grid_rows`)."""
 
     def inp(nd: Node) -> str:
         return S(0) if nd.out is not None and len(nd.out.shape) > 0 else R
@@ -345,7 +353,39 @@ def _track_batch(graph: Graph) -> AxisSharding:
             return INF
         return c
 
-    return walk_axis(graph, 1, shapes, inp, cost, None, batch_axis=True)
+    return walk_axis(graph, n, shapes, inp, cost, None, batch_axis=batch_axis)
+
+
+def grid_rows(graph: Graph, cols: AxisSharding, q: int, shapes: dict[str, Shape | None]) -> AxisSharding:
+    """The rows of a ``q x q`` tensor-parallel grid (``tp_mode=2d``) whose
+    columns are decided by ``cols``: the batch split over the rows wherever a
+    rule allows (:func:`follow_batch` on the column-local ``shapes``; the loss
+    a scaled partial sum), and every trainable parameter of two or more dims
+    stored split over the rows too, on a dim the columns do not split (the
+    largest that ``q`` divides), so each rank holds ``1/q^2`` of it. Its
+    readers still read it whole along the rows: the compiler all-gathers it
+    there before use and reduce-scatters its gradient (SUMMA's broadcast of the
+    weight blocks along a grid column)."""
+    rows = follow_batch(graph, q, shapes, batch_axis=False)
+    grad = needs_grad(graph)
+    for nd in graph.nodes:
+        if nd.kind == "param" and grad.get(nd.name) and nd.out is not None:
+            p = row_placement(nd.out.shape, cols.out.get(nd.name, R), cols.n, q)
+            if p != R:
+                rows.out[nd.name] = p
+    return rows
+
+
+def row_placement(shape: Shape, col: str, n_cols: int, q: int) -> str:
+    """Where :func:`grid_rows` stores a trainable parameter of ``shape``
+    placed ``col`` on ``n_cols`` columns on ``q`` rows: split on the largest
+    other dim ``q`` divides (of two or more dims), else replicated."""
+    if len(shape) < 2:
+        return R
+    taken = shard_dim(col) if is_shard(col) else None
+    local = [s // n_cols if d == taken else s for d, s in enumerate(shape)]
+    dims = [d for d in range(len(local)) if d != taken and local[d] % q == 0]
+    return S(max(dims, key=lambda d: (local[d], -d))) if dims else R
 
 
 def batch_dims(graph: Graph) -> dict[str, int | None]:

@@ -8,7 +8,9 @@ BERT (masked LM) and ViT, 4 layers each (GPT-2 also with its own loss,
 ``loss_fn="labels"``). None traces with symbolic
 ``torch.fx``: all go through ``torch.export``. Strategy families: dp, tp,
 dp x tp, pipelines (1F1B, interleaved, pp x dp x tp on 8 processes), Megatron
-sequence parallel, selective and full recompute, ZeRO-1/2/3 and bf16.
+sequence parallel, selective and full recompute, ZeRO-1/2/3, bf16, and 2D tensor
+parallel (a 2 x 2 grid, alone and with dp=2 and ZeRO-1 on 8 processes) and 2.5D
+(two 2 x 2 grids, 8 processes).
 
 A cell passes when every step's loss on every rank is within a relative
 ``1e-4`` of the single process's (fp32; bf16: 2e-2 of one process under
@@ -51,6 +53,9 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "zero-2": ("dp=2,tp=2,zero=2", 4),
     "zero-3": ("dp=4,zero=3", 4),
     "bf16": ("dp=2,tp=2,precision=bf16", 4),
+    "2d": ("tp=4,tp_mode=2d", 4),
+    "dp x 2d": ("dp=2,tp=4,tp_mode=2d,zero=1", 8),
+    "2.5d": ("tp=8,tp_mode=2.5d,tp_depth=2", 8),
 }
 # bf16 is compared with one process under the same policy (bf16 weights and compute, fp32
 # master weights, gradients reduced in fp32): splitting a matmul or the batch changes where

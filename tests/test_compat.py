@@ -145,11 +145,16 @@ def test_colossal_rules(parallel, extra, match):
         col(parallel, **extra)
 
 
-@pytest.mark.parametrize("tensor", [dict(size=4, mode="2d"), dict(size=8, mode="2.5d", depth=2),
-                                    dict(size=8, mode="3d")])
-def test_colossal_2d_25d_3d_parse_then_are_unsupported(tensor):
-    with pytest.raises(UnsupportedError, match=f"mode '{tensor['mode']}' .* not implemented"):
-        col(dict(pipeline=2, tensor=tensor))
+@pytest.mark.parametrize("tensor,strategy", [
+    (dict(size=4, mode="2d"), "tp=4,tp_mode=2d"),
+    (dict(size=8, mode="2.5d", depth=2), "tp=8,tp_mode=2.5d,tp_depth=2"),
+    (dict(size=8, mode="3d"), "tp=8,tp_mode=3d")])
+def test_colossal_2d_25d_3d_map_to_tp_mode(tensor, strategy):
+    got = col(dict(pipeline=2, tensor=tensor))
+    assert got.config == parse_strategy(f"{strategy},pp=2", 16)
+    back = compat.to_colossal(got.config)
+    assert back.data["parallel"]["tensor"] == tensor and not any("tp_mode" in n for n in back.notes)
+    assert any("tp_mode" in n for n in compat.to_torchtitan(got.config, global_batch=32).notes)
 
 
 def test_colossal_accepted_forms():

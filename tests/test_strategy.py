@@ -209,6 +209,15 @@ def _values(k: Key) -> list:
     return [k.minimum + 0.5, 10.0, k.default, 100.25]
 
 
+def _grid_extra(name: str, value) -> dict:
+    """The tp (and depth) a tp_mode / tp_depth value needs: a square, depth x q^2, a cube."""
+    if name == "tp_mode":
+        return {"1d": {}, "2d": {"tp": 4}, "2.5d": {"tp": 8, "tp_depth": 2}, "3d": {"tp": 8}}[value]
+    if name == "tp_depth" and value > 1:
+        return {"tp_mode": "2.5d", "tp": 4 * value}
+    return {}
+
+
 def _configs(k: Key):
     """Configs with key ``k`` at each of its values and valid for the grammar (on a pipeline or not)."""
     for value in _values(k):
@@ -218,7 +227,8 @@ def _configs(k: Key):
                 continue            # pipeline keys are meaningless (and not written) without one
             extra = {"chunks": 2} if (k.name, value) == ("schedule", "interleaved") else \
                 {"schedule": "interleaved"} if k.name == "chunks" and value > 1 else \
-                {"schedule": "1f1b" if value > 1 else "none"} if k.name == "pp" else {}
+                {"schedule": "1f1b" if value > 1 else "none"} if k.name == "pp" else \
+                _grid_extra(k.name, value)
             cfg = dataclasses.replace(base, **extra, **{k.name: value})
             try:
                 parse_strategy(cfg.to_string())

@@ -13,8 +13,8 @@ size without a mode, a mode without a size, 2D on a non-square size, 2.5D
 whose size is not ``depth x q^2``, 3D on a non-cube, pipeline x tensor not
 dividing the world, a data size that is not what the world leaves. ``1d`` is
 autopar's ``tp``, ``sequence`` (ring self-attention: the sequence split over
-the group) its context parallel ``cp``; valid 2D, 2.5D and 3D configs are
-:class:`UnsupportedError`: autopar does not run them yet.
+the group) its context parallel ``cp``; ``2d``, ``2.5d`` and ``3d`` are
+``tp_mode=`` (with ``tp_depth=`` for 2.5D).
 """
 from __future__ import annotations
 
@@ -108,8 +108,9 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
     ``devices`` is the world size; without it ``parallel.data`` must be given.
 
     Raises :class:`ConfigError` for a config that breaks one of the seed's
-    rules (naming the field), :class:`UnsupportedError` for a valid 2D, 2.5D
-    or 3D tensor mode (and for the sequence mode where the strategy has no ``cp``)."""
+    rules (naming the field), :class:`UnsupportedError` for the sequence mode
+    where the strategy has no ``cp``. The 2D, 2.5D and 3D tensor modes become
+    ``tp_mode=`` (and ``tp_depth=``)."""
     if isinstance(cfg_or_path, Mapping):
         where = "Colossal-AI config"
         cfg = dict(cfg_or_path) if "parallel" in cfg_or_path or not set(cfg_or_path) <= {"data", "pipeline", "tensor"} \
@@ -139,10 +140,11 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
         raise ConfigError(f"{where}: parallel.data={_size(par['data'], 'parallel.data', where)}, but {devices} "
                           f"devices / (pipeline {pp} x tensor {tp}) leave {dp}; leave data out (Colossal-AI "
                           f"infers it) or write data={dp}")
-    if mode in ("2d", "2.5d", "3d"):
-        raise UnsupportedError(f"{where}: tensor mode {mode!r} (size {tp}) is valid, but 2D, 2.5D and 3D tensor "
-                               f"parallel are not implemented in autopar yet; mode='1d' is (tp={tp})")
     keys, notes = _extras(cfg, pp, where)
+    if mode in ("2d", "2.5d", "3d"):     # the grid's shape was checked by _check_mode
+        keys["tp_mode"] = mode
+        if mode == "2.5d":
+            keys["tp_depth"] = positive_int(par["tensor"]["depth"], "parallel.tensor.depth", where)
     if mode == "sequence":    # Li et al. 2021: the sequence split over the group, ring self-attention
         keys.update(context_parallel(tp, "parallel.tensor.size with mode='sequence' (ring self-attention)", where,
                                      "; autopar's sequence_parallel=true is Megatron's (norms and dropout split "
@@ -153,6 +155,12 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
                      "them around a ring")
         tp = 1
     return Imported(build({"dp": dp, "tp": tp, "pp": pp, **keys}, devices, where, SPELLED), tuple(notes))
+
+
+def _tensor_out(cfg: ParallelConfig) -> dict[str, Any]:
+    """The ``tensor`` dict of a strategy with ``tp > 1``: its size, mode (and 2.5D's depth)."""
+    mode = getattr(cfg, "tp_mode", "1d")
+    return {"size": cfg.tp, "mode": mode, **({"depth": cfg.tp_depth} if mode == "2.5d" else {})}
 
 
 def _size(value: Any, field: str, where: str) -> int:
@@ -282,7 +290,7 @@ def to_colossal(what: Source) -> Exported:
         raise UnsupportedError(f"{cfg.to_string()}: Colossal-AI's parallel dict has one tensor mode, so tp={cfg.tp} "
                                f"(mode='1d') and cp={cp_of(cfg)} (mode='sequence') cannot both be written")
     if cfg.tp > 1 or cp_of(cfg) > 1:
-        par["tensor"] = {"size": cfg.tp, "mode": "1d"} if cfg.tp > 1 else {"size": cp_of(cfg), "mode": "sequence"}
+        par["tensor"] = _tensor_out(cfg) if cfg.tp > 1 else {"size": cp_of(cfg), "mode": "sequence"}
     data: dict[str, Any] = {"parallel": par}
     if cfg.pp > 1:
         data["NUM_MICRO_BATCHES"] = cfg.microbatches

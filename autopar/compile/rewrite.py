@@ -26,9 +26,11 @@ families and placements.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -153,8 +155,29 @@ class LocalProgram:
     module: fx.GraphModule
     param_placement: dict[str, str]      # param qualified name -> tp placement
     comms: int                           # collectives inserted
+    row_placement: dict[str, str] = dataclasses.field(default_factory=dict)   # tp_mode=2d: on the grid's rows
 
 
+@dataclass(frozen=True)
+class Axis:
+    """One tensor axis of this rank's program: its decisions, this rank's
+    coordinate on it and its process group. The graph's inputs arrive whole
+    along every axis: one whose decisions split an input splits it first."""
+
+    sh: AxisSharding
+    rank: int
+    group: Any
+    whole_sizes: bool = False    # a size read off a value this axis splits is the whole one (x n)
+
+    @property
+    def n(self) -> int:
+        return self.sh.n
+
+    def out(self, name: str) -> str:
+        return self.sh.out.get(name, R) if self.sh.n > 1 else R
+
+    def strategy(self, name: str) -> Any:
+        return self.sh.strategy.get(name) if self.sh.n > 1 else None
 
 
 def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, ...]:
@@ -168,12 +191,16 @@ def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, .
 
 def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, ...] | None], *,
                   tp_rank: int, tp_group: Any, params: dict[str, torch.Tensor],
-                  batch_group: Any = None) -> LocalProgram:
+                  grid: Sequence[Axis] = (), batch_group: Any = None) -> LocalProgram:
     """Build this rank's GraphModule.
 
     ``shapes`` are the node shapes local to the data-parallel axis (at the
     microbatch size the program will run with); ``params`` maps parameter /
     buffer qualified names to their full tensors (identical on every rank).
+    ``grid``: with ``tp_mode=2d`` the grid's rows (with 2.5d its depth, then
+    its rows), outermost first; ``tp`` then decides its columns. Each value
+    is moved along every axis (splits outermost first, gathers innermost
+    first where two axes split the same dim).
     ``batch_group``: the data-parallel group when it has several ranks; every
     training-mode batch norm then takes its statistics over the whole batch
     of that group (:class:`SyncBatchNorm`), so data parallelism computes what
@@ -181,131 +208,209 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     """
     if graph.gm is None:
         raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
-    n = tp.n
-    src = graph.gm.graph
-    new = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    root: dict[str, Any] = {}
-    param_placement: dict[str, str] = {}
-    grad = needs_grad(graph)
-    reshard_cache: dict[tuple[str, str, bool], fx.Node] = {}
-    counter = {"comm": 0}
+    axes = [*grid, Axis(tp, tp_rank, tp_group)]
+    rw = _Rewriter(graph, axes, shapes, params, batch_group)
+    for fnode in graph.gm.graph.nodes:
+        rw.node(fnode)
+    gm = fx.GraphModule(rw.root, rw.new, class_name="AutoparLocal")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
+                        row_placement=rw.placement[-2] if grid else {})
 
-    def add_module(prefix: str, mod: nn.Module) -> str:
-        name = f"_autopar_{prefix}_{counter['comm']}"
-        counter["comm"] += 1
-        root[name] = mod
+
+class _Rewriter:
+    """The state of one :func:`compile_local`: the new graph, its root
+    module's attributes, and the values already moved (a transition several
+    consumers read alike is inserted once)."""
+
+    def __init__(self, graph: Graph, axes: list[Axis], shapes: dict, params: dict[str, torch.Tensor],
+                 batch_group: Any = None) -> None:
+        self.graph, self.axes, self.shapes, self.params = graph, axes, shapes, params
+        self.batch_group = batch_group
+        self.new = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.root: dict[str, Any] = {}
+        self.placement: list[dict[str, str]] = [{} for _ in axes]
+        self.grad = needs_grad(graph)
+        self.cache: dict[tuple, fx.Node] = {}
+        self.count = 0
+
+    def add_module(self, prefix: str, mod: nn.Module) -> str:
+        name = f"_autopar_{prefix}_{self.count}"
+        self.count += 1
+        self.root[name] = mod
         return name
 
-    def comm(x: fx.Node, kind: str, dim: int = 0, dim2: int = 0) -> fx.Node:
-        return new.call_module(add_module(kind, Comm(kind, tp_group, dim, dim2)), (x,))
+    def comm(self, x: fx.Node, ax: Axis, kind: str, dim: int = 0, dim2: int = 0) -> fx.Node:
+        return self.new.call_module(self.add_module(kind, Comm(kind, ax.group, dim, dim2)), (x,))
 
-    def reshard(name: str, want: str, into_split: bool) -> fx.Node:
-        """``name``'s value as the consumer reads it: the steps of the
+    def reshard(self, name: str, wants: tuple[str, ...], splits: tuple[bool, ...]) -> fx.Node:
+        """``name``'s value as the consumer reads it: per axis the steps of the
         redistribution table, one Comm module each (shared by the consumers
         that read it alike)."""
-        have = tp.out.get(name, R)
-        g = grad.get(name, False) and into_split and want == R and n > 1
-        key = (name, want, g)
-        if key in reshard_cache:
-            return reshard_cache[key]
-        try:
-            steps = transition_steps(have, want, grad.get(name, False) and n > 1, into_split)
-        except CompileError as e:
-            raise CompileError(f"{name}: {e}") from None
-        x = env[name]
-        for step in steps:
-            x = comm(x, step.kind, *step.dims)
-        reshard_cache[key] = x
+        g = self.grad.get(name, False)
+        key = (name, wants, tuple(s and g and w == R and ax.n > 1 for ax, w, s in zip(self.axes, wants, splits)))
+        if key in self.cache:
+            return self.cache[key]
+        haves = [ax.out(name) for ax in self.axes]
+        x = self.env[name]
+        for ax, have, want, split in self._order(name, haves, wants, splits):
+            try:
+                steps = transition_steps(have, want, g and ax.n > 1, split)
+            except CompileError as e:
+                raise CompileError(f"{name}: {e}") from None
+            for step in steps:
+                x = self.comm(x, ax, step.kind, *step.dims)
+        self.cache[key] = x
         return x
 
-    fx_nodes = {nd.name: nd for nd in src.nodes}
-    for fnode in src.nodes:
-        nd = graph[fnode.name] if fnode.name in graph else None
+    def _order(self, name: str, haves: list[str], wants: tuple[str, ...], splits: tuple[bool, ...]) -> list:
+        """The axes in the order ``name`` moves along them: outermost first,
+        but innermost first when an axis gathers a dim another axis splits too
+        (the chunks of a dim split twice are ordered outer axis first).
+        Raises :class:`CompileError` when axes sharing a dim move it both ways."""
+        dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
+        shared = [k for k, (h, w) in enumerate(zip(haves, wants))
+                  if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k)]
+        gathers = {is_shard(haves[k]) and not is_shard(wants[k]) for k in shared}
+        if len(gathers) > 1 or any(is_shard(haves[k]) == is_shard(wants[k]) for k in shared):
+            raise CompileError(f"{name}: tensor axes sharing a dim move it unlike ({haves} -> {list(wants)})")
+        order = list(zip(self.axes, haves, wants, splits))
+        return order[::-1] if gathers == {True} else order
+
+    def node(self, fnode: fx.Node) -> None:
         if fnode.op == "placeholder":
-            env[fnode.name] = new.placeholder(fnode.name)
-            continue
-        if fnode.op == "get_attr":
-            t = params.get(fnode.target)
-            if t is None:   # a constant tensor the tracer kept
-                t = get_attr(graph.gm, fnode.target)
-            p = tp.out.get(fnode.name, R) if n > 1 else R
-            local = t.detach()
+            x = self.new.placeholder(fnode.name)
+            for ax in self.axes:      # inputs arrive whole: an axis that splits one takes its chunk
+                if is_shard(ax.out(fnode.name)):
+                    x = self.comm(x, ax, "split", shard_dim(ax.out(fnode.name)))
+            self.env[fnode.name] = x
+        elif fnode.op == "get_attr":
+            self.state(fnode)
+        elif fnode.op == "output":
+            self.output(fnode)
+        else:
+            self.op(fnode)
+
+    def state(self, fnode: fx.Node) -> None:
+        """A parameter, buffer or constant: this rank's chunk of it on every axis."""
+        t = self.params.get(fnode.target)
+        if t is None:   # a constant tensor the tracer kept
+            t = get_attr(self.graph.gm, fnode.target)
+        local = t.detach() if isinstance(t, torch.Tensor) else t
+        for ax, placement in zip(self.axes, self.placement):
+            p = ax.out(fnode.name)
             if is_shard(p) and isinstance(t, torch.Tensor):
-                local = t.detach().chunk(n, dim=shard_dim(p))[tp_rank]
-            if isinstance(t, nn.Parameter):
-                local = nn.Parameter(local.clone().contiguous(), requires_grad=t.requires_grad)
-            elif isinstance(t, torch.Tensor):
-                local = local.clone().contiguous()
-            root[fnode.target] = local
-            param_placement[fnode.target] = p
-            env[fnode.name] = new.get_attr(fnode.target)
-            continue
-        if fnode.op == "output":
-            out = fnode.args[0]
-            name = out.name if isinstance(out, fx.Node) else None
-            if name is not None and tp.out.get(name, R) == P:
-                x = comm(env[name], "all_reduce")
-            elif name is not None and is_shard(tp.out.get(name, R)):
-                x = comm(env[name], "all_gather", shard_dim(tp.out[name]))
-            else:
-                x = fx.map_arg(out, lambda a: env[a.name])
-            new.output(x)
-            continue
-        st = tp.strategy.get(fnode.name) if n > 1 else None
-        # inputs: reshard each tensor input to what the strategy wants
+                local = local.chunk(ax.n, dim=shard_dim(p))[ax.rank]
+            placement[fnode.target] = p
+        if isinstance(t, nn.Parameter):
+            local = nn.Parameter(local.clone().contiguous(), requires_grad=t.requires_grad)
+        elif isinstance(t, torch.Tensor):
+            local = local.clone().contiguous()
+        self.root[fnode.target] = local
+        self.env[fnode.name] = self.new.get_attr(fnode.target)
+
+    def output(self, fnode: fx.Node) -> None:
+        out = fnode.args[0]
+        name = out.name if isinstance(out, fx.Node) else None
+        if name is None:
+            self.new.output(fx.map_arg(out, lambda a: self.env[a.name]))
+            return
+        x = self.env[name]
+        for ax in reversed(self.axes):
+            p = ax.out(name)
+            if p == P:
+                x = self.comm(x, ax, "all_reduce")
+            elif is_shard(p):
+                x = self.comm(x, ax, "all_gather", shard_dim(p))
+        self.new.output(x)
+
+    def op(self, fnode: fx.Node) -> None:
+        graph, env = self.graph, self.env
+        nd = graph[fnode.name] if fnode.name in graph else None
+        sts = [ax.strategy(fnode.name) for ax in self.axes]
         remap: dict[str, fx.Node] = {}
-        if st is not None and nd is not None:
-            for i, want in zip(nd.inputs, st.ins):
-                remap.setdefault(i, reshard(i, want, st.split))
+        if nd is not None and any(st is not None for st in sts):
+            reads = [st.ins if st is not None else tuple(ax.out(i) for i in nd.inputs)
+                     for ax, st in zip(self.axes, sts)]
+            splits = tuple(st is not None and st.split for st in sts)
+            for k, i in enumerate(nd.inputs):
+                remap.setdefault(i, self.reshard(i, tuple(r[k] for r in reads), splits))
+        kernel = next(((ax, st) for ax, st in zip(self.axes, sts) if st is not None and st.kernel), None)
+        if kernel is not None:
+            env[fnode.name] = self.kernel(nd, *kernel, remap)
+            return
         args = fx.map_arg(fnode.args, lambda a: remap.get(a.name, env[a.name]))
         kwargs = fx.map_arg(fnode.kwargs, lambda a: remap.get(a.name, env[a.name]))
-        target = fnode.target
-        op = fnode.op
-        if st is not None and st.kernel == "vocab_embedding":
-            wi = 0 if graph[nd.inputs[0]].kind in ("param", "buffer") else 1
-            V = graph[nd.inputs[wi]].out.shape[0]
-            per = V // n
-            mod = add_module("vocab_embedding", VocabEmbedding(tp_rank * per, (tp_rank + 1) * per, wi == 0))
-            a = [remap.get(i, env[i]) for i in nd.inputs]
-            env[fnode.name] = new.call_module(mod, tuple(a))
-            continue
-        if st is not None and st.kernel == "vocab_cross_entropy":
-            V = graph[nd.inputs[0]].out.shape[1]
-            per = V // n
-            mod = add_module("vocab_ce", VocabCrossEntropy(
-                tp_rank * per, (tp_rank + 1) * per, tp_group, int(nd.attrs.get("ignore_index", -100)),
-                str(nd.attrs.get("reduction", "mean"))))
-            env[fnode.name] = new.call_module(mod, (remap[nd.inputs[0]], remap[nd.inputs[1]]))
-            continue
-        info = ops.op_info(fnode.target if op == "call_function" else str(fnode.target)) \
+        op, target = fnode.op, fnode.target
+        info = ops.op_info(target if op == "call_function" else str(target)) \
             if op in ("call_function", "call_method") and nd is not None and nd.out is not None else None
         if info is not None and info.shape_arg is not None:
-            shape = shapes.get(fnode.name)
+            shape = self.shapes.get(fnode.name)
             if shape is not None:
                 # the traced sizes (symbolic ones included) become this rank's local sizes
-                local = _local_shape(tuple(shape), tp.out.get(fnode.name, R) if n > 1 else R, n)
-                given = args[info.shape_arg:]
-                if "expand" in getattr(fnode.target, "__name__", str(fnode.target)):
-                    local = _keep_runtime_sizes(tuple(local), given, nd.out.shape)
-                args = (*args[:info.shape_arg], tuple(local))
+                local = tuple(shape)
+                for ax in self.axes:
+                    local = _local_shape(local, ax.out(fnode.name), ax.n)
+                if "expand" in getattr(target, "__name__", str(target)):
+                    local = _keep_runtime_sizes(local, args[info.shape_arg:], nd.out.shape)
+                args = (*args[:info.shape_arg], local)
                 kwargs = {}
-        bn = _batch_norm_args(fnode) if batch_group is not None and nd is not None and \
+        bn = _batch_norm_args(fnode) if self.batch_group is not None and nd is not None and \
             nd.kind == "batchnorm" else None
         if bn is not None:
             # another name than the traced node's: stage cutting and regions place it by its first user
-            x = new.call_module(add_module("sync_bn", SyncBatchNorm(bn[5], bn[6], batch_group)),
-                                fx.map_arg(bn[:5], lambda a: remap.get(a.name, env[a.name])))
-            env[fnode.name] = x
-            continue
+            env[fnode.name] = self.new.call_module(
+                self.add_module("sync_bn", SyncBatchNorm(bn[5], bn[6], self.batch_group)),
+                fx.map_arg(bn[:5], lambda a: remap.get(a.name, env[a.name])))
+            return
         if op == "call_module":
-            root[target] = graph.gm.get_submodule(target)
-        x = new.create_node(op, target, args, kwargs, name=fnode.name)
-        if st is not None and st.scale != 1.0:
-            x = new.call_function(operator.mul, (x, st.scale))
+            self.root[target] = graph.gm.get_submodule(target)
+        x = self.new.create_node(op, target, args, kwargs, name=fnode.name)
+        x = self.whole_size(fnode, x)
+        scale = math.prod(st.scale for st in sts if st is not None)
+        if scale != 1.0:
+            x = self.new.call_function(operator.mul, (x, scale))
         env[fnode.name] = x
-    gm = fx.GraphModule(root, new, class_name="AutoparLocal")
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    del fx_nodes
-    return LocalProgram(module=gm, param_placement=param_placement, comms=counter["comm"])
+
+    def whole_size(self, fnode: fx.Node, x: fx.Node) -> fx.Node:
+        """``x``, or for a size read off dim ``d`` of a value an axis with
+        ``whole_sizes`` splits on ``d`` (``aten.sym_size.int(v, d)``,
+        ``v.size(d)``), that size times the axis's size: the batch a grid's rows
+        split stays the whole one in sizes (``arange(B)`` positions, expands),
+        as the placements of the values made from it say."""
+        is_size = fnode.target is torch.ops.aten.sym_size.int or (fnode.op == "call_method" and fnode.target == "size")
+        if not is_size or len(fnode.args) < 2 or not isinstance(fnode.args[0], fx.Node) \
+                or not isinstance(fnode.args[1], int):
+            return x
+        src, d = fnode.args[0].name, fnode.args[1]
+        for ax in self.axes:
+            p = ax.out(src)
+            if ax.whole_sizes and is_shard(p) and (shard_dim(p) == d or (d < 0 and self._rank_of(src) + d ==
+                                                                          shard_dim(p))):
+                x = self.new.call_function(operator.mul, (x, ax.n))
+        return x
+
+    def _rank_of(self, name: str) -> int:
+        nd = self.graph[name] if name in self.graph else None
+        return len(nd.out.shape) if nd is not None and nd.out is not None else 0
+
+    def kernel(self, nd: Any, ax: Axis, st: Any, remap: dict[str, fx.Node]) -> fx.Node:
+        """The vocabulary-parallel kernel ``st`` names, over ``ax``."""
+        graph, n = self.graph, ax.n
+        if st.kernel == "vocab_embedding":
+            wi = 0 if graph[nd.inputs[0]].kind in ("param", "buffer") else 1
+            per = graph[nd.inputs[wi]].out.shape[0] // n
+            mod = self.add_module("vocab_embedding", VocabEmbedding(ax.rank * per, (ax.rank + 1) * per, wi == 0))
+            return self.new.call_module(mod, tuple(remap.get(i, self.env[i]) for i in nd.inputs))
+        if st.kernel == "vocab_cross_entropy":
+            per = graph[nd.inputs[0]].out.shape[1] // n
+            mod = self.add_module("vocab_ce", VocabCrossEntropy(
+                ax.rank * per, (ax.rank + 1) * per, ax.group, int(nd.attrs.get("ignore_index", -100)),
+                str(nd.attrs.get("reduction", "mean"))))
+            x = self.new.call_module(mod, (remap[nd.inputs[0]], remap[nd.inputs[1]]))
+            scale = math.prod(self_st.scale for self_st in
+                              (a.strategy(nd.name) for a in self.axes if a is not ax) if self_st is not None)
+            return self.new.call_function(operator.mul, (x, scale)) if scale != 1.0 else x
+        raise CompileError(f"{nd.name}: unknown kernel {st.kernel!r}")

@@ -102,30 +102,50 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- this rank's tensors
-def _held(pm) -> list[tuple[str, torch.Tensor, list[str], int | None]]:
-    """(program name, local tensor, state_dict keys, tp shard dim or None) of
+#: how a tensor is split over the tensor axes: (dim, axis size, this rank's coordinate, group) per
+#: axis that splits it (the tp axis; with a tp_mode grid also its rows); empty: whole
+Split = tuple[tuple[int, int, int, Any], ...]
+
+
+def _held(pm) -> list[tuple[str, torch.Tensor, list[str], Split]]:
+    """(program name, local tensor, state_dict keys, how it is split) of
     every tensor this rank holds that the model's ``state_dict`` has."""
     out = []
+    tp = pm.config.tp_grid[-1]
+    rows = getattr(pm, "row_placement", None) or {}
+    row_n = pm.config.tp_grid[-2] if len(pm.config.tp_grid) > 1 else 1
+    row_rank = dist.get_rank(pm.row_group) if rows and pm.row_group is not None else 0
     for name, t in pm._local_tensors().items():
         keys = pm.state_names.keys_of(name)
         if keys:
-            p = pm.param_placement.get(name, "R")
-            out.append((name, t, keys, shard_dim(p) if is_shard(p) and pm.config.tp > 1 else None))
+            split: list[tuple[int, int, int, Any]] = []
+            p, r = pm.param_placement.get(name, "R"), rows.get(name, "R")
+            if is_shard(p) and tp > 1:
+                split.append((shard_dim(p), tp, pm.tp_rank, pm.tp_group))
+            if is_shard(r) and row_n > 1:
+                split.append((shard_dim(r), row_n, row_rank, pm.row_group))
+            out.append((name, t, keys, tuple(split)))
     return out
 
 
-def _logical_shape(pm, t: torch.Tensor, dim: int | None) -> tuple[int, ...]:
+def _logical_shape(pm, t: torch.Tensor, split: Split) -> tuple[int, ...]:
     shape = list(t.shape)         # an FSDP2 DTensor's shape is the (tp-local) unsharded one
-    if dim is not None:
-        shape[dim] *= pm.config.tp
+    for d, n, _, _ in split:
+        shape[d] *= n
     return tuple(shape)
 
 
-def _tp_local(pm, full: torch.Tensor, dim: int | None) -> torch.Tensor:
-    if dim is None:
-        return full
-    c = full.shape[dim] // pm.config.tp
-    return full.narrow(dim, pm.tp_rank * c, c)
+def _tp_local(pm, full: torch.Tensor, split: Split) -> torch.Tensor:
+    for d, n, r, _ in reversed(split):     # the rows' chunk of the whole, then the columns' of that
+        c = full.shape[d] // n
+        full = full.narrow(d, r * c, c)
+    return full
+
+
+def _tp_whole(v: torch.Tensor, split: Split) -> torch.Tensor:
+    for d, _, _, group in split:
+        v = C.all_gather(v.contiguous(), d, group)
+    return v
 
 
 def _place(like: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -254,12 +274,12 @@ def _state_dict(pm) -> tuple[dict[str, torch.Tensor], dict]:
         w = full_tensor(t) if w is None else w
         if w.is_floating_point() and w.dtype in (torch.bfloat16, torch.float16):
             w = w.float()        # bf16/fp16 parameters without a master: rounded copies
-        w = (C.all_gather(w.contiguous(), dim, pm.tp_group) if dim is not None else w).cpu()
+        w = _tp_whole(w, dim).cpu()
         for k in keys:
             sd[f"model/{k}"] = w
         for s, v in sorted(states.get(id(t), {}).items()):
             if s in elementwise:
-                v = C.all_gather(v.contiguous(), dim, pm.tp_group) if dim is not None else v
+                v = _tp_whole(v, dim)
             elif not isinstance(v, torch.Tensor):
                 numbers.add(s)
             sd[f"optim/{keys[0]}/{s}"] = _as_saved(v)

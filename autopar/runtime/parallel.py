@@ -167,6 +167,8 @@ class ParallelModule(nn.Module):
         else:
             (self.program,) = modules
         self.param_placement = param_placement
+        self.row_placement: dict[str, str] = {}      # tp_mode=2d: each parameter's placement on the grid's rows
+        self.row_group: Any = None
         self.comms = comms
         self.compute_dtype = LOW_PRECISION.get(cfg.precision, torch.float32)
         self.fsdp = cfg.zero == 3
@@ -179,6 +181,12 @@ class ParallelModule(nn.Module):
         return local_tensors([self.program] if self.program is not None else list(self.stage_modules))
 
     # -- training -------------------------------------------------------------
+    def set_grid_rows(self, placement: dict[str, str], group: Any) -> None:
+        """``tp_mode=2d``: each parameter's placement on the grid's rows (the
+        tp axis being its columns) and the rows' process group, over which
+        :meth:`full_state_dict` and checkpoints gather the shards too."""
+        self.row_placement, self.row_group = dict(placement), group
+
     def set_context_split(self, input_dims: list[int | None], target_dim: int | None, positions: Sequence[int]) -> None:
         """Context parallelism: split input ``i`` along ``input_dims[i]`` (and
         the target along ``target_dim``; None: not split) to this rank's
@@ -439,6 +447,9 @@ class ParallelModule(nn.Module):
                 full = full.float()    # bf16/fp16 weights (rounded copies of the fp32 master)
             if is_shard(p) and self.config.tp > 1:
                 full = C.all_gather(full, shard_dim(p), self.tp_group)
+            row = self.row_placement.get(name, "R")
+            if is_shard(row):            # tp_mode=2d: the grid's rows hold the column shard split again
+                full = C.all_gather(full, shard_dim(row), self.row_group)
             for key in self.state_names.keys_of(name):
                 out[key] = full.cpu()
         if self.pipeline is not None:

@@ -133,6 +133,36 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
     return out
 
 
+GRID_DEPTHS = (2, 4)     # the depths of 2.5d grids the search tries
+
+
+def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: str = "none",
+                   memory_options: bool = True, mode: str = "2d") -> list[list[ParallelConfig]]:
+    """The ``tp_mode=2d`` lines: ``tp = q^2`` on a ``q x q`` grid for every
+    ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
+    with the microbatches whose samples per data-parallel rank the grid's rows
+    divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3, pipeline or
+    cp). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
+    :data:`GRID_DEPTHS`), the samples split over depth x rows."""
+    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    zeros = (0, 1, 2) if memory_options else (0,)
+    out = []
+    for q in tp_valid_sizes(graph):
+        for d in (GRID_DEPTHS if mode == "2.5d" else (1,)):
+            tp = d * q * q
+            if q == 1 or devices % tp or global_batch % (devices // tp):
+                continue
+            dp = devices // tp
+            mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % (d * q) == 0]
+            keys = {"tp_mode": mode, **({"tp_depth": d} if mode == "2.5d" else {})}
+            for rc in recomputes:
+                for z in zeros:
+                    if mbs and not (z and dp == 1):
+                        out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z,
+                                                   offload=offload, **keys) for m in mbs])
+    return out
+
+
 def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
                      memory_options: bool = True, devices_per_node: int | None = None) -> list[ParallelConfig]:
@@ -180,26 +210,29 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
 
 def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None = None,
                 pipeline: bool = True, schedules: tuple[str, ...] = PIPE_SCHEDULES,
-                memory_options: bool = True) -> SearchResult:
+                memory_options: bool = True, tp_modes: tuple[str, ...] = ("1d",)) -> SearchResult:
     """Best fitting strategy of ``planner``'s request (lowest predicted step
     time; ties go to the smaller pp, then smaller tp, then fewer
     microbatches; ``pipeline=False`` leaves pipelines out), the
     tensor-parallel axis decided as the planner's mode says (see the module
     docstring). ``memory_options=False`` searches the plain strategies only
-    (no recompute, ZeRO, sequence parallelism or offload). Raises
+    (no recompute, ZeRO, sequence parallelism or offload). ``tp_modes``:
+    the tensor-parallel layouts tried, ``("1d",)`` by default; with ``"2d"``
+    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep
+    (:func:`grid2d_configs`). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
     and the fewest devices that would fit."""
     t0 = time.perf_counter()
     cluster, global_batch = planner.cluster, planner.global_batch
     try:
-        return _search(planner, progress, pipeline, schedules, "none", t0, memory_options)
+        return _search(planner, progress, pipeline, schedules, "none", t0, memory_options, tp_modes)
     except NoFeasibleStrategyError as first:
         if not memory_options:
             raise
         if cluster.host is None:
             raise
         try:   # the last resort: the optimizer state in host memory
-            return _search(planner, progress, pipeline, schedules, "optimizer", t0, True)
+            return _search(planner, progress, pipeline, schedules, "optimizer", t0, True, tp_modes)
         except NoFeasibleStrategyError:
             pass
         need = smallest_fitting_devices(planner)
@@ -257,11 +290,15 @@ def smallest_fitting_devices(planner: Planner) -> tuple[int, Estimate] | None:
 
 
 def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ...], offload: str, t0: float,
-            memory_options: bool) -> SearchResult:
+            memory_options: bool, tp_modes: tuple[str, ...] = ("1d",)) -> SearchResult:
     """One pass of :func:`search_grid` with ``offload`` (see its docstring)."""
     graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
+    for grid in ("2d", "2.5d"):
+        if grid in tp_modes:
+            lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options,
+                                    mode=grid)
     piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
                              memory_options=memory_options,
                              devices_per_node=planner.cluster.devices_per_node) if pipeline else []

@@ -185,7 +185,12 @@ class Planner:
 
         Raises :class:`~autopar.search.ilp.InfeasiblePins` for contradictory
         pins and :class:`StrategyError` when an ILP memory bound cannot be met
-        or sequence parallelism does not apply."""
+        or sequence parallelism does not apply. With ``tp_mode=2d`` they are
+        the grid's columns, decided as for :meth:`CostModel.grid_view` (a 1d
+        config of the columns, over the rows' share of the batch), and the
+        shapes are one grid rank's."""
+        if cfg.tp_mode in ("2d", "2.5d"):
+            return self.sharding(CostModel.grid_view(cfg), sharder)
         key, model, sharder, shapes = self._axis_key(cfg, sharder)
         axes = self.state.axes
         if key not in axes:

@@ -34,10 +34,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StrategyError
+from ..errors import StrategyError, UnsupportedError
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD = ("none", "optimizer")
@@ -174,6 +175,13 @@ class ParallelConfig:
                    aliases=("data_parallel", "data"))
     tp: int = _key(1, "tensor-parallel degree", minimum=1, required=True, shown="always",
                    aliases=("model_parallel", "tensor", "tensor_parallel"))
+    tp_mode: str = _key(
+        "1d", "how the tp group is laid out: 1d (Megatron: one axis of tp ranks), 2d (Colossal-AI's SUMMA: a "
+              "q x q grid, tp = q^2; the batch split over its rows, the hidden dims over its columns, every "
+              "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube)",
+        choices=TP_MODES, recorded="changed", aliases=("tensor_mode", "tensor_parallel_mode"))
+    tp_depth: int = _key(1, "depth of tp_mode=2.5d: the number of q x q grids (tp = tp_depth x q^2)", minimum=1,
+                         recorded="changed", aliases=("tensor_depth",))
     pp: int = _key(1, "pipeline stages", minimum=1, required=True, shown="always",
                    aliases=("pipeline_stage", "pipeline", "pipeline_parallel"))
     cp: int = _key(1, "context-parallel degree: the sequence split over cp ranks (load-balanced causal chunks), "
@@ -230,6 +238,22 @@ class ParallelConfig:
     @property
     def low_precision(self) -> bool:
         return self.precision in ("bf16", "fp16")
+
+    @property
+    def tp_grid(self) -> tuple[int, ...]:
+        """The shape of the tp group's sub-mesh, outermost first: ``(tp,)`` for
+        1d, ``(q, q)`` for 2d (rows: the batch; columns: the hidden dims),
+        ``(depth, q, q)`` for 2.5d, ``(q, q, q)`` for 3d."""
+        return tp_grid(self.tp, self.tp_mode, self.tp_depth)
+
+    @property
+    def grid_batch_split(self) -> int:
+        """The tp ranks that split a microbatch's samples: 1 for 1d, the rows
+        of a 2d grid, depth x rows for 2.5d (every grid axis but the columns)."""
+        k = 1
+        for n in self.tp_grid[:-1]:
+            k *= n
+        return k
 
     @property
     def stages(self) -> int:
@@ -388,6 +412,11 @@ def _check_rules(vals: dict[str, Any]) -> None:
         raise StrategyError("sequence_parallel=true splits the norm and dropout regions along the sequence inside "
                             "the tensor-parallel group: it needs tp > 1")
     _check_copies(vals)
+    tp_grid(vals["tp"], vals.get("tp_mode", "1d"), vals.get("tp_depth", 1))
+    if vals.get("tp_mode", "1d") != "1d" and vals.get("sequence_parallel"):
+        raise StrategyError(f"sequence_parallel=true is Megatron's split of the norms inside a 1d tensor-parallel "
+                            f"group; with tp_mode={vals['tp_mode']} the grid's rows already split the batch: "
+                            f"leave it out")
     reduce_dtype = vals.get("reduce_dtype", "")
     if reduce_dtype and reduce_dtype != "fp32" and vals.get("precision") == "fp32":
         raise StrategyError(f"reduce_dtype={reduce_dtype} with precision=fp32: gradients are never reduced in a "
@@ -413,6 +442,87 @@ def _check_copies(vals: dict[str, Any]) -> None:
     if vals.get("zero", 0) == 3:
         raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
                             "yet; use zero<=2 or copies=1")
+    if vals.get("tp_mode", "1d") != "1d":
+        raise StrategyError(f"copies={copies} with tp_mode={vals['tp_mode']}: multi-copy parallel is not "
+                            "implemented on a tensor-parallel grid yet; use tp_mode=1d or copies=1")
+
+
+def int_root(n: int, k: int) -> int | None:
+    """The integer ``q`` with ``q ** k == n``, or None."""
+    q = round(n ** (1.0 / k))
+    return next((r for r in (q - 1, q, q + 1) if r >= 1 and r ** k == n), None)
+
+
+def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
+    """The sub-mesh of ``tp`` ranks under ``mode`` (see :attr:`ParallelConfig.tp_grid`).
+
+    Raises :class:`StrategyError` when ``tp`` does not make that shape (2d: a
+    square, 2.5d: ``depth x q^2``, 3d: a cube), naming the sizes that would."""
+    if mode == "1d":
+        if depth != 1:
+            raise StrategyError(f"tp_depth={depth} is for tp_mode=2.5d only (tp_mode={mode})")
+        return (tp,)
+    if tp == 1:
+        raise StrategyError(f"tp_mode={mode} lays the tensor-parallel group out as a grid: it needs tp > 1 "
+                            f"(e.g. tp={ {'2d': 4, '2.5d': 8, '3d': 8}.get(mode, 4)})")
+    if mode == "2d" and depth == 1:
+        q = int_root(tp, 2)
+        if q is None:
+            raise StrategyError(f"tp={tp} with tp_mode=2d must be a square (a q x q grid, Colossal-AI's rule): "
+                                f"e.g. tp={int_root_floor(tp, 2) ** 2} or {(int_root_floor(tp, 2) + 1) ** 2}")
+        return (q, q)
+    if mode == "2.5d":
+        if depth < 2:
+            raise StrategyError(f"tp_mode=2.5d needs tp_depth >= 2 (tp = tp_depth x q^2; depth 1 is tp_mode=2d), "
+                                f"e.g. tp={tp},tp_mode=2.5d,tp_depth=2")
+        q = int_root(tp // depth, 2) if tp % depth == 0 else None
+        if q is None:
+            raise StrategyError(f"tp={tp} with tp_mode=2.5d, tp_depth={depth} must be tp_depth x q^2 (depth grids "
+                                f"of q x q): e.g. tp={depth * 4} or {depth * 9}")
+        return (depth, q, q)
+    if mode == "3d" and depth == 1:
+        q = int_root(tp, 3)
+        if q is None:
+            raise StrategyError(f"tp={tp} with tp_mode=3d must be a cube (a q x q x q grid, Colossal-AI's rule): "
+                                f"e.g. tp=8 or 27")
+        return (q, q, q)
+    raise StrategyError(f"tp_depth={depth} is for tp_mode=2.5d only (tp_mode={mode})")
+
+
+def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
+    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d
+    and 2.5d run without pipelines, context parallelism and ZeRO-3, with the
+    samples of a microbatch on a data-parallel rank divisible by the ranks
+    that split them (the rows, times the depth of 2.5d); 3d is read and
+    validated but not implemented (:class:`UnsupportedError`)."""
+    if cfg.tp_mode == "1d":
+        return
+    mode = cfg.tp_mode
+    if mode not in ("2d", "2.5d"):
+        raise UnsupportedError(f"tp_mode={mode} (tp={cfg.tp} as a {' x '.join(map(str, cfg.tp_grid))} "
+                               f"grid) is valid but not implemented yet; tp_mode=1d, 2d and 2.5d are")
+    for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("zero=3", cfg.zero == 3)):
+        if bad:
+            raise UnsupportedError(f"tp_mode={mode} with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
+                                   f"is not implemented yet; tp_mode={mode} runs with dp, microbatches, recompute "
+                                   f"and zero<=2")
+    rows = cfg.grid_batch_split
+    per = global_batch // max(cfg.dp * cfg.microbatches, 1)
+    if per % rows:
+        who = "rows" if mode == "2d" else "depth x rows"
+        raise StrategyError(f"tp_mode={mode} splits each microbatch's {per} samples on a data-parallel rank over "
+                            f"the grid's {rows} {who}: they must be divisible by {rows} (global batch "
+                            f"{global_batch} / (dp={cfg.dp} x microbatches={cfg.microbatches}))")
+
+
+def int_root_floor(n: int, k: int) -> int:
+    """The largest ``q`` with ``q ** k <= n``."""
+    q = max(1, round(n ** (1.0 / k)))
+    while q ** k > n:
+        q -= 1
+    while (q + 1) ** k <= n:
+        q += 1
+    return q
 
 
 def _pipeline(pp: int, microbatches: int, schedule: str | None, chunks: int | None) -> tuple[str, int]:

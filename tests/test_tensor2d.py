@@ -1,0 +1,180 @@
+"""2D tensor parallelism (``tp=4,tp_mode=2d``, issue 16 item 2): the grammar,
+the cost model, and training against one process.
+
+Every training scenario runs in ONE spawn of 4 gloo processes (the suite has a
+time budget): the zoo GPT (fx, fused causal attention, a tied-free head) and
+the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) on a 2 x 2 grid, GPT
+with its gradients clipped to a global norm (the norm equal to one process's), then
+saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step's loss and the final
+weights within rel 1e-4 of one process, and every trainable weight of two
+dims held as a quarter on each rank (split over the grid's rows and columns).
+"""
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import StrategyError, UnsupportedError
+from autopar.runtime.launch import run_distributed
+from autopar.spec import parse_strategy
+
+STEPS = 2
+GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
+LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
+#: one run per model (the suite's time budget): Llama with two microbatches (each split over the rows),
+#: GPT with its gradients clipped to a global norm (each shard and each replica counted once)
+CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",)}
+CLIP = {GPT: 0.5, LLAMA: None}
+
+
+# ----------------------------------------------------------------------------- fast, one process
+def test_grammar_grid_shapes_and_errors():
+    assert parse_strategy("tp=4,tp_mode=2d", 8).tp_grid == (2, 2)
+    assert parse_strategy("tensor=8,tensor_mode=2.5d,tp_depth=2", 8).tp_grid == (2, 2, 2)
+    assert parse_strategy("tp=27,tp_mode=3d").tp_grid == (3, 3, 3)
+    assert parse_strategy("tp=4", 4).to_string() == "dp=1,tp=4,pp=1,microbatches=1,recompute=none,zero=0"
+    assert "tp_mode" not in parse_strategy("tp=4", 4).as_dict()        # plans without a grid unchanged
+    for text, match in [("tp=8,tp_mode=2d", "must be a square"), ("tp=12,tp_mode=2.5d,tp_depth=2", "tp_depth x q"),
+                        ("tp=8,tp_mode=2.5d", "needs tp_depth >= 2"), ("tp=4,tp_mode=3d", "must be a cube"),
+                        ("tp=4,tp_depth=2", "for tp_mode=2.5d only"), ("tp_mode=2d", "needs tp > 1"),
+                        ("tp=4,tp_mode=2d,sequence_parallel=true", "leave it out")]:
+        with pytest.raises(StrategyError, match=match):
+            parse_strategy(text)
+
+
+def test_model_rules_and_unimplemented_modes():
+    with pytest.raises(StrategyError, match="divisible by 2"):     # one sample per microbatch cannot split on 2 rows
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
+    with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
+    with pytest.raises(UnsupportedError, match="not implemented"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy="tp=8,tp_mode=3d")
+    with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=2.5d,tp_depth=2")
+    with pytest.raises(UnsupportedError, match="pp=2 is not implemented"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy="tp=4,tp_mode=2d,pp=2")
+
+
+def test_cost_shards_states_over_the_grid_and_charges_the_rows():
+    m = "gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000"
+    kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=16)
+    one_d = autopar.evaluate(m, strategy="dp=4,tp=4", **kw)
+    two_d = autopar.evaluate(m, strategy="dp=4,tp=4,tp_mode=2d", **kw)
+    cols = autopar.evaluate(m, strategy="dp=8,tp=2", **kw)     # the grid's columns alone, rows as dp
+    # a quarter of every matrix per rank: model states below 1d's over 4 (vectors are replicated on rows)
+    states = lambda e: e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
+    assert states(two_d) < 0.55 * states(cols) and states(two_d) < 1.1 * states(one_d)
+    assert two_d.memory["grid_weights_gathered"] > 0
+    # the rows' weight gathers and reduce-scatters are tp communication beyond the columns'
+    assert two_d.tp_comm_time_s > cols.tp_comm_time_s
+    # 2.5d: the same 2 x 2 grids twice deep hold what 2d's hold; their gradients are summed over the depth too
+    deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
+    assert states(deep) == pytest.approx(states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
+    assert two_d.parallel["tp_mode"] == "2d" and two_d.strategy == "dp=4,tp=4,tp_mode=2d,pp=1,microbatches=1," \
+                                                                  "recompute=none,zero=0"
+
+
+def test_search_tries_grids_only_when_asked():
+    m = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
+    kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=32, search_mode="grid")
+    # a 2 x 2 grid quarters every matrix with 2-way activation traffic: faster here than any 1d layout
+    with_2d = autopar.plan(m, tp_modes=("1d", "2d"), **kw)
+    assert with_2d.config.tp_mode == "2d", with_2d.strategy
+    default = autopar.plan(m, **kw)
+    assert default.config.tp_mode == "1d"
+    assert with_2d.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
+    with pytest.raises(StrategyError, match="'3d' is not a layout the search tries"):
+        autopar.plan(GPT, cluster="dgx-h100", devices=8, global_batch=8, tp_modes=("1d", "3d"))
+
+
+# ----------------------------------------------------------------------------- 4 processes
+def _opt(ps):
+    return torch.optim.SGD(ps, lr=0.1)
+
+
+def _case(spec):
+    import autopar.zoo as zoo
+    z = zoo.build(spec, device="cpu", batch=4, seed=0)
+    g = torch.Generator().manual_seed(1)
+    vocab = z.config["vocab"]
+    x = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
+    y = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
+    return z.model, x, y, z.loss_fn
+
+
+def _reference(spec):
+    model, x, y, loss_fn = _case(spec)
+    o = _opt(list(model.parameters()))
+    losses, norms = [], []
+    for _ in range(STEPS):
+        o.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if CLIP[spec] is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[spec]).item())
+        o.step()
+        losses.append(loss.item())
+    return (losses, norms), {k: v.detach().clone() for k, v in model.state_dict().items()}, \
+        {k: v.numel() for k, v in model.named_parameters() if v.dim() >= 2}
+
+
+def _checkpoint(pm, path):
+    """A checkpoint saved under the grid resumes under dp=2,tp=2 with ZeRO-1: the next step's loss, both ways."""
+    pm.save_checkpoint(path)
+    going_on = pm.train_step(*pm.last_batch)
+    model, x, y, loss_fn = _case(GPT)
+    other = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
+                                strategy="dp=2,tp=2,zero=1", max_grad_norm=CLIP[GPT])
+    other.load_checkpoint(path)
+    return going_on, other.train_step((x,), y)
+
+
+def _worker(rank, world, path):
+    warnings.simplefilter("ignore")
+    out = {}
+    for spec, strategies in CASES.items():
+        want_losses, want_w, matrices = _reference(spec)
+        for strategy in strategies:
+            model, x, y, loss_fn = _case(spec)
+            pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
+                                     strategy=strategy, max_grad_norm=CLIP[spec])
+            losses, norms = [], []
+            for _ in range(STEPS):
+                losses.append(pm.train_step((x,), y))
+                if CLIP[spec] is not None:
+                    norms.append(float(pm.grad_norm))
+            losses = (losses, norms)
+            pre = len("model.")
+            held = {k[pre:]: t.numel() for k, t in pm._local_tensors().items() if k[pre:] in matrices}
+            w = pm.full_state_dict()
+            worst = max(((w[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                        for k, v in want_w.items() if k in w)
+            quarter = sorted(k for k, n in held.items() if 4 * n != matrices[k])
+            out[spec, strategy] = (want_losses, losses, worst, sorted(set(want_w) - set(w)), quarter, len(held))
+            if spec == GPT:
+                pm.last_batch = ((x,), y)
+                out["checkpoint"] = _checkpoint(pm, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("grid") / "ckpt"), timeout=600)
+
+
+def test_checkpoint_of_the_grid_resumes_under_1d(results):
+    for r in results:
+        going_on, resumed = r["checkpoint"]
+        assert resumed == pytest.approx(going_on, rel=1e-5)
+
+
+@pytest.mark.parametrize("spec", list(CASES), ids=["gpt", "llama"])
+def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
+    for r in results:
+        for strategy in CASES[spec]:
+            (want, want_norms), (got, norms), worst, missing, not_quarter, matrices = r[spec, strategy]
+            assert got == pytest.approx(want, rel=1e-4), (spec, strategy)
+            assert norms == pytest.approx(want_norms, rel=1e-4), (spec, strategy)
+            assert worst < 1e-4 and not missing, (spec, strategy, worst, missing)
+            assert matrices > 0 and not not_quarter, (spec, strategy, not_quarter)
