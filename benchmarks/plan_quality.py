@@ -49,9 +49,12 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
     # (context parallelism) is searched only for attention over 16384 positions or more, which
     # none of this benchmark's models has (checked below), so it is not one either; copies (2, 4
     # where they divide the per-rank microbatch) with tp > 1 and ZeRO < 3 is
-    assert set(KEYS) == {"dp", "tp", "pp", "cp", "microbatches", "schedule", "chunks", "copies", "recompute", "zero",
-                         "sequence_parallel", "accumulate", "offload", "precision", "reduce_dtype", "overlap",
-                         "bucket_mb"}, f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
+    # tp_mode / tp_depth (2D and 2.5D grids) are searched only when asked (plan(tp_modes=...)), so the
+    # default search this benchmark grades is 1D
+    assert set(KEYS) == {"dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "microbatches", "schedule", "chunks", "copies",
+                         "recompute", "zero", "sequence_parallel", "accumulate", "offload", "precision",
+                         "reduce_dtype", "overlap", "bucket_mb"}, \
+        f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     assert cp_choices(graph, devices) == [1], f"{graph.name} attends over a long sequence: add cp to this grid"
     valid_tp = set(tp_valid_sizes(graph))
     out, rejected = [], 0
