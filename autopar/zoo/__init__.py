@@ -185,12 +185,7 @@ def _build_family(family: str, text: str, device, batch, seed) -> ZooModel:
     cfg = cfg_cls(**kwargs)  # validates; raises ZooError
     dev = torch.device(device)
 
-    if seed is None:
-        model = _construct(model_cls, cfg, dev)
-    else:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(seed)
-            model = _construct(model_cls, cfg, dev)
+    model = _seeded(lambda: _construct(model_cls, cfg, dev), dev, seed)
 
     # Inputs come from a local CPU generator: same values on every device.
     g = torch.Generator().manual_seed(0)
@@ -218,12 +213,7 @@ def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
         with dev:
             return _hf.construct(family, config)
 
-    if seed is None:
-        model = construct()
-    else:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(seed)
-            model = construct()
+    model = _seeded(construct, dev, seed)
 
     g = torch.Generator().manual_seed(0)
     in_shape, target_shape, classes = _hf.input_shapes(family, cfg)
@@ -236,6 +226,15 @@ def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
     return ZooModel(name, model, inputs, _hf.loss_fn(family), target, dict(cfg))
 
 
+def _seeded(construct, dev: torch.device, seed: int | None):
+    """``construct()``, under ``torch.manual_seed(seed)`` in a forked RNG when a seed is given."""
+    if seed is None:
+        return construct()
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return construct()
+
+
 def _build_vision(family: str, text: str, device, batch, seed) -> ZooModel:
     cfg = _vision.parse(family, text, batch)   # ZooError for a bad key or value
     dev = torch.device(device)
@@ -244,12 +243,7 @@ def _build_vision(family: str, text: str, device, batch, seed) -> ZooModel:
         with dev, (_meta_init() if dev.type == "meta" else contextlib.nullcontext()):
             return _vision.construct(family, cfg)   # ZooError without torchvision / timm
 
-    if seed is None:
-        model = construct()
-    else:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(seed)
-            model = construct()
+    model = _seeded(construct, dev, seed)
 
     g = torch.Generator().manual_seed(0)
     in_shape, target_shape, classes = _vision.input_shapes(family, cfg)

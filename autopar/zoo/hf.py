@@ -109,19 +109,28 @@ def _transformers():
     return transformers
 
 
-def parse(family: str, text: str, batch: int | None) -> dict[str, Any]:
-    """The complete key -> value dict of ``family`` from the ``key=value,...`` text."""
-    fam = FAMILIES[family]
+def key_values(family: str, text: str, keys: dict[str, Any],
+               value: Callable[[str, str, Any, str], Any]) -> dict[str, Any]:
+    """The ``key=value,...`` text as a dict, each raw value read by
+    ``value(family, key, default, raw)``; :class:`ZooError` for an unknown,
+    empty or repeated key (shared by the Hugging Face and vision families)."""
     values: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, raw = (s.strip() for s in item.partition("="))
-        if key not in fam.keys:
-            raise ZooError(f"unknown key {key!r} for {family}: valid keys are {', '.join(sorted(fam.keys))}")
+        if key not in keys:
+            raise ZooError(f"unknown key {key!r} for {family}: valid keys are {', '.join(sorted(keys))}")
         if not eq or not raw:
             raise ZooError(f"{family}: key {key!r} has no value: write {key}=VALUE")
         if key in values:
             raise ZooError(f"{family}: key {key!r} is given twice")
-        values[key] = _value(family, key, fam.keys[key], raw)
+        values[key] = value(family, key, keys[key], raw)
+    return values
+
+
+def parse(family: str, text: str, batch: int | None) -> dict[str, Any]:
+    """The complete key -> value dict of ``family`` from the ``key=value,...`` text."""
+    fam = FAMILIES[family]
+    values = key_values(family, text, fam.keys, _value)
     if batch is not None:
         values["batch"] = batch
     cfg = {**fam.keys, **values}

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ZooError
+from .hf import key_values
 
 _SHIMMED = "torchvision._meta_registrations"
 #: why the real ``torchvision._meta_registrations`` was replaced, once it was (else None)
@@ -147,32 +148,26 @@ def families() -> dict[str, dict[str, Any]]:
     return {name: dict(fam.keys) for name, fam in FAMILIES.items()}
 
 
+def _value(family: str, key: str, default: Any, raw: str) -> Any:
+    """One raw value: a string where the default is one, ``none`` where it is None, else a positive number."""
+    if isinstance(default, str):
+        return raw
+    if default is None and raw.lower() == "none":
+        return None
+    try:
+        v = float(raw) if key in _FLOAT_KEYS else int(raw)
+    except ValueError:
+        kind = "a number" if key in _FLOAT_KEYS else "an integer"
+        raise ZooError(f"{family}: {key}={raw!r} is invalid: expected {kind}") from None
+    if v <= 0:
+        raise ZooError(f"{family}: {key}={raw} is invalid: expected a positive value")
+    return v
+
+
 def parse(family: str, text: str, batch: int | None) -> dict[str, Any]:
     """The complete key -> value dict of ``family`` from the ``key=value,...`` text."""
     fam = FAMILIES[family]
-    values: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, raw = (s.strip() for s in item.partition("="))
-        if key not in fam.keys:
-            raise ZooError(f"unknown key {key!r} for {family}: valid keys are {', '.join(sorted(fam.keys))}")
-        if not eq or not raw:
-            raise ZooError(f"{family}: key {key!r} has no value: write {key}=VALUE")
-        if key in values:
-            raise ZooError(f"{family}: key {key!r} is given twice")
-        default = fam.keys[key]
-        if isinstance(default, str):
-            values[key] = raw
-            continue
-        if default is None and raw.lower() == "none":
-            values[key] = None
-            continue
-        try:
-            values[key] = float(raw) if key in _FLOAT_KEYS else int(raw)
-        except ValueError:
-            kind = "a number" if key in _FLOAT_KEYS else "an integer"
-            raise ZooError(f"{family}: {key}={raw!r} is invalid: expected {kind}") from None
-        if values[key] <= 0:
-            raise ZooError(f"{family}: {key}={raw} is invalid: expected a positive value")
+    values = key_values(family, text, fam.keys, _value)
     if batch is not None:
         values["batch"] = batch
     cfg = {**fam.keys, **values}
