@@ -299,9 +299,6 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
-    if cfg.cp > 1 and cfg.zero == 3:
-        raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
-                               "reduced over dp x cp; use zero<=2 with context parallelism")
 
 
 def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,
@@ -493,7 +490,10 @@ def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig) -> nn.
 
 def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
     """With ``zero=3``: ``module``'s layer regions, then the whole of it,
-    sharded over the data-parallel ranks with torch FSDP2 (compute in the
+    sharded over the data-parallel ranks with torch FSDP2 (with context
+    parallelism over ``dp x cp`` flattened into one axis, as torchtitan's
+    ``dp_shard_cp``: the cp ranks hold the same weights and their gradients
+    are averaged with the dp ranks'; compute in the
     low precision, gradients reduced in ``reduce_dtype`` or fp32; ``offload``
     keeps the shards on the host). Returns ``module``. Raises
     :class:`UnsupportedError` when torch built no DeviceMesh."""
@@ -504,7 +504,9 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
                                "init_device_mesh failed on this process group")
     low = LOW_PRECISION.get(cfg.precision)
     reduce = LOW_PRECISION.get(cfg.reduce_dtype) if cfg.reduce_dtype else (torch.float32 if low else None)
-    return R_.fully_shard_regions(module, mesh.device_mesh["dp"], param_dtype=low, reduce_dtype=reduce,
+    dm = mesh.device_mesh
+    shard_mesh = dm["dp", "cp"]._flatten("dp_cp") if cfg.cp > 1 else dm["dp"]
+    return R_.fully_shard_regions(module, shard_mesh, param_dtype=low, reduce_dtype=reduce,
                                   offload=cfg.offload == "optimizer")
 
 

@@ -31,7 +31,7 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: cp=2 (with dp=2, ZeRO-1 over dp x cp and full recompute), cp=4 and cp=2 x tp=2 across the models (the
 #: suite's time budget allows one spawn; each model not in every case); nanoGPT goes through torch.export
 #: (seconds per trace, twice per parallelize): its hardest case only
-CASES = {"gpt": ("dp=2,cp=2,zero=1,recompute=full", "cp=4"),
+CASES = {"gpt": ("dp=2,cp=2,zero=1,recompute=full", "cp=4", "dp=2,cp=2,zero=3"),
          "llama": ("cp=4", "cp=2,tp=2", "cp=2,pp=2,microbatches=2"),
          "nanogpt": ("cp=2,tp=2",)}
 
@@ -153,6 +153,10 @@ def _reference(name):
 def _run(name, strategy):
     model, x, y, loss_fn = _case(name)
     pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt, strategy=strategy)
+    if "zero=3" in strategy:      # FSDP2 shards every weight over dp x cp (4 ranks), not dp alone
+        from torch.distributed.tensor import DTensor
+        ps = list(pm.parameters())
+        assert ps and all(isinstance(p, DTensor) and p.device_mesh.size() == 4 for p in ps), strategy
     losses = [pm.train_step((x,), y) for _ in range(STEPS)]
     if pm.pipeline is None:       # (eval_step runs no pipeline yet)
         losses.append(pm.eval_step((x,), y))

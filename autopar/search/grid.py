@@ -126,7 +126,7 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
             for sp in _sp_choices(graph, tp, memory_options):
                 for rc in recomputes:
                     for z in zeros:
-                        if z and dp * cp == 1 or z == 3 and cp > 1:    # FSDP2 shards over dp only
+                        if z and dp * cp == 1:     # nothing to shard over
                             continue
                         out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc, zero=z,
                                                    sequence_parallel=sp, offload=offload) for m in mbs])
