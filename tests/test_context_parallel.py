@@ -86,6 +86,20 @@ def test_search_picks_cp_for_long_llama3_8b():
     assert plan.config.cp > 1, plan.strategy
 
 
+def test_pipelines_are_searched_with_cp_for_long_sequences_only():
+    """Llama 3 trained at 128k positions with cp and pp together: the pipelined grid offers cp
+    where the flat one does (before: never), and short sequences keep the grid they had."""
+    from autopar.search.grid import pipeline_configs
+    long_ = autopar.trace("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,seq=32768,vocab=128")
+    short = autopar.trace("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,seq=64,vocab=128")
+    cps = {(c.pp, c.cp) for c in pipeline_configs(long_, 16, 16)}
+    assert {(2, 2), (2, 4), (4, 2)} <= cps and all(pp > 1 for pp, _ in cps)
+    assert {c.cp for c in pipeline_configs(short, 16, 16)} == {1}
+    cfg = next(c for c in pipeline_configs(long_, 16, 16) if c.cp == 2 and c.pp == 2 and c.dp > 1)
+    est = autopar.evaluate(long_, cluster="dgx-h100", devices=16, global_batch=16, strategy=cfg.to_string())
+    assert est.cp_comm_time_s > 0 and est.step_time_s > 0
+
+
 class _MaskPerCall(torch.nn.Module):
     """Attention whose causal mask is made inside forward at the sequence length."""
 

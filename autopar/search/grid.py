@@ -169,7 +169,10 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
-    multiple of ``pp`` when interleaved). With ``devices_per_node``, a
+    multiple of ``pp`` when interleaved); context parallelism (cp > 1) where
+    :func:`autopar.strategies.context.cp_choices` offers it (attention over
+    long sequences: Llama 3 trained 405B at 128k positions with cp=16 and
+    pp=16). With ``devices_per_node``, a
     stage of more devices than a node that are not whole nodes is left out
     (its groups would straddle nodes, which the cluster model does not
     describe: 1920 A100 at pp=32 gives stages of 60)."""
@@ -181,30 +184,43 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     zeros = (0, 1) if memory_options else (0,)
     out = []
     for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
-        for pp in divisors(devices // tp):
-            if pp == 1 or pp > n_layers:
-                continue
-            stage = devices // pp
-            if devices_per_node and stage > devices_per_node and stage % devices_per_node:
-                continue
-            dp = devices // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            counts = [m for m in divisors(per_replica) if m >= pp]
-            for sched in schedules:
-                chunks = 2 if sched == "interleaved" else 1
-                if pp * chunks > n_layers:
+        for cp in cp_choices(graph, devices // tp):
+            for pp in divisors(devices // (tp * cp)):
+                if pp == 1 or pp > n_layers:
                     continue
-                for sp in _sp_choices(graph, tp, memory_options):
-                    for rc in recomputes:
-                        for z in zeros:
-                            if z and dp == 1:
-                                continue
-                            out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched,
-                                                      recompute=rc, zero=z, chunks=chunks, sequence_parallel=sp,
-                                                      offload=offload)
-                                       for m in counts if sched != "interleaved" or m % pp == 0)
+                stage = devices // pp
+                if devices_per_node and stage > devices_per_node and stage % devices_per_node:
+                    continue
+                dp = devices // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                out.extend(_pipelines(graph, n_layers, dp, tp, pp, cp, global_batch // dp, schedules, recomputes,
+                                      zeros, offload, memory_options))
+    return out
+
+
+def _pipelines(graph: Graph, n_layers: int, dp: int, tp: int, pp: int, cp: int, per_replica: int,
+               schedules: tuple[str, ...], recomputes: tuple[str, ...], zeros: tuple[int, ...], offload: str,
+               memory_options: bool) -> list[ParallelConfig]:
+    """The pipelined configurations of one ``dp x tp x pp x cp`` split (see
+    :func:`pipeline_configs`): every schedule, sequence parallel choice,
+    recompute, ZeRO stage and microbatch count ``m >= pp`` dividing the
+    per-replica batch (a multiple of ``pp`` when interleaved)."""
+    out = []
+    counts = [m for m in divisors(per_replica) if m >= pp]
+    for sched in schedules:
+        chunks = 2 if sched == "interleaved" else 1
+        if pp * chunks > n_layers:
+            continue
+        for sp in _sp_choices(graph, tp, memory_options):
+            for rc in recomputes:
+                for z in zeros:
+                    if z and dp * cp == 1:
+                        continue
+                    out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, schedule=sched,
+                                              recompute=rc, zero=z, chunks=chunks, sequence_parallel=sp,
+                                              offload=offload)
+                               for m in counts if sched != "interleaved" or m % pp == 0)
     return out
 
 
