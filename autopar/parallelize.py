@@ -112,20 +112,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     that do not fit this world or model, :class:`UnsupportedError` for valid
     strategies this release cannot run (fp16 with ZeRO-3).
     """
-    if on_nonfinite not in ("raise", "skip"):
-        raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
-    if lr_scheduler is not None and not callable(lr_scheduler):
-        raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
-                            f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
-    try:
-        max_grad_norm = check_max_norm(max_grad_norm)
-    except ValueError as e:
-        raise StrategyError(str(e)) from None
-    if optimizer is not None and not callable(optimizer):
-        raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
-                            f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
+    max_grad_norm = _check_arguments(model, optimizer, on_nonfinite, lr_scheduler, max_grad_norm)
     rank, world = init_process_group(backend, timeout_s=timeout_s)
     keys = None
     if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
@@ -193,6 +180,28 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
+
+
+def _check_arguments(model: nn.Module, optimizer: Any, on_nonfinite: str, lr_scheduler: Any,
+                     max_grad_norm: Any) -> float | None:
+    """:func:`parallelize`'s arguments checked before any work (each a
+    :class:`StrategyError` saying what would be valid); returns
+    ``max_grad_norm`` as a float (or None)."""
+    if on_nonfinite not in ("raise", "skip"):
+        raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
+                            f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
+    try:
+        max_grad_norm = check_max_norm(max_grad_norm)
+    except ValueError as e:
+        raise StrategyError(str(e)) from None
+    if optimizer is not None and not callable(optimizer):
+        raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
+                            f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
+    return max_grad_norm
 
 
 def example_specs(graph: Graph, inputs: tuple, target: Any) -> tuple[list, tuple | None]:
