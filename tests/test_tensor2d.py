@@ -49,8 +49,13 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
     with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
         autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
-    with pytest.raises(UnsupportedError, match="not implemented"):
-        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=8, strategy="tp=8,tp_mode=3d")
+    for bad in ("pp=2", "zero=3"):      # 3d, like the other grids, runs without pipelines and ZeRO-3
+        with pytest.raises(UnsupportedError, match=f"tp_mode=3d with {bad}.* is not implemented"):
+            autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16, strategy=f"tp=8,tp_mode=3d,{bad}")
+    with pytest.raises(StrategyError, match="copies=2 with tp_mode=3d"):
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=16, strategy="tp=8,tp_mode=3d,copies=2")
+    with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):   # the cube's depth x rows
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=3d")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=2.5d,tp_depth=2")
     with pytest.raises(UnsupportedError, match="pp=2 is not implemented"):
@@ -85,8 +90,26 @@ def test_search_tries_grids_only_when_asked():
     default = autopar.plan(m, **kw)
     assert default.config.tp_mode == "1d"
     assert with_2d.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
-    with pytest.raises(StrategyError, match="'3d' is not a layout the search tries"):
-        autopar.plan(GPT, cluster="dgx-h100", devices=8, global_batch=8, tp_modes=("1d", "3d"))
+    with pytest.raises(StrategyError, match="'4d' is not a layout the search tries"):
+        autopar.plan(GPT, cluster="dgx-h100", devices=8, global_batch=8, tp_modes=("1d", "4d"))
+
+
+def test_cost_of_the_cube_and_its_search():
+    m = "gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000"
+    kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=16)
+    states = lambda e: e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
+    deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
+    cube = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=3d", **kw)
+    # the same 2 x 2 x 2 ranks: 2.5d replicates every weight over its depth, 3d splits the matrices there
+    # (an eighth of each per rank; the vectors stay replicated), gathering them over rows and depth per microbatch
+    assert states(cube) < 0.55 * states(deep)
+    assert cube.memory["grid_weights_gathered"] > deep.memory["grid_weights_gathered"]
+    assert cube.parallel["tp_mode"] == "3d" and cube.strategy.startswith("dp=2,tp=8,tp_mode=3d,")
+    # the search tries the cubes only when asked, and takes one where it is faster than every 1d layout
+    got = autopar.plan(m, tp_modes=("1d", "3d"), search_mode="grid", **kw)
+    assert got.config.tp_mode == "3d", got.strategy
+    default = autopar.plan(m, search_mode="grid", **kw)
+    assert got.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
 
 
 # ----------------------------------------------------------------------------- 4 processes

@@ -143,12 +143,13 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     with the microbatches whose samples per data-parallel rank the grid's rows
     divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3, pipeline or
     cp). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
-    :data:`GRID_DEPTHS`), the samples split over depth x rows."""
+    :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
+    the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2) if memory_options else (0,)
     out = []
     for q in tp_valid_sizes(graph):
-        for d in (GRID_DEPTHS if mode == "2.5d" else (1,)):
+        for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):
             tp = d * q * q
             if q == 1 or devices % tp or global_batch % (devices // tp):
                 continue
@@ -218,8 +219,8 @@ def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None
     docstring). ``memory_options=False`` searches the plain strategies only
     (no recompute, ZeRO, sequence parallelism or offload). ``tp_modes``:
     the tensor-parallel layouts tried, ``("1d",)`` by default; with ``"2d"``
-    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep
-    (:func:`grid2d_configs`). Raises
+    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep, with
+    ``"3d"`` the q x q x q cubes (:func:`grid2d_configs`). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
     and the fewest devices that would fit."""
     t0 = time.perf_counter()
@@ -295,7 +296,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
-    for grid in ("2d", "2.5d"):
+    for grid in ("2d", "2.5d", "3d"):
         if grid in tp_modes:
             lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options,
                                     mode=grid)
