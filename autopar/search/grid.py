@@ -359,7 +359,8 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
 
 def _try_copies(planner: Planner, feasible: list) -> int:
     """Multi-copy parallel (``copies``) on the ``COPIES_TOP`` fastest fitting
-    configurations without a pipeline, with tp > 1 and no ZeRO-3: every
+    1d configurations without a pipeline (the grammar refuses copies on a
+    tp_mode grid), with tp > 1 and no ZeRO-3: every
     count in ``COPIES`` that divides the per-rank microbatch, with the
     sharder and placements that won there (their decisions do not depend on
     the copies, so nothing is solved again). Only where the device overlaps
@@ -368,7 +369,8 @@ def _try_copies(planner: Planner, feasible: list) -> int:
     evaluated."""
     if planner.cluster.device.comm_overlap <= 0:
         return 0
-    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3),
+    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3
+                   and f[1].tp_mode == "1d"),
                   key=lambda f: f[0].step_time_s)[:COPIES_TOP]
     count = 0
     for _, cfg, sh in flat:
