@@ -9,6 +9,7 @@ saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step
 weights within rel 1e-4 of one process, and every trainable weight of two
 dims held as a quarter on each rank (split over the grid's rows and columns).
 """
+import math
 import os
 import warnings
 
@@ -110,6 +111,36 @@ def test_cost_of_the_cube_and_its_search():
     assert got.config.tp_mode == "3d", got.strategy
     default = autopar.plan(m, search_mode="grid", **kw)
     assert got.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_cube_places_an_eighth_of_every_matrix_on_each_rank(spec):
+    """The placements the compiler gets on a 2 x 2 x 2 cube (columns, rows, depth): every trainable
+    matrix split over all three axes (the depth's chunk of the rows' dim outermost), every vector
+    replicated on rows and depth; checked without processes (the 8-process run is gated below)."""
+    from autopar import api
+    from autopar.sharding import grid_rows, needs_grad
+    from autopar.strategies import is_shard, shard_dim
+    graph = api.as_graph(spec, batch=8)
+    planner = api.planner_for(graph, "dgx-h100", "adamw", None, devices=8, global_batch=8)
+    cols, shapes = planner.sharding(parse_strategy("tp=8,tp_mode=3d", 8))
+    rows = grid_rows(graph, cols, 2, shapes)
+    depth = grid_rows(graph, cols, 2, shapes, inner=rows)
+    grad = needs_grad(graph)
+    matrices = [nd for nd in graph.nodes if nd.kind == "param" and grad.get(nd.name) and len(nd.out.shape) >= 2]
+    assert matrices
+    for nd in matrices:
+        shape = list(nd.out.shape)
+        for ax in (depth, rows, cols):       # chunked outermost first, as the compiler does
+            p = ax.out.get(nd.name, "R")
+            assert is_shard(p), (nd.name, ax.n, p)
+            assert shape[shard_dim(p)] % ax.n == 0, (nd.name, shape, p)
+            shape[shard_dim(p)] //= ax.n
+        assert 8 * math.prod(shape) == math.prod(nd.out.shape), nd.name
+        # the columns' dim is never split by rows or depth (they gather theirs before use, the columns keep it)
+        assert shard_dim(cols.out[nd.name]) not in (shard_dim(rows.out[nd.name]), shard_dim(depth.out[nd.name]))
+    vectors = [nd for nd in graph.nodes if nd.kind == "param" and grad.get(nd.name) and len(nd.out.shape) == 1]
+    assert vectors and all(rows.out.get(nd.name, "R") == "R" == depth.out.get(nd.name, "R") for nd in vectors)
 
 
 # ----------------------------------------------------------------------------- 4 processes
