@@ -240,10 +240,10 @@ def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
 #: tp_mode=3d on a 2 x 2 x 2 cube: the samples split over depth x rows (4), the hidden dims over the
 #: columns, every trainable matrix over all three (an eighth on each rank); GPT with its gradients clipped
 CUBE = {GPT: "tp=8,tp_mode=3d", LLAMA: "tp=8,tp_mode=3d"}
-#: the 8-process spawn took 105-210 s on the shared 2-core machine (over the suite's ~40 s per spawn),
+#: the 8-process spawn takes minutes on the shared 2-core machine (the suite allows ~40 s per spawn),
 #: so it runs when asked (AUTOPAR_SPAWN8=1); `make matrix`'s 3d family runs the real models on the cube
 spawn8 = pytest.mark.skipif(not os.environ.get("AUTOPAR_SPAWN8"),
-                            reason="8-process spawn: set AUTOPAR_SPAWN8=1 (105-210 s on 2 cores)")
+                            reason="8-process spawn, minutes on 2 cores: set AUTOPAR_SPAWN8=1")
 
 
 def _cube_worker(rank, world, path):
