@@ -50,9 +50,11 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
     with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
         autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
-    for bad in ("pp=2", "zero=3"):      # 3d, like the other grids, runs without pipelines and ZeRO-3
+    for bad in ("pp=2", "cp=2", "zero=3"):      # 3d, like the other grids: no pipelines, cp or ZeRO-3
         with pytest.raises(UnsupportedError, match=f"tp_mode=3d with {bad}.* is not implemented"):
             autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16, strategy=f"tp=8,tp_mode=3d,{bad}")
+    with pytest.raises(StrategyError, match="leave it out"):
+        parse_strategy("tp=8,tp_mode=3d,sequence_parallel=true")
     with pytest.raises(StrategyError, match="copies=2 with tp_mode=3d"):
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=16, strategy="tp=8,tp_mode=3d,copies=2")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):   # the cube's depth x rows
