@@ -1,5 +1,6 @@
-"""2D tensor parallelism (``tp=4,tp_mode=2d``, issue 16 item 2): the grammar,
-the cost model, and training against one process.
+"""2D and 3D tensor parallelism (``tp=4,tp_mode=2d``, issue 16 item 2;
+``tp=8,tp_mode=3d``): the grammar, the cost model, the search, and training
+against one process.
 
 Every training scenario runs in ONE spawn of 4 gloo processes (the suite has a
 time budget): the zoo GPT (fx, fused causal attention, a tied-free head) and
@@ -8,6 +9,10 @@ with its gradients clipped to a global norm (the norm equal to one process's), t
 saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step's loss and the final
 weights within rel 1e-4 of one process, and every trainable weight of two
 dims held as a quarter on each rank (split over the grid's rows and columns).
+
+The 3d cube (2 x 2 x 2) trains GPT and Llama in one spawn of 8 processes, run
+when asked (``AUTOPAR_SPAWN8=1``: minutes on 2 cores); its placements (an
+eighth of every matrix per rank) are checked here without processes.
 """
 import math
 import os
