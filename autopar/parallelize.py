@@ -153,7 +153,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
     copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
                          cfg.tp_grid[-2] if len(cfg.tp_grid) > 1 else 1,
-                         cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1) if max_grad_norm is not None else {}
+                         cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1,
+                         prog.depth_placement) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
@@ -168,8 +169,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
-    if cfg.tp_mode in ("2d", "2.5d"):
-        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"))
+    if cfg.tp_mode != "1d":
+        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
+                         mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
@@ -353,8 +355,8 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
-    if cfg.tp_mode in ("2d", "2.5d"):   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
-        names = (("tp_depth",) if cfg.tp_mode == "2.5d" else ()) + ("tp_row", "tp")
+    if cfg.tp_mode != "1d":   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
+        names = (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")
         return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", *names), timeout_s=timeout_s)
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
@@ -388,12 +390,15 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
     grid: list[Axis] = []
-    if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
-        grid.append(Axis(follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False), mesh.coord("tp_depth"),
-                         mesh.group("tp_depth"), whole_sizes=True))
-    if cfg.tp_mode in ("2d", "2.5d"):    # the grid's rows: the batch split, the weights stored split and gathered
+    if cfg.tp_mode != "1d":    # the grid's rows: the batch split, the weights stored split and gathered
         grid.append(Axis(grid_rows(graph, tp_sh, cfg.tp_grid[-2], shapes), mesh.coord("tp_row"),
                          mesh.group("tp_row"), whole_sizes=True))
+    if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
+        depth = follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False)
+    elif cfg.tp_mode == "3d":    # the cube's depth: the batch split again, the rows' weight shards split again
+        depth = grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes, inner=grid[0].sh)
+    if len(cfg.tp_grid) == 3:
+        grid.insert(0, Axis(depth, mesh.coord("tp_depth"), mesh.group("tp_depth"), whole_sizes=True))
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
                          grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None)
@@ -520,12 +525,14 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
-                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1, depth: int = 1) -> dict[str, int]:
+                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1, depth: int = 1,
+                on_depth: dict[str, str] | None = None) -> dict[str, int]:
     """Program name -> how many ranks hold the same reduced gradient of that
     parameter besides its dp replicas: ``tp`` for a weight replicated over
     tp (with ``tp_mode=2d``: the grid's columns, and ``n_rows`` more for one
-    replicated over its rows, ``rows`` holding those placements, and 2.5d's
-    ``depth``, which replicates every weight), times the
+    replicated over its rows, ``rows`` holding those placements, and the
+    ``depth`` of 2.5d, which replicates every weight, or of 3d, for one
+    replicated there, ``on_depth`` holding those placements), times the
     ranks of its tie group for a weight tied across pipeline stages. Only
     entries above 1 (what gradient clipping must not count twice)."""
     tie = {id(t): dist.get_world_size(g) for t, g in tied}
@@ -534,7 +541,8 @@ def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied:
     for name, t in local.items():
         if isinstance(t, nn.Parameter) and t.requires_grad:
             n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1) * \
-                (1 if is_shard(rows.get(name, "R")) else n_rows) * depth
+                (1 if is_shard(rows.get(name, "R")) else n_rows) * \
+                (1 if is_shard((on_depth or {}).get(name, "R")) else depth)
             if n > 1:
                 out[name] = n
     return out

@@ -143,12 +143,13 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     with the microbatches whose samples per data-parallel rank the grid's rows
     divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3, pipeline or
     cp). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
-    :data:`GRID_DEPTHS`), the samples split over depth x rows."""
+    :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
+    the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2) if memory_options else (0,)
     out = []
     for q in tp_valid_sizes(graph):
-        for d in (GRID_DEPTHS if mode == "2.5d" else (1,)):
+        for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):
             tp = d * q * q
             if q == 1 or devices % tp or global_batch % (devices // tp):
                 continue
@@ -234,8 +235,8 @@ def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None
     docstring). ``memory_options=False`` searches the plain strategies only
     (no recompute, ZeRO, sequence parallelism or offload). ``tp_modes``:
     the tensor-parallel layouts tried, ``("1d",)`` by default; with ``"2d"``
-    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep
-    (:func:`grid2d_configs`). Raises
+    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep, with
+    ``"3d"`` the q x q x q cubes (:func:`grid2d_configs`). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
     and the fewest devices that would fit."""
     t0 = time.perf_counter()
@@ -311,7 +312,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
-    for grid in ("2d", "2.5d"):
+    for grid in ("2d", "2.5d", "3d"):
         if grid in tp_modes:
             lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options,
                                     mode=grid)
@@ -374,7 +375,8 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
 
 def _try_copies(planner: Planner, feasible: list) -> int:
     """Multi-copy parallel (``copies``) on the ``COPIES_TOP`` fastest fitting
-    configurations without a pipeline, with tp > 1 and no ZeRO-3: every
+    1d configurations without a pipeline (the grammar refuses copies on a
+    tp_mode grid), with tp > 1 and no ZeRO-3: every
     count in ``COPIES`` that divides the per-rank microbatch, with the
     sharder and placements that won there (their decisions do not depend on
     the copies, so nothing is solved again). Only where the device overlaps
@@ -383,7 +385,8 @@ def _try_copies(planner: Planner, feasible: list) -> int:
     evaluated."""
     if planner.cluster.device.comm_overlap <= 0:
         return 0
-    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3),
+    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3
+                   and f[1].tp_mode == "1d"),
                   key=lambda f: f[0].step_time_s)[:COPIES_TOP]
     count = 0
     for _, cfg, sh in flat:
