@@ -67,13 +67,13 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, row_placement, scaled_shapes, \
-    track_batch
+from .sharding import AxisSharding, backward_reads, batch_dims, needs_grad, numel as _numel, row_placement, \
+    scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
 from .spec import ParallelConfig, check_grid, divisors
-from .spec.placement import R
+from .spec.placement import P, R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
 from .strategies.context import attentions, check_cp
@@ -255,8 +255,8 @@ class CostModel:
         self.grad = needs_grad(graph)
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
-        self._saved_memo: dict[tuple[str, bool], list[str]] = {}
-        self._kept_memo: dict[str, bool] = {}
+        self._reads = backward_reads(graph)
+        self._keeps_memo: dict[int, tuple[AxisSharding, frozenset[str]]] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
         self._p2p: dict[tuple, float] = {}      # (mesh shape, bytes) -> send_recv seconds
         self._token_shapes: dict[tuple[int, int], tuple[dict, dict]] = {}
@@ -673,13 +673,17 @@ class CostModel:
         """``f(node, strategy)``: bytes of the activations the node keeps for
         backward per microbatch under ``cfg``'s recompute, its inputs in the
         placements the strategy reads (a value read by several nodes counts
-        once per reader: an upper bound)."""
+        once per reader: an upper bound). Under selective recompute a layer's
+        weight matmul or attention keeps its output as on one device
+        (:func:`~autopar.sharding.selective_keeps`) unless the strategy
+        leaves it partial: a reduction, not a backward, reads that first."""
         tp = cfg.tp
+        keeps = self._keeps(None) if cfg.recompute == "selective" else frozenset()
 
         def saved(nd: Node, st) -> float:
             wants = dict(zip(nd.inputs, st.ins))
             total = 0.0
-            for i in self._saved_names(nd, cfg.recompute):
+            for i in self._saved_names(nd, cfg.recompute, keeps if st.out != P else frozenset()):
                 total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(wants.get(i, st.out)) else 1)
             return total
 
@@ -1287,10 +1291,11 @@ class CostModel:
             return hit[1]
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
+        keeps = self._keeps(sh) if selective else frozenset()
         for nd, st, inst, unit, t, comm, transient in self._node_times(tp, sh, shapes, topo, local_batch):
             acc = outside.setdefault(unit, _Sums()) if inst is None else per_inst.setdefault(inst, _Sums())
             acc.fwd += t
-            if inst is not None and selective and not self._kept_selective(nd):
+            if inst is not None and selective and nd.name not in keeps:
                 acc.refwd += t
             if tp > 1:
                 acc.comm += comm
@@ -1412,59 +1417,33 @@ class CostModel:
         saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
         return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm
 
-    def _kept_selective(self, nd: Node) -> bool:
-        """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
-        kept = self._kept_memo.get(nd.name)
-        if kept is None:
-            kept = self._kept_memo[nd.name] = nd.kind == "sdpa" or (
-                ops.family(nd.kind) == "matmul" and any(self.params.get(i) is not None for i in nd.inputs))
-        return kept
+    def _keeps(self, sh: AxisSharding | None) -> frozenset[str]:
+        """The layer nodes whose outputs selective recompute keeps under the
+        decisions ``sh`` (:func:`autopar.sharding.selective_keeps`, as the
+        runtime's checkpoint policy saves them), kept per decisions."""
+        if sh is None or sh.n == 1:
+            return selective_keeps(self.graph)
+        hit = self._keeps_memo.get(id(sh))
+        if hit is None or hit[0] is not sh:
+            hit = self._keeps_memo[id(sh)] = (sh, selective_keeps(self.graph, sh))
+        return hit[1]
 
-    def _saved_names(self, nd: Node, recompute: str) -> list[str]:
-        """The float values ``nd`` keeps for its backward. Under selective
-        recompute (inside a checkpointed layer) only the outputs of the
-        weight matmuls and of attention are kept: the rest (norms,
-        activations, the attention core of explicit matmul-softmax
-        attention) runs again in backward from them and the layer input.
-        (A property of the graph: memoised per node and recompute.)"""
-        key = (nd.name, recompute == "selective")
-        names = self._saved_memo.get(key)
-        if names is None:
-            names = self._saved_memo[key] = self._find_saved(nd, recompute)
-        return names
-
-    def _find_saved(self, nd: Node, recompute: str) -> list[str]:
-        """:meth:`_saved_names`, uncached."""
-        k = nd.kind
-        if recompute == "selective":
-            if self._kept_selective(nd):
-                names = [nd.name]
-            else:
-                return []
-        elif ops.family(k) == "matmul":
-            names = [i for i in nd.inputs if self.params.get(i) is None]
-            if k == "sdpa":
-                names.append(nd.name)
-        elif k in ("layernorm", "rmsnorm", "batchnorm", "cross_entropy", "pool"):
-            names = nd.inputs[:1]
-        elif k == "softmax":
-            names = [nd.name]
-        elif k == "elementwise" and ops.is_nonlinear(nd.target):
-            names = [i for i in nd.inputs if self.params.get(i) is None]
-        else:
-            return []
-        out = []
-        for i in names:
-            src = self.graph[i] if i in self.graph else None
-            if src is not None and src.out is not None and src.out.is_float:
-                out.append(i)
-        return out
+    def _saved_names(self, nd: Node, recompute: str, keeps: frozenset[str] = frozenset()) -> list[str]:
+        """The float values ``nd`` keeps for its backward. Inside a layer
+        under selective recompute, its output if it is one of ``keeps``
+        (:meth:`_keeps`), else nothing: the rest of what the layer's
+        backwards read (norms, activations, the attention core of explicit
+        matmul-softmax attention, a row-parallel linear's partial output)
+        runs again in backward from those and the layer input."""
+        if recompute == "selective" and nd.group is not None:
+            return [nd.name] if nd.name in keeps else []
+        return self._reads[nd.name]
 
     def _saved(self, nd: Node, st, sh: AxisSharding, shapes: dict, tp: int, recompute: str):
         """(value, local bytes) pairs this node keeps for its backward."""
         out = []
         wants = dict(zip(nd.inputs, st.ins)) if st is not None else {}
-        for i in self._saved_names(nd, recompute):
+        for i in self._saved_names(nd, recompute, self._keeps(sh) if recompute == "selective" else frozenset()):
             have = sh.out.get(i, R)
             # an input resharded for this op (e.g. all-gathered before a column-parallel
             # linear) is saved in the placement the op reads, as a tensor of its own

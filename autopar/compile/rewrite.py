@@ -41,7 +41,7 @@ from ..errors import CompileError
 from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
-from ..sharding import AxisSharding, needs_grad
+from ..sharding import AxisSharding, needs_grad, selective_keeps
 from ..spec.placement import P, R
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import transition_steps
@@ -156,6 +156,7 @@ class LocalProgram:
     param_placement: dict[str, str]      # param qualified name -> tp placement
     comms: int                           # collectives inserted
     row_placement: dict[str, str] = dataclasses.field(default_factory=dict)   # tp_mode=2d: on the grid's rows
+    keeps: frozenset = frozenset()       # nodes whose outputs selective recompute keeps (sharding.selective_keeps)
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
-                        row_placement=rw.placement[-2] if grid else {})
+                        row_placement=rw.placement[-2] if grid else {}, keeps=selective_keeps(graph, tp))
 
 
 class _Rewriter:
