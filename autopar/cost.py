@@ -77,7 +77,7 @@ from .spec.placement import P, R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
 from .strategies.context import attentions, check_cp
-from .strategies.redistribute import output_time
+from .strategies.redistribute import feasible, output_time, transition_steps
 
 
 MEMORY_HEADROOM = 0.9
@@ -738,7 +738,7 @@ class CostModel:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         isz = self.itemsize
         # the sums see dp only through the samples per rank and the tp axis's link
-        skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute == "selective", id(sh))
+        skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute, id(sh))
         if skey not in self.cache.sums:
             self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
         fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm = \
@@ -1282,23 +1282,27 @@ class CostModel:
         per pipeline unit, and those of every instance not copied from
         another (an instance whose decisions were copied costs what its
         source costs). Kept per decisions, shapes, tp link, samples and
-        whether recompute is selective (nothing else of it counts here): the
-        flat and the pipelined estimates of the recompute choices ask alike."""
-        tp, selective = cfg.tp, cfg.recompute == "selective"
-        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), selective)
+        recompute mode (nothing else of it counts here): the flat and the
+        pipelined estimates of the recompute choices ask alike. Inside a
+        layer under full recompute, a sequence-parallel entry is not
+        gathered again in backward (the checkpoint keeps nothing of it; its
+        forward gather runs again with the layer, charged with the replay),
+        so its regather is not charged there."""
+        tp, selective, full = cfg.tp, cfg.recompute == "selective", cfg.recompute == "full"
+        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), cfg.recompute)
         hit = self.cache.node_sums.get(key)
         if hit is not None and hit[0] is shapes:
             return hit[1]
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
         keeps = self._keeps(sh) if selective else frozenset()
-        for nd, st, inst, unit, t, comm, transient in self._node_times(tp, sh, shapes, topo, local_batch):
+        for nd, st, inst, unit, t, comm, transient, regather in self._node_times(tp, sh, shapes, topo, local_batch):
             acc = outside.setdefault(unit, _Sums()) if inst is None else per_inst.setdefault(inst, _Sums())
             acc.fwd += t
             if inst is not None and selective and nd.name not in keeps:
                 acc.refwd += t
             if tp > 1:
-                acc.comm += comm
+                acc.comm += comm - (regather if full and inst is not None else 0.0)
             for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
                 acc.saved[name] = local
             if selective:   # what the layer holds again while it is recomputed
@@ -1318,9 +1322,11 @@ class CostModel:
     def _node_times(self, tp: int, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                     local_batch: float) -> list[tuple]:
         """``(node, strategy, instance, unit, forward time, tp comm, transient
-        bytes or None)`` of every node :meth:`_node_sums` adds up, in its
-        order: what does not depend on recompute, kept per decisions, shapes,
-        tp link and samples (the recompute choices share it)."""
+        bytes or None, regather)`` of every node :meth:`_node_sums` adds up, in
+        its order: what does not depend on recompute, kept per decisions,
+        shapes, tp link and samples (the recompute choices share it).
+        ``regather``: the part of the comm that gathers a sequence-parallel
+        entry again in backward (:mod:`autopar.runtime.regather`)."""
         key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes))
         hit = self.cache.node_times.get(key)
         if hit is not None and hit[0] is shapes:
@@ -1345,12 +1351,15 @@ class CostModel:
             # share (q, k and v reading one LayerNorm output) is charged per reader here, as in the
             # ILP and the greedy search, though the compiler inserts it once: the three must agree
             # (tests/test_redistribute.py) until the ILP can price a shared transition once
-            at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
+            ins = [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)]
+            at = op_axis_time(nd, st, ins, tp,
                               nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
                 if nd.out is not None else None
-            out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient))
+            regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want in zip(nd.inputs, ins, st.ins)
+                           if _regathered(have, want, self.grad.get(i, False), st.split))
+            out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient, regather))
         self.cache.hold(sh)
         self.cache.node_times[key] = (shapes, out)
         return out
@@ -1458,6 +1467,13 @@ class CostModel:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
         return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+def _regathered(have: str, want: str, grad: bool, into_split: bool) -> bool:
+    """Whether the transition is the sequence-parallel entry whose readers
+    keep the shard and gather it again in backward."""
+    return have != want and feasible(have, want) and any(s.kind == "all_gather_reduce_grad"
+                                for s in transition_steps(have, want, grad, into_split))
 
 
 def _comm_passes(cfg: ParallelConfig) -> float:

@@ -91,3 +91,32 @@ def test_runtime_policy_saves_the_kept_nodes_only():
     kept = [n for n in prog.keeps if graph[n].group is not None]
     assert len(kept) == 2 * 6
     assert len(saved) == len(kept), saved
+
+
+def test_full_recompute_charges_no_regather_inside_layers():
+    """Under full recompute the checkpoint keeps nothing of a sequence-parallel
+    entry inside a layer: its forward gather runs again with the layer
+    (charged with the replay) and no regather follows; outside the layers
+    (the head) the regather stays. The cached sums are kept per recompute mode."""
+    from autopar.sharding import numel
+    g = as_graph(GPT.format(layers=2))
+    pl = planner_for(g, "dgx-a100-80g", "adamw", None, devices=8, global_batch=8)
+    sums = {}
+    for r in ("none", "full"):
+        cfg = _config(f"dp=1,tp=8,sp=true,microbatches=8,recompute={r}", 8)
+        sh, shapes = pl.sharding(cfg)
+        m = pl.cost(cfg.precision)
+        topo = m.topology((1, 8))
+        sums[r] = m._node_sums(cfg, sh, shapes, topo, 1.0)
+    ln = next(nd.name for nd in g.nodes if nd.kind == "layernorm" and nd.group == "model.blocks.0")
+    ag = m._tp_collective(8, topo)("all_gather", numel(shapes[ln]) * 4)
+    for inst, s in sums["none"][1].items():
+        # q, k, v and the first MLP linear each read a gathered norm output (charged per reader)
+        assert sums["full"][1][inst].comm == pytest.approx(s.comm - 4 * ag), inst
+    for unit, s in sums["none"][0].items():
+        assert sums["full"][0][unit].comm == pytest.approx(s.comm)
+    # the estimate does not reuse another recompute mode's sums
+    fresh = autopar.evaluate(as_graph(GPT.format(layers=2) + ",tie=0"), cluster="dgx-a100-80g", devices=8,
+                             global_batch=8, strategy="dp=1,tp=8,sp=true,microbatches=8,recompute=full")
+    after_none = pl.evaluate(_config("dp=1,tp=8,sp=true,microbatches=8,recompute=full", 8))
+    assert after_none.tp_comm_time_s == pytest.approx(fresh.tp_comm_time_s)
