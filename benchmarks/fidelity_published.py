@@ -104,12 +104,16 @@ ACTIVATION = [
     ("tensor parallel", "", "sbh(10 + 24/t + 5as/(ht))", 8 + 26 / T, ""),
     ("tensor + sequence parallel", ",sp=true", "sbh(34/t + 5as/(ht))", 34 / T, ""),
     ("selective recompute + sequence parallel", ",sp=true,recompute=selective", "sbh 34/t", 34 / T,
-     "autopar's selective keeps the weight matmuls' outputs (the row-parallel ones whole, before their "
-     "reduce-scatter: 2 x 2 sbh) and recomputes norms and activations; Megatron's recomputes only the attention "
-     "core, which fused attention never stores"),
+     "autopar's selective keeps the outputs of the weight matmuls and attention that a backward of the layer "
+     "needs (q, k, v, attention, the first MLP linear: 18/t sbh with the layer input) and runs the rest again, "
+     "the row-parallel GEMMs included; Megatron's recomputes only the attention core, which fused attention "
+     "never stores, so it keeps what no recompute keeps (before issue 17 autopar kept every weight matmul's "
+     "output, the row-parallel ones whole: 1.47x)"),
     ("full recompute", ",recompute=full", "2 sbh", 2.0,
-     "autopar's Megatron placements keep the residual stream split over the hidden dimension between "
-     "layers, so the checkpoint keeps 2 sbh/t; Megatron without sequence parallel keeps it whole"),
+     "autopar's tp=8 placements keep the residual stream split over the hidden dimension between layers "
+     "(the compiled program reduce-scatters each row-parallel output and gathers before each norm), so the "
+     "checkpoint keeps 2 sbh/t; Megatron without sequence parallel keeps it whole. The propagation picks it "
+     "for time: the bias and residual adds run on 1/t for half a gather more per layer in backward"),
     ("full recompute + sequence parallel", ",sp=true,recompute=full", "2 sbh/t", 2.0 / T, ""),
 ]
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2"
@@ -124,17 +128,20 @@ NOTES = [
     "using all 8 NICs of a node would make them several times faster than measured. A checkpoint that wraps a unit's "
     "gather hooks (the issue suspects DeepSpeed's) gathers a third time in the recompute, which would explain "
     "the rest; FSDP2 as autopar nests it does not, so it is not charged.",
-    "At 175B on 384 GPUs the model puts ZeRO-3 2% ahead of PTD-P where the paper measured it 6% behind: both "
-    "rows are within 10%, the ranking is inside the error.",
+    "At 175B on 384 GPUs the model puts ZeRO-3 ahead of PTD-P where the paper measured it 6% behind (see the "
+    "ranking): the ranking is inside the error of the two rows.",
     "Activation memory matches Korthikanti's accounting where the runtime keeps what Megatron keeps (tensor "
     "parallel; sequence parallel, since the runtime keeps the column-parallel linears' input as its sequence "
     "shard and gathers it again in backward, as Megatron does: 1.82x before; full recompute with sequence "
-    "parallel); the other rows differ by what the runtime keeps (notes column), which the model counts.",
-    "Llama 3 405B: throughput within 10% under the interleaved schedule it ran; memory does not fit because the "
-    "runtime kept 9.6 sbh bytes per layer and microbatch at t=8 with sequence parallel before it kept the "
-    "gathered norm outputs as shards (4 of them, where Megatron keeps 0.5); the unfused SwiGLU keeps four 3.25h-wide tensors, 26/t), "
-    "and 1F1B holds 16 microbatches on the first stage (47 half-stage chunks interleaved, as Megatron's "
-    "warm-up). Llama 3 trained it without activation checkpointing in 80 GB, so its kernels keep less.",
+    "parallel). Selective recompute and full recompute without sequence parallel differ by what autopar's "
+    "policy and placements keep (notes column), which the model counts: selective keeps less than Megatron's "
+    "(it also runs norms, activations and the row-parallel GEMMs again), never more than no recompute.",
+    "Llama 3 405B: no row is within 10%. Without recompute the activations do not fit 80 GB (the unfused "
+    "SwiGLU keeps four 3.25h-wide tensors, 26/t sbh, and 1F1B holds 16 microbatches on the first stage; "
+    "interleaved, 47 half-stage chunks, as Megatron's warm-up), and the throughput is 0.68x (1F1B) and 0.82x "
+    "(interleaved): the pipeline bubble the simulator gives (32% and 18% at 32 microbatches on 16 stages) is "
+    "more than Llama 3 reports. With full recompute it fits but pays a fourth pass (0.5x). Llama 3 trained "
+    "without activation checkpointing in 80 GB, so its kernels keep less than autopar's.",
 ]
 
 
