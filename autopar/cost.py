@@ -68,7 +68,7 @@ from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
 from .sharding import AxisSharding, backward_reads, batch_dims, needs_grad, numel as _numel, row_placement, \
-    scaled_shapes, selective_keeps, track_batch
+    instances, scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
@@ -1284,11 +1284,14 @@ class CostModel:
         source costs). Kept per decisions, shapes, tp link, samples and
         recompute mode (nothing else of it counts here): the flat and the
         pipelined estimates of the recompute choices ask alike. Inside a
-        layer under full recompute, a sequence-parallel entry is not
-        gathered again in backward (the checkpoint keeps nothing of it; its
-        forward gather runs again with the layer, charged with the replay),
-        so its regather is not charged there."""
-        tp, selective, full = cfg.tp, cfg.recompute == "selective", cfg.recompute == "full"
+        checkpointed layer (full or selective recompute) a sequence-parallel
+        entry is not gathered again in backward (the checkpoint keeps
+        nothing of it; its forward gather runs again with the layer, charged
+        with the replay), so its regather is not charged there. Selective
+        recompute replays the layer up to its last node that saves a tensor
+        (:meth:`_replay_tail`): the ops whose outputs it does not keep run
+        again there, and the forward collectives (half a node's comm) too."""
+        tp, selective, ckpt = cfg.tp, cfg.recompute == "selective", cfg.recompute != "none"
         key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), cfg.recompute)
         hit = self.cache.node_sums.get(key)
         if hit is not None and hit[0] is shapes:
@@ -1296,13 +1299,16 @@ class CostModel:
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
         keeps = self._keeps(sh) if selective else frozenset()
+        tail = self._replay_tail
         for nd, st, inst, unit, t, comm, transient, regather in self._node_times(tp, sh, shapes, topo, local_batch):
             acc = outside.setdefault(unit, _Sums()) if inst is None else per_inst.setdefault(inst, _Sums())
             acc.fwd += t
-            if inst is not None and selective and nd.name not in keeps:
+            replayed = inst is not None and selective and nd.name not in tail
+            if replayed and nd.name not in keeps:
                 acc.refwd += t
             if tp > 1:
-                acc.comm += comm - (regather if full and inst is not None else 0.0)
+                c = comm - (regather if ckpt and inst is not None else 0.0)
+                acc.comm += 1.5 * c if replayed else c
             for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
                 acc.saved[name] = local
             if selective:   # what the layer holds again while it is recomputed
@@ -1425,6 +1431,29 @@ class CostModel:
             inst_full[inst] = sum(s_.full.values())
         saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
         return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm
+
+    @cached_property
+    def _replay_tail(self) -> frozenset[str]:
+        """The layer nodes a recompute does not run again: those after the
+        last node of their instance whose backward saves a tensor, and that
+        node itself when it saves only its inputs. Non-reentrant
+        ``torch.utils.checkpoint`` stops the replay once every saved tensor
+        is back, and autograd saves an op's inputs before its kernel runs
+        (a GPT layer's last MLP linear, its bias and residual adds)."""
+        out: list[str] = []
+        for nodes in instances(self.graph).values():
+            ops_ = [nd for nd in nodes if not nd.is_state and nd.out is not None]
+            last = max((k for k, nd in enumerate(ops_) if self._saves(nd)), default=-1)
+            out += [nd.name for nd in ops_[last + 1:]]
+            if last >= 0 and ops_[last].name not in self._reads[ops_[last].name]:
+                out.append(ops_[last].name)
+        return frozenset(out)
+
+    def _saves(self, nd: Node) -> bool:
+        """Whether autograd saves a tensor for ``nd``'s backward (a weight counts)."""
+        return bool(self._reads[nd.name]) or (
+            ops.family(nd.kind) == "matmul" or nd.kind == "elementwise" and ops.is_nonlinear(nd.target)) and \
+            any(self.graph[i].is_state for i in nd.inputs)
 
     def _keeps(self, sh: AxisSharding | None) -> frozenset[str]:
         """The layer nodes whose outputs selective recompute keeps under the

@@ -94,15 +94,17 @@ def test_runtime_policy_saves_the_kept_nodes_only():
 
 
 def test_full_recompute_charges_no_regather_inside_layers():
-    """Under full recompute the checkpoint keeps nothing of a sequence-parallel
+    """Under recompute the checkpoint keeps nothing of a sequence-parallel
     entry inside a layer: its forward gather runs again with the layer
     (charged with the replay) and no regather follows; outside the layers
-    (the head) the regather stays. The cached sums are kept per recompute mode."""
+    (the head) the regather stays. Selective recompute replays the forward
+    collectives up to the layer's last saving node. The cached sums are kept
+    per recompute mode."""
     from autopar.sharding import numel
     g = as_graph(GPT.format(layers=2))
     pl = planner_for(g, "dgx-a100-80g", "adamw", None, devices=8, global_batch=8)
     sums = {}
-    for r in ("none", "full"):
+    for r in ("none", "full", "selective"):
         cfg = _config(f"dp=1,tp=8,sp=true,microbatches=8,recompute={r}", 8)
         sh, shapes = pl.sharding(cfg)
         m = pl.cost(cfg.precision)
@@ -113,6 +115,8 @@ def test_full_recompute_charges_no_regather_inside_layers():
     for inst, s in sums["none"][1].items():
         # q, k, v and the first MLP linear each read a gathered norm output (charged per reader)
         assert sums["full"][1][inst].comm == pytest.approx(s.comm - 4 * ag), inst
+        # selective: the same, plus the replayed forward collectives (not the last reduce-scatter's)
+        assert s.comm - 4 * ag < sums["selective"][1][inst].comm < 1.5 * (s.comm - 4 * ag), inst
     for unit, s in sums["none"][0].items():
         assert sums["full"][0][unit].comm == pytest.approx(s.comm)
     # the estimate does not reuse another recompute mode's sums
