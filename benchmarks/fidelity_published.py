@@ -50,7 +50,9 @@ from typing import Any, NamedTuple
 from rich.console import Console
 
 import autopar
-from autopar.api import as_graph
+from autopar.api import as_graph, planner_for
+from autopar.search.planner import Sharder
+from autopar.spec import parse_strategy
 
 from .common import timed_run
 from .megatron_table1 import CLUSTER, TABLE1, Row, paper_tflops
@@ -115,7 +117,12 @@ ACTIVATION = [
      "checkpoint keeps 2 sbh/t; Megatron without sequence parallel keeps it whole. The propagation picks it "
      "for time: the bias and residual adds run on 1/t for half a gather more per layer in backward"),
     ("full recompute + sequence parallel", ",sp=true,recompute=full", "2 sbh/t", 2.0 / T, ""),
+    ("full recompute, Megatron's placements", ",recompute=full", "2 sbh", 2.0,
+     "the row above with the residual stream pinned replicated (every norm's input R), as Megatron without "
+     "sequence parallel places it: the model's memory for the paper's plan"),
 ]
+#: settings priced with the residual stream pinned replicated (Megatron without sequence parallel)
+MEGATRON_RESIDUAL = {"full recompute, Megatron's placements"}
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2"
 SIZES = [("22B", 64, 6144), ("175B", 96, 12288), ("530B", 128, 20480)]
 
@@ -133,9 +140,11 @@ NOTES = [
     "Activation memory matches Korthikanti's accounting where the runtime keeps what Megatron keeps (tensor "
     "parallel; sequence parallel, since the runtime keeps the column-parallel linears' input as its sequence "
     "shard and gathers it again in backward, as Megatron does: 1.82x before; full recompute with sequence "
-    "parallel). Selective recompute and full recompute without sequence parallel differ by what autopar's "
-    "policy and placements keep (notes column), which the model counts: selective keeps less than Megatron's "
-    "(it also runs norms, activations and the row-parallel GEMMs again), never more than no recompute.",
+    "parallel; full recompute with Megatron's placements, the residual stream pinned replicated). Selective "
+    "recompute and full recompute under autopar's own tp=8 placements differ by what autopar's policy and "
+    "placements keep (notes column), which the model counts: selective keeps less than Megatron's (it also "
+    "runs norms, activations and the attention projection's GEMM again), never more than no recompute; "
+    "the hidden-split residual stream keeps 1/t of Megatron's checkpoint.",
     "Llama 3 405B: no row is within 10%. Without recompute the activations do not fit 80 GB (the unfused "
     "SwiGLU keeps four 3.25h-wide tensors, 26/t sbh, and 1F1B holds 16 microbatches on the first stage; "
     "interleaved, 47 half-stage chunks, as Megatron's warm-up), and the throughput is 0.68x (1F1B) and 0.82x "
@@ -175,12 +184,19 @@ def zero3_records(rows: list = ZERO3) -> list[Record]:
     return out
 
 
-def layer_activations(heads: int, hidden: int, strategy: str, seq: int = 2048) -> float:
-    """Bytes of activations one more layer adds on a device (3 layers minus 2)."""
+def layer_activations(heads: int, hidden: int, strategy: str, seq: int = 2048,
+                      replicated_residual: bool = False) -> float:
+    """Bytes of activations one more layer adds on a device (3 layers minus
+    2); ``replicated_residual``: with every norm's input pinned replicated."""
     acts = []
     for layers in (2, 3):
-        spec = f"gpt:layers={layers},hidden={hidden},heads={heads},seq={seq},vocab=51200"
-        est = autopar.evaluate(graph(spec), cluster=CLUSTER, devices=T, global_batch=1, strategy=strategy)
+        g = graph(f"gpt:layers={layers},hidden={hidden},heads={heads},seq={seq},vocab=51200")
+        if replicated_residual:
+            pins = tuple(sorted({(nd.inputs[0], "R") for nd in g.nodes if nd.kind == "layernorm"}))
+            planner = planner_for(g, CLUSTER, "adamw", None, devices=T, global_batch=1)
+            est = planner.evaluate(parse_strategy(strategy, devices=T), Sharder(pins=pins), layers="even")
+        else:
+            est = autopar.evaluate(g, cluster=CLUSTER, devices=T, global_batch=1, strategy=strategy)
         acts.append(est.memory["activations"])
     return acts[1] - acts[0]
 
@@ -193,7 +209,9 @@ def activation_records(sizes: list = SIZES) -> list[Record]:
         for setting, extra, formula, coeff, note in ACTIVATION:
             cfg = f"dp=1,tp={T},microbatches=1,precision=bf16{extra}"
             out.append(Record("activation memory", f"GPT {name}, {setting}", f"{KORTHIKANTI} ({formula})", cfg,
-                              coeff * sbh / 2**20, layer_activations(heads, hidden, cfg) / 2**20,
+                              coeff * sbh / 2**20,
+                              layer_activations(heads, hidden, cfg, replicated_residual=setting in MEGATRON_RESIDUAL)
+                              / 2**20,
                               "MiB per layer", note))
     return out
 
