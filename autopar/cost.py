@@ -67,17 +67,17 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, batch_dims, depth_placement, needs_grad, numel as _numel, row_placement, \
-    scaled_shapes, track_batch
+from .sharding import AxisSharding, backward_reads, batch_dims, depth_placement, needs_grad, numel as _numel, \
+    row_placement, instances, scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
 from .spec import ParallelConfig, check_grid, divisors
-from .spec.placement import R
+from .spec.placement import P, R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time
 from .strategies.context import attentions, check_cp
-from .strategies.redistribute import output_time
+from .strategies.redistribute import feasible, output_time, transition_steps
 
 
 MEMORY_HEADROOM = 0.9
@@ -255,8 +255,8 @@ class CostModel:
         self.grad = needs_grad(graph)
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
-        self._saved_memo: dict[tuple[str, bool], list[str]] = {}
-        self._kept_memo: dict[str, bool] = {}
+        self._reads = backward_reads(graph)
+        self._keeps_memo: dict[int, tuple[AxisSharding, frozenset[str]]] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
         self._p2p: dict[tuple, float] = {}      # (mesh shape, bytes) -> send_recv seconds
         self._token_shapes: dict[tuple[int, int], tuple[dict, dict]] = {}
@@ -690,13 +690,17 @@ class CostModel:
         """``f(node, strategy)``: bytes of the activations the node keeps for
         backward per microbatch under ``cfg``'s recompute, its inputs in the
         placements the strategy reads (a value read by several nodes counts
-        once per reader: an upper bound)."""
+        once per reader: an upper bound). Under selective recompute a layer's
+        weight matmul or attention keeps its output as on one device
+        (:func:`~autopar.sharding.selective_keeps`) unless the strategy
+        leaves it partial: a reduction, not a backward, reads that first."""
         tp = cfg.tp
+        keeps = self._keeps(None) if cfg.recompute == "selective" else frozenset()
 
         def saved(nd: Node, st) -> float:
             wants = dict(zip(nd.inputs, st.ins))
             total = 0.0
-            for i in self._saved_names(nd, cfg.recompute):
+            for i in self._saved_names(nd, cfg.recompute, keeps if st.out != P else frozenset()):
                 total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(wants.get(i, st.out)) else 1)
             return total
 
@@ -751,7 +755,7 @@ class CostModel:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         isz = self.itemsize
         # the sums see dp only through the samples per rank and the tp axis's link
-        skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute == "selective", id(sh))
+        skey = (tp, topo.spans_nodes(1), local_batch, cfg.recompute, id(sh))
         if skey not in self.cache.sums:
             self.cache.sums[skey] = self._microbatch_sums(cfg, sh, shapes, topo, local_batch)
         fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm = \
@@ -1295,22 +1299,33 @@ class CostModel:
         per pipeline unit, and those of every instance not copied from
         another (an instance whose decisions were copied costs what its
         source costs). Kept per decisions, shapes, tp link, samples and
-        whether recompute is selective (nothing else of it counts here): the
-        flat and the pipelined estimates of the recompute choices ask alike."""
-        tp, selective = cfg.tp, cfg.recompute == "selective"
-        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), selective)
+        recompute mode (nothing else of it counts here): the flat and the
+        pipelined estimates of the recompute choices ask alike. Inside a
+        checkpointed layer (full or selective recompute) a sequence-parallel
+        entry is not gathered again in backward (the checkpoint keeps
+        nothing of it; its forward gather runs again with the layer, charged
+        with the replay), so its regather is not charged there. Selective
+        recompute replays the layer up to its last node that saves a tensor
+        (:meth:`_replay_tail`): the ops whose outputs it does not keep run
+        again there, and the forward collectives (half a node's comm) too."""
+        tp, selective, ckpt = cfg.tp, cfg.recompute == "selective", cfg.recompute != "none"
+        key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes), cfg.recompute)
         hit = self.cache.node_sums.get(key)
         if hit is not None and hit[0] is shapes:
             return hit[1]
         outside: dict[int, _Sums] = {}
         per_inst: dict[str, _Sums] = {}
-        for nd, st, inst, unit, t, comm, transient in self._node_times(tp, sh, shapes, topo, local_batch):
+        keeps = self._keeps(sh) if selective else frozenset()
+        tail = self._replay_tail
+        for nd, st, inst, unit, t, comm, transient, regather in self._node_times(tp, sh, shapes, topo, local_batch):
             acc = outside.setdefault(unit, _Sums()) if inst is None else per_inst.setdefault(inst, _Sums())
             acc.fwd += t
-            if inst is not None and selective and not self._kept_selective(nd):
+            replayed = inst is not None and selective and nd.name not in tail
+            if replayed and nd.name not in keeps:
                 acc.refwd += t
             if tp > 1:
-                acc.comm += comm
+                c = comm - (regather if ckpt and inst is not None else 0.0)
+                acc.comm += 1.5 * c if replayed else c
             for name, local in self._saved(nd, st, sh, shapes, tp, cfg.recompute):
                 acc.saved[name] = local
             if selective:   # what the layer holds again while it is recomputed
@@ -1330,9 +1345,11 @@ class CostModel:
     def _node_times(self, tp: int, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                     local_batch: float) -> list[tuple]:
         """``(node, strategy, instance, unit, forward time, tp comm, transient
-        bytes or None)`` of every node :meth:`_node_sums` adds up, in its
-        order: what does not depend on recompute, kept per decisions, shapes,
-        tp link and samples (the recompute choices share it)."""
+        bytes or None, regather)`` of every node :meth:`_node_sums` adds up, in
+        its order: what does not depend on recompute, kept per decisions,
+        shapes, tp link and samples (the recompute choices share it).
+        ``regather``: the part of the comm that gathers a sequence-parallel
+        entry again in backward (:mod:`autopar.runtime.regather`)."""
         key = (tp, topo.spans_nodes(1), local_batch, id(sh), id(shapes))
         hit = self.cache.node_times.get(key)
         if hit is not None and hit[0] is shapes:
@@ -1357,12 +1374,15 @@ class CostModel:
             # share (q, k and v reading one LayerNorm output) is charged per reader here, as in the
             # ILP and the greedy search, though the compiler inserts it once: the three must agree
             # (tests/test_redistribute.py) until the ILP can price a shared transition once
-            at = op_axis_time(nd, st, [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)], tp,
+            ins = [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)]
+            at = op_axis_time(nd, st, ins, tp,
                               nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
                 if nd.out is not None else None
-            out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient))
+            regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want in zip(nd.inputs, ins, st.ins)
+                           if _regathered(have, want, self.grad.get(i, False), st.split))
+            out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient, regather))
         self.cache.hold(sh)
         self.cache.node_times[key] = (shapes, out)
         return out
@@ -1429,59 +1449,56 @@ class CostModel:
         saved_outside = sum(sum(s_.saved.values()) for s_ in outside.values())
         return fwd, tp_comm, transient, saved_outside, inst_saved, inst_full, refwd, layer_comm
 
-    def _kept_selective(self, nd: Node) -> bool:
-        """Whether selective recompute keeps ``nd``'s output (a weight matmul or attention)."""
-        kept = self._kept_memo.get(nd.name)
-        if kept is None:
-            kept = self._kept_memo[nd.name] = nd.kind == "sdpa" or (
-                ops.family(nd.kind) == "matmul" and any(self.params.get(i) is not None for i in nd.inputs))
-        return kept
+    @cached_property
+    def _replay_tail(self) -> frozenset[str]:
+        """The layer nodes a recompute does not run again: those after the
+        last node of their instance whose backward saves a tensor, and that
+        node itself when it saves only its inputs. Non-reentrant
+        ``torch.utils.checkpoint`` stops the replay once every saved tensor
+        is back, and autograd saves an op's inputs before its kernel runs
+        (a GPT layer's last MLP linear, its bias and residual adds)."""
+        out: list[str] = []
+        for nodes in instances(self.graph).values():
+            ops_ = [nd for nd in nodes if not nd.is_state and nd.out is not None]
+            last = max((k for k, nd in enumerate(ops_) if self._saves(nd)), default=-1)
+            out += [nd.name for nd in ops_[last + 1:]]
+            if last >= 0 and ops_[last].name not in self._reads[ops_[last].name]:
+                out.append(ops_[last].name)
+        return frozenset(out)
 
-    def _saved_names(self, nd: Node, recompute: str) -> list[str]:
-        """The float values ``nd`` keeps for its backward. Under selective
-        recompute (inside a checkpointed layer) only the outputs of the
-        weight matmuls and of attention are kept: the rest (norms,
-        activations, the attention core of explicit matmul-softmax
-        attention) runs again in backward from them and the layer input.
-        (A property of the graph: memoised per node and recompute.)"""
-        key = (nd.name, recompute == "selective")
-        names = self._saved_memo.get(key)
-        if names is None:
-            names = self._saved_memo[key] = self._find_saved(nd, recompute)
-        return names
+    def _saves(self, nd: Node) -> bool:
+        """Whether autograd saves a tensor for ``nd``'s backward (a weight counts)."""
+        return bool(self._reads[nd.name]) or (
+            ops.family(nd.kind) == "matmul" or nd.kind == "elementwise" and ops.is_nonlinear(nd.target)) and \
+            any(self.graph[i].is_state for i in nd.inputs)
 
-    def _find_saved(self, nd: Node, recompute: str) -> list[str]:
-        """:meth:`_saved_names`, uncached."""
-        k = nd.kind
-        if recompute == "selective":
-            if self._kept_selective(nd):
-                names = [nd.name]
-            else:
-                return []
-        elif ops.family(k) == "matmul":
-            names = [i for i in nd.inputs if self.params.get(i) is None]
-            if k == "sdpa":
-                names.append(nd.name)
-        elif k in ("layernorm", "rmsnorm", "batchnorm", "cross_entropy", "pool"):
-            names = nd.inputs[:1]
-        elif k == "softmax":
-            names = [nd.name]
-        elif k == "elementwise" and ops.is_nonlinear(nd.target):
-            names = [i for i in nd.inputs if self.params.get(i) is None]
-        else:
-            return []
-        out = []
-        for i in names:
-            src = self.graph[i] if i in self.graph else None
-            if src is not None and src.out is not None and src.out.is_float:
-                out.append(i)
-        return out
+    def _keeps(self, sh: AxisSharding | None) -> frozenset[str]:
+        """The layer nodes whose outputs selective recompute keeps under the
+        decisions ``sh`` (:func:`autopar.sharding.selective_keeps`, as the
+        runtime's checkpoint policy saves them), kept per decisions."""
+        if sh is None or sh.n == 1:
+            return selective_keeps(self.graph)
+        hit = self._keeps_memo.get(id(sh))
+        if hit is None or hit[0] is not sh:
+            hit = self._keeps_memo[id(sh)] = (sh, selective_keeps(self.graph, sh))
+        return hit[1]
+
+    def _saved_names(self, nd: Node, recompute: str, keeps: frozenset[str] = frozenset()) -> list[str]:
+        """The float values ``nd`` keeps for its backward. Inside a layer
+        under selective recompute, its output if it is one of ``keeps``
+        (:meth:`_keeps`), else nothing: the rest of what the layer's
+        backwards read (norms, activations, the attention core of explicit
+        matmul-softmax attention, a row-parallel linear's partial output)
+        runs again in backward from those and the layer input."""
+        if recompute == "selective" and nd.group is not None:
+            return [nd.name] if nd.name in keeps else []
+        return self._reads[nd.name]
 
     def _saved(self, nd: Node, st, sh: AxisSharding, shapes: dict, tp: int, recompute: str):
         """(value, local bytes) pairs this node keeps for its backward."""
         out = []
         wants = dict(zip(nd.inputs, st.ins)) if st is not None else {}
-        for i in self._saved_names(nd, recompute):
+        for i in self._saved_names(nd, recompute, self._keeps(sh) if recompute == "selective" else frozenset()):
             have = sh.out.get(i, R)
             # an input resharded for this op (e.g. all-gathered before a column-parallel
             # linear) is saved in the placement the op reads, as a tensor of its own
@@ -1496,6 +1513,13 @@ class CostModel:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
         return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+def _regathered(have: str, want: str, grad: bool, into_split: bool) -> bool:
+    """Whether the transition is the sequence-parallel entry whose readers
+    keep the shard and gather it again in backward."""
+    return have != want and feasible(have, want) and any(s.kind == "all_gather_reduce_grad"
+                                for s in transition_steps(have, want, grad, into_split))
 
 
 def _comm_passes(cfg: ParallelConfig) -> float:

@@ -142,7 +142,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
-            st.module = apply_recompute(st.module, run_graph, cfg)
+            st.module = apply_recompute(st.module, run_graph, cfg, prog.keeps)
         modules = [st.module for st in pipe.stages]
         local = local_tensors(modules)
         tied = tie_groups(pipe.tied, local, dp=cfg.dp * cfg.cp, tp=cfg.tp, rank=rank)
@@ -150,7 +150,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         comms = sum(st.comms for st in pipe.stages)
     else:
         pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
-        modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
+        modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg, prog.keeps), cfg, mesh)]
     copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
                          cfg.tp_grid[-2] if len(cfg.tp_grid) > 1 else 1,
                          cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1,
@@ -492,14 +492,16 @@ def apply_pipeline(prog: LocalProgram, graph: Graph, plan: Plan, cfg: ParallelCo
                           input_names=[n.name for n in prog.module.graph.nodes if n.op == "placeholder"])
 
 
-def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig) -> nn.Module:
+def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig,
+                    keeps: frozenset | None = None) -> nn.Module:
     """``module`` (a program or one pipeline stage) with its repeated layers
-    as regions that recompute their activations as ``cfg.recompute`` says;
-    ZeRO-3 needs the regions too (one FSDP2 unit each). Returns ``module``
-    itself when neither is asked for."""
+    as regions that recompute their activations as ``cfg.recompute`` says
+    (``keeps``: the nodes whose outputs selective recompute keeps, the
+    program's ``LocalProgram.keeps``); ZeRO-3 needs the regions too (one
+    FSDP2 unit each). Returns ``module`` itself when neither is asked for."""
     if cfg.recompute == "none" and cfg.zero != 3:
         return module
-    return R_.apply_recompute(layer_regions(module, graph), cfg.recompute, ops.save_ops())
+    return R_.apply_recompute(layer_regions(module, graph, keeps), cfg.recompute, ops.save_ops())
 
 
 def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:

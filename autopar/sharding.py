@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .graph import Graph, Node
+from . import ops
 from .spec.placement import P, R, S
 from .strategies import Strategy, candidates, is_shard, shard_dim
 from .strategies.rules import Ctx
@@ -443,3 +444,95 @@ def _batch_shapes(graph: Graph) -> list[tuple[str, Shape | None, int | None]]:
         return out
 
     return graph.memo(("batch_shapes",), build)
+
+
+# --------------------------------------------------------------------------- what backward reads
+#: norms, losses and pooling read their (first) input in backward
+_READS_FIRST = ("layernorm", "rmsnorm", "batchnorm", "cross_entropy", "pool")
+
+
+def backward_reads(graph: Graph) -> dict[str, list[str]]:
+    """Per node, the float values its backward reads (what autograd saves
+    for it, parameters aside): a matmul's activation inputs (attention also
+    its output), a norm's or loss's input, a softmax's output, a nonlinear
+    elementwise op's inputs. Memoised on the graph."""
+    return graph.memo(("backward_reads",), lambda: {nd.name: _backward_reads(graph, nd) for nd in graph.nodes})
+
+
+def _backward_reads(graph: Graph, nd: Node) -> list[str]:
+    k = nd.kind
+    if ops.family(k) == "matmul":
+        names = [i for i in nd.inputs if not graph[i].is_state]
+        if k == "sdpa":
+            names.append(nd.name)
+    elif k in _READS_FIRST:
+        names = nd.inputs[:1]
+    elif k == "softmax":
+        names = [nd.name]
+    elif k == "elementwise" and ops.is_nonlinear(nd.target):
+        names = [i for i in nd.inputs if not graph[i].is_state]
+    else:
+        return []
+    return [i for i in names if i in graph and graph[i].out is not None and graph[i].out.is_float]
+
+
+def selective_candidate(graph: Graph, nd: Node) -> bool:
+    """Whether ``nd`` is an op selective recompute may keep rather than run
+    again: a weight matmul (a matmul-family op reading a parameter) or
+    attention. The attention core of explicit matmul-softmax attention is
+    not: Megatron's selective recompute runs exactly that again."""
+    return nd.kind == "sdpa" or (ops.family(nd.kind) == "matmul" and any(graph[i].is_state for i in nd.inputs))
+
+
+def selective_keeps(graph: Graph, sh: AxisSharding | None = None) -> frozenset[str]:
+    """The nodes of the repeated layers whose outputs selective recompute
+    keeps (the runtime's checkpoint policy saves them, the cost model counts
+    them): every :func:`selective_candidate` whose output a backward of its
+    layer needs, read directly or through ops that run again cheaply and
+    locally (views, bias adds, activations, norms) and do not communicate
+    in forward on the tensor-parallel axis ``sh`` (None: one device). Not
+    kept, and run again with the layer: a row-parallel linear's partial
+    output, whose readers (a reduce-scatter or all-reduce, then adds) keep
+    nothing for backward, and any output no backward reads.
+
+    Everything else the layer's backwards read is run again from these and
+    the layer's inputs, so selective never keeps more than no recompute
+    keeps of the same values, and keeps a matmul's output instead of the
+    values computed from it. Memoised on the graph per decisions."""
+    if sh is None or sh.n == 1:
+        return graph.memo(("selective_keeps", None), lambda: _selective_keeps(graph, None))
+    return _selective_keeps(graph, sh)
+
+
+def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
+    reads = backward_reads(graph)
+    # (layer, value): read by a backward of that layer (the next layer keeps its input itself)
+    read = {(nd.group, v) for nd in graph.nodes if nd.group is not None for v in reads[nd.name]}
+
+    def moves(value: str, reader: Node) -> bool:
+        """Whether the value reaches ``reader`` through a forward collective."""
+        if sh is None:
+            return False
+        st = sh.strategy.get(reader.name)
+        have = sh.out.get(value, R)
+        want = st.ins[reader.inputs.index(value)] if st is not None else have
+        return have != want and have != R     # R -> S(d) is a local slice
+
+    keep = []
+    for nd in graph.nodes:
+        if nd.group is None or not selective_candidate(graph, nd):
+            continue
+        todo, seen = [nd], {nd.name}
+        while todo:
+            v = todo.pop()
+            if (nd.group, v.name) in read:
+                keep.append(nd.name)
+                break
+            for u in graph.consumers(v.name):
+                un = graph[u]
+                if u in seen or un.group != nd.group or selective_candidate(graph, un) or moves(v.name, un) \
+                        or un.kind != "split" and (un.out is None or not un.out.is_float):
+                    continue
+                seen.add(u)
+                todo.append(un)
+    return frozenset(keep)

@@ -34,10 +34,11 @@ or figure), autopar's prediction of the same quantity, and their ratio
   statistics, 4as b bytes, are 1/32 sbh at h/a = 128 and left out of both.)
 * **Llama 3 405B**, Llama Team 2024 ("The Llama 3 Herd of Models",
   arXiv:2407.21783) Table 4: TP 8, PP 16, DP 64 on 8192 H100 (sequence 8192,
-  2048 sequences per batch), 400 teraFLOP/s per GPU (its BF16 MFU, model
-  FLOPs, as autopar counts them); Section 3.3.2 says it trained without
-  activation checkpointing. On ``dgx-h100`` with sequence parallel and the
-  optimizer state sharded over dp (as its FSDP does).
+  32 sequences per dp rank, 2048 per batch), 430 teraFLOP/s per GPU (43% BF16
+  MFU, model FLOPs, as autopar counts them), and DP 128 on 16,384 H100 (16
+  sequences per dp rank), 400 teraFLOP/s (41%); Section 3.3.2 says it trained
+  without activation checkpointing. On ``dgx-h100`` with sequence parallel and
+  the optimizer state sharded over dp (as its FSDP does).
 
     python -m benchmarks.fidelity_published [--quick]
 """
@@ -50,7 +51,9 @@ from typing import Any, NamedTuple
 from rich.console import Console
 
 import autopar
-from autopar.api import as_graph
+from autopar.api import as_graph, planner_for
+from autopar.search.planner import Sharder
+from autopar.spec import parse_strategy
 
 from .common import timed_run
 from .megatron_table1 import CLUSTER, TABLE1, Row, paper_tflops
@@ -94,9 +97,12 @@ PTDP = [Row("175B", tp=8, pp=12, gpus=g, batch=1536, tflops=t, **GPT175) for g, 
 
 LLAMA405 = "llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,seq=8192"
 LLAMA_CLUSTER = "dgx-h100"
-LLAMA_RUNS = ["dp=64,tp=8,pp=16,sp=true,zero=1,schedule=1f1b,microbatches=32,precision=bf16",
-              "dp=64,tp=8,pp=16,sp=true,zero=1,schedule=interleaved,chunks=2,microbatches=32,precision=bf16",
-              "dp=64,tp=8,pp=16,sp=true,zero=1,schedule=1f1b,microbatches=32,recompute=full,precision=bf16"]
+# Llama Team 2024, Table 4: (GPUs, configuration, TFLOP/s per GPU)
+LLAMA_RUNS = [
+    (8192, "dp=64,tp=8,pp=16,sp=true,zero=1,schedule=1f1b,microbatches=32,precision=bf16", 430.0),
+    (8192, "dp=64,tp=8,pp=16,sp=true,zero=1,schedule=interleaved,chunks=2,microbatches=32,precision=bf16", 430.0),
+    (8192, "dp=64,tp=8,pp=16,sp=true,zero=1,schedule=1f1b,microbatches=32,recompute=full,precision=bf16", 430.0),
+    (16384, "dp=128,tp=8,pp=16,sp=true,zero=1,schedule=interleaved,chunks=2,microbatches=16,precision=bf16", 400.0)]
 
 # Korthikanti et al. 2022 Table 2 at t = 8: (setting, strategy, their formula, sbh coefficient for the zoo GPT, note)
 T = 8
@@ -104,14 +110,23 @@ ACTIVATION = [
     ("tensor parallel", "", "sbh(10 + 24/t + 5as/(ht))", 8 + 26 / T, ""),
     ("tensor + sequence parallel", ",sp=true", "sbh(34/t + 5as/(ht))", 34 / T, ""),
     ("selective recompute + sequence parallel", ",sp=true,recompute=selective", "sbh 34/t", 34 / T,
-     "autopar's selective keeps the weight matmuls' outputs (the row-parallel ones whole, before their "
-     "reduce-scatter: 2 x 2 sbh) and recomputes norms and activations; Megatron's recomputes only the attention "
-     "core, which fused attention never stores"),
+     "autopar's selective keeps the outputs of the weight matmuls and attention that a backward of the layer "
+     "needs (q, k, v, attention, the first MLP linear: 18/t sbh with the layer input) and runs the rest again, "
+     "the row-parallel GEMMs included; Megatron's recomputes only the attention core, which fused attention "
+     "never stores, so it keeps what no recompute keeps (before issue 17 autopar kept every weight matmul's "
+     "output, the row-parallel ones whole: 1.47x)"),
     ("full recompute", ",recompute=full", "2 sbh", 2.0,
-     "autopar's Megatron placements keep the residual stream split over the hidden dimension between "
-     "layers, so the checkpoint keeps 2 sbh/t; Megatron without sequence parallel keeps it whole"),
+     "autopar's tp=8 placements keep the residual stream split over the hidden dimension between layers "
+     "(the compiled program reduce-scatters each row-parallel output and gathers before each norm), so the "
+     "checkpoint keeps 2 sbh/t; Megatron without sequence parallel keeps it whole. The propagation picks it "
+     "for time: the bias and residual adds run on 1/t for half a gather more per layer in backward"),
     ("full recompute + sequence parallel", ",sp=true,recompute=full", "2 sbh/t", 2.0 / T, ""),
+    ("full recompute, Megatron's placements", ",recompute=full", "2 sbh", 2.0,
+     "the row above with the residual stream pinned replicated (every norm's input R), as Megatron without "
+     "sequence parallel places it: the model's memory for the paper's plan"),
 ]
+#: settings priced with the residual stream pinned replicated (Megatron without sequence parallel)
+MEGATRON_RESIDUAL = {"full recompute, Megatron's placements"}
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2"
 SIZES = [("22B", 64, 6144), ("175B", 96, 12288), ("530B", 128, 20480)]
 
@@ -124,17 +139,25 @@ NOTES = [
     "using all 8 NICs of a node would make them several times faster than measured. A checkpoint that wraps a unit's "
     "gather hooks (the issue suspects DeepSpeed's) gathers a third time in the recompute, which would explain "
     "the rest; FSDP2 as autopar nests it does not, so it is not charged.",
-    "At 175B on 384 GPUs the model puts ZeRO-3 2% ahead of PTD-P where the paper measured it 6% behind: both "
-    "rows are within 10%, the ranking is inside the error.",
+    "At 175B on 384 GPUs the model puts ZeRO-3 ahead of PTD-P where the paper measured it 6% behind (see the "
+    "ranking): the ranking is inside the error of the two rows.",
     "Activation memory matches Korthikanti's accounting where the runtime keeps what Megatron keeps (tensor "
     "parallel; sequence parallel, since the runtime keeps the column-parallel linears' input as its sequence "
     "shard and gathers it again in backward, as Megatron does: 1.82x before; full recompute with sequence "
-    "parallel); the other rows differ by what the runtime keeps (notes column), which the model counts.",
-    "Llama 3 405B: throughput within 10% under the interleaved schedule it ran; memory does not fit because the "
-    "runtime kept 9.6 sbh bytes per layer and microbatch at t=8 with sequence parallel before it kept the "
-    "gathered norm outputs as shards (4 of them, where Megatron keeps 0.5); the unfused SwiGLU keeps four 3.25h-wide tensors, 26/t), "
-    "and 1F1B holds 16 microbatches on the first stage (47 half-stage chunks interleaved, as Megatron's "
-    "warm-up). Llama 3 trained it without activation checkpointing in 80 GB, so its kernels keep less.",
+    "parallel; full recompute with Megatron's placements, the residual stream pinned replicated). Selective "
+    "recompute and full recompute under autopar's own tp=8 placements differ by what autopar's policy and "
+    "placements keep (notes column), which the model counts: selective keeps less than Megatron's (it also "
+    "runs norms, activations and the attention projection's GEMM again), never more than no recompute; "
+    "the hidden-split residual stream keeps 1/t of Megatron's checkpoint.",
+    "Llama 3 405B: no row is within 10% (430 TFLOP/s per GPU on 8192 H100 and 400 on 16,384, Table 4; the "
+    "rows compared 8192 GPUs with the 16,384-GPU number before). Without recompute the activations do not fit "
+    "80 GB (the unfused SwiGLU keeps four 3.25h-wide tensors, 26/t sbh, and 1F1B holds 16 microbatches on the "
+    "first stage; interleaved, 47 half-stage chunks, as Megatron's warm-up). Interleaved with 2 chunks the "
+    "simulated bubble is 18% (11% with 4 chunks; the paper does not give its count) and the rate without it "
+    "about 400 TFLOP/s, below the 430 measured with a bubble: of a 15.7 s step the model has 9.6 s of compute "
+    "and exposes 2.9 s of tensor-parallel collectives, which it never overlaps with compute (Megatron-core "
+    "and Llama 3's stack can overlap them with the GEMMs). Full recompute fits but pays a fourth pass. Llama 3 "
+    "trained without activation checkpointing in 80 GB, so its kernels keep less than autopar's.",
 ]
 
 
@@ -168,12 +191,19 @@ def zero3_records(rows: list = ZERO3) -> list[Record]:
     return out
 
 
-def layer_activations(heads: int, hidden: int, strategy: str, seq: int = 2048) -> float:
-    """Bytes of activations one more layer adds on a device (3 layers minus 2)."""
+def layer_activations(heads: int, hidden: int, strategy: str, seq: int = 2048,
+                      replicated_residual: bool = False) -> float:
+    """Bytes of activations one more layer adds on a device (3 layers minus
+    2); ``replicated_residual``: with every norm's input pinned replicated."""
     acts = []
     for layers in (2, 3):
-        spec = f"gpt:layers={layers},hidden={hidden},heads={heads},seq={seq},vocab=51200"
-        est = autopar.evaluate(graph(spec), cluster=CLUSTER, devices=T, global_batch=1, strategy=strategy)
+        g = graph(f"gpt:layers={layers},hidden={hidden},heads={heads},seq={seq},vocab=51200")
+        if replicated_residual:
+            pins = tuple(sorted({(nd.inputs[0], "R") for nd in g.nodes if nd.kind == "layernorm"}))
+            planner = planner_for(g, CLUSTER, "adamw", None, devices=T, global_batch=1)
+            est = planner.evaluate(parse_strategy(strategy, devices=T), Sharder(pins=pins), layers="even")
+        else:
+            est = autopar.evaluate(g, cluster=CLUSTER, devices=T, global_batch=1, strategy=strategy)
         acts.append(est.memory["activations"])
     return acts[1] - acts[0]
 
@@ -186,7 +216,9 @@ def activation_records(sizes: list = SIZES) -> list[Record]:
         for setting, extra, formula, coeff, note in ACTIVATION:
             cfg = f"dp=1,tp={T},microbatches=1,precision=bf16{extra}"
             out.append(Record("activation memory", f"GPT {name}, {setting}", f"{KORTHIKANTI} ({formula})", cfg,
-                              coeff * sbh / 2**20, layer_activations(heads, hidden, cfg) / 2**20,
+                              coeff * sbh / 2**20,
+                              layer_activations(heads, hidden, cfg, replicated_residual=setting in MEGATRON_RESIDUAL)
+                              / 2**20,
                               "MiB per layer", note))
     return out
 
@@ -194,13 +226,13 @@ def activation_records(sizes: list = SIZES) -> list[Record]:
 def llama_records() -> list[Record]:
     """Llama 3 405B's published plan: throughput, and whether it fits."""
     out = []
-    for cfg in LLAMA_RUNS:
-        est = autopar.evaluate(graph(LLAMA405), cluster=LLAMA_CLUSTER, devices=8192, global_batch=2048,
+    for gpus, cfg, tflops in LLAMA_RUNS:
+        est = autopar.evaluate(graph(LLAMA405), cluster=LLAMA_CLUSTER, devices=gpus, global_batch=2048,
                                strategy=cfg)
         note = (f"peak {est.peak_memory_bytes / 2**30:.0f} GiB per GPU (activations "
                 f"{est.memory['activations'] / 2**30:.0f} GiB), {'fits' if est.fits else 'does not fit'} 80 GB; "
                 f"bubble {est.pipeline['bubble_fraction']:.0%}")
-        out.append(Record("Llama 3", "Llama 3 405B on 8192 H100", "Llama Team 2024, Table 4", cfg, 400.0,
+        out.append(Record("Llama 3", f"Llama 3 405B on {gpus} H100", "Llama Team 2024, Table 4", cfg, tflops,
                           est.tflops_per_device, "TFLOP/s per GPU (model FLOPs)", note))
     return out
 

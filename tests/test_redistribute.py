@@ -368,6 +368,10 @@ def test_ilp_never_slower_than_megatron_with_sequence_parallel(spec, cluster):
             if cfg.sequence_parallel:
                 a = ev.evaluate(cfg, Sharder("ilp")).step_time_s
                 b = ev.evaluate(cfg, MANUAL).step_time_s
-                assert a <= b * (1 + 1e-6), (cfg.to_string(), a, b)
+                # the ILP's objective is one microbatch without the recompute replay: the estimate
+                # charges a checkpointed layer's forward collectives again, and no sequence-parallel
+                # regather there (issue 17), so under recompute the two may rank placements a hair apart
+                tol = 1e-6 if cfg.recompute == "none" else 1e-3
+                assert a <= b * (1 + tol), (cfg.to_string(), a, b)
                 seen += 1
     assert seen > 0

@@ -50,7 +50,8 @@ import torch.nn as nn
 
 from ..errors import CompileError
 from ..graph import Graph
-from ..runtime.regions import Region
+from ..runtime.regions import Region, keep_begin, keep_end
+from ..sharding import selective_keeps
 from .fx_utils import free_nodes, get_attr
 
 __all__ = ["layer_regions", "layer_labels"]
@@ -155,10 +156,17 @@ def _clashes(path: str, others: list[str]) -> bool:
     return any(o == path or o.startswith(path + ".") or path.startswith(o + ".") for o in others)
 
 
-def layer_regions(gm: fx.GraphModule, graph: Graph) -> fx.GraphModule:
+def layer_regions(gm: fx.GraphModule, graph: Graph, keep: frozenset[str] | None = None) -> fx.GraphModule:
     """Rewrite ``gm`` (a compiled program of the whole model, or one pipeline
     stage's module) so that each repeated-layer instance runs as one
     :class:`~autopar.runtime.regions.Region` submodule.
+
+    ``keep``: the nodes of ``graph`` whose outputs selective recompute keeps
+    (:func:`autopar.sharding.selective_keeps` under the program's
+    tensor-parallel decisions; None: as on one device). Each runs between
+    the markers :func:`~autopar.runtime.regions.keep_begin` and
+    :func:`~autopar.runtime.regions.keep_end`, which the selective policy
+    reads.
 
     Returns a new ``fx.GraphModule`` (class ``AutoparRegions``) computing the
     same values and gradients as ``gm``, sharing its parameters, with
@@ -183,7 +191,10 @@ def layer_regions(gm: fx.GraphModule, graph: Graph) -> fx.GraphModule:
     parent_targets = sorted({n.target for n in nodes if run_of.get(n.name, _PARENT) == _PARENT
                              and n.op in ("get_attr", "call_module")})
     region_path, run_keys, moved = _paths(run_groups, parent_targets)
-    built = [_region(gm, nodes, own, group) for own, group in zip(members, run_groups)]
+    keep = selective_keeps(graph) if keep is None else keep
+    copy_of = gm.meta.get("autopar_copy_of", {})
+    marked = {n.name for n in nodes if copy_of.get(n.name, n.name) in keep and label.get(n.name) is not None}
+    built = [_region(gm, nodes, own, group, marked) for own, group in zip(members, run_groups)]
     out = _parent(gm, nodes, run_of, {k: r for r, k in last.items()}, region_path, built, moved)
     original = {}
     for n in nodes:
@@ -229,10 +240,12 @@ def _paths(run_groups: list[str], parent_targets: list[str]) -> tuple[list[str],
     return region_path, run_keys, moved
 
 
-def _region(gm: fx.GraphModule, nodes: list[fx.Node], own: list[fx.Node], group: str) -> Region:
+def _region(gm: fx.GraphModule, nodes: list[fx.Node], own: list[fx.Node], group: str,
+            marked: set[str] = frozenset()) -> Region:
     """The :class:`Region` running the nodes ``own`` of layer ``group``: its
     inputs are the values it reads from elsewhere, its outputs those read
-    elsewhere; its attributes sit under their path relative to the group."""
+    elsewhere; its attributes sit under their path relative to the group.
+    The ``marked`` nodes run between the keep markers."""
     names = {n.name for n in own}
     ins: list[str] = []
     outs: list[str] = []
@@ -253,7 +266,11 @@ def _region(gm: fx.GraphModule, nodes: list[fx.Node], own: list[fx.Node], group:
         env[name] = g.placeholder(name)
     attrs: dict[str, Any] = {}
     for n in own:
+        if n.name in marked:
+            g.call_function(keep_begin)
         c = g.node_copy(n, lambda a: env[a.name])
+        if n.name in marked:
+            g.call_function(keep_end)
         if n.op in ("get_attr", "call_module"):
             c.target = local[n.target]
             attrs[c.target] = get_attr(gm, n.target)

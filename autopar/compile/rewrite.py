@@ -41,7 +41,7 @@ from ..errors import CompileError
 from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
-from ..sharding import AxisSharding, needs_grad
+from ..sharding import AxisSharding, needs_grad, selective_keeps
 from ..spec.placement import P, R
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import transition_steps
@@ -157,6 +157,7 @@ class LocalProgram:
     comms: int                           # collectives inserted
     row_placement: dict[str, str] = dataclasses.field(default_factory=dict)   # tp_mode=2d: on the grid's rows
     depth_placement: dict[str, str] = dataclasses.field(default_factory=dict)  # 2.5d, 3d: on the grid's depth
+    keeps: frozenset = frozenset()       # nodes whose outputs selective recompute keeps (sharding.selective_keeps)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,8 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     gm.recompile()
     return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
                         row_placement=rw.placement[-2] if grid else {},
-                        depth_placement=rw.placement[-3] if len(grid) > 1 else {})
+                        depth_placement=rw.placement[-3] if len(grid) > 1 else {},
+                        keeps=selective_keeps(graph, tp))
 
 
 class _Rewriter:

@@ -16,9 +16,10 @@ A value changed in place after the gather is saved as usual (its version
 counter moved). The cost model counts the shard as what the reader keeps and
 charges the second gather in the redistribution table
 (:mod:`autopar.strategies.redistribute`: the entry's backward is a
-reduce-scatter and an all-gather). It charges that gather also where no
-reader keeps the value in this scope (inside layers checkpointed by
-recompute): there the estimate is one all-gather per entry high. Multi-copy's
+reduce-scatter and an all-gather). Inside layers checkpointed by recompute
+(full or selective) no reader keeps the value in this scope (the checkpoint's own hooks
+are innermost): the gather replays with the layer, and the cost model charges
+no regather there. Multi-copy's
 asynchronous collectives (``start`` / ``finish``) register alike.
 """
 from __future__ import annotations

@@ -7,8 +7,9 @@ contains regions:
 
 * :func:`apply_recompute` runs each region under
   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, keeping only
-  its inputs (``"full"``) or also the outputs of the matmul-family ops
-  (``"selective"``, torch's selective activation checkpointing);
+  its inputs (``"full"``) or also the outputs of the weight matmuls and
+  attention a backward needs, marked by the compiler (``"selective"``,
+  torch's selective activation checkpointing);
 * :func:`fully_shard_regions` applies ZeRO-3 with torch FSDP2: one
   ``fully_shard`` unit per region, then the root unit (which keeps the
   embedding, the head, the final norm and every parameter shared by several
@@ -37,22 +38,40 @@ import torch.nn as nn
 
 from ..errors import CompileError
 
-__all__ = ["Region", "regions", "param_names", "apply_recompute", "recompute_policy",
+__all__ = ["Region", "regions", "param_names", "apply_recompute", "recompute_policy", "keep_begin", "keep_end",
            "fully_shard_regions", "full_tensor", "full_state_dict", "RECOMPUTE_MODES"]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+
+_keeping = [False]     # inside a node whose outputs selective recompute keeps (set by the markers below)
+
+
+def keep_begin() -> None:
+    """Marker the compiler puts before a node whose output selective
+    recompute keeps (:func:`autopar.compile.regions.layer_regions`); it runs
+    again, in the same place, when the region is recomputed."""
+    _keeping[0] = True
+
+
+def keep_end() -> None:
+    """Marker after such a node (see :func:`keep_begin`)."""
+    _keeping[0] = False
 
 
 def recompute_policy(save_ops: frozenset) -> Any:
     """Selective-checkpoint policy: save the outputs of the aten overload
     packets in ``save_ops`` (the compiler passes
-    :func:`autopar.ops.save_ops`: matmuls, attention, convolutions), recompute
-    everything else."""
+    :func:`autopar.ops.save_ops`: matmuls, attention, convolutions) that run
+    inside a node the compiler marked as kept (between :func:`keep_begin`
+    and :func:`keep_end`: a weight matmul or attention whose output a
+    backward needs), recompute everything else. The markers run in the
+    recompute too, so both passes decide alike."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         packet = getattr(op, "overloadpacket", op)
-        return CheckpointPolicy.MUST_SAVE if packet in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if _keeping[0] and packet in save_ops else \
+            CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -170,7 +189,8 @@ def apply_recompute(module: nn.Module, mode: str, save_ops: frozenset = frozense
     """Make every region of ``module`` recompute its activations in backward:
     ``"full"`` keeps only each region's inputs, ``"selective"`` also the
     outputs of the aten ops in ``save_ops`` (:func:`autopar.ops.save_ops`:
-    matmuls, attention, convolutions; required for it); ``"none"``
+    matmuls, attention, convolutions; required for it) inside the nodes the
+    compiler marked as kept (:func:`recompute_policy`); ``"none"``
     switches it off. Works before or after :func:`fully_shard_regions` (the
     checkpoint runs inside the FSDP unit's hooks, as torchtitan nests them).
     Returns ``module`` (changed in place)."""
