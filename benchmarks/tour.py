@@ -23,9 +23,12 @@ A cell reads ``yes`` (plans, runs, equals one process), ``n/a`` (the planner
 refuses the strategy for that model with a StrategyError; the note gives
 the one-line message the user sees) or ``FAIL`` (the note says why). The
 ``auto`` cell names the strategy the search picked; it must run (issue 18:
-whatever ``strategy="auto"`` returns, ``parallelize`` runs).
+whatever ``strategy="auto"`` returns, ``parallelize`` runs). The last column
+is the cost model's step time for auto's plan on that preset, a prediction:
+nothing here is timed (the 2 cores were shared with other jobs, so the
+wall times the JSON keeps per cell are inflated and say nothing of speed).
 
-    .venv/bin/python -m benchmarks.tour [--models a,b] [--no-save]
+    .venv/bin/python -m benchmarks.tour [--models a,b] [--no-save] [--rescore]
 """
 from __future__ import annotations
 
@@ -196,7 +199,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tour", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--no-save", action="store_true", help="print only: write no result")
+    ap.add_argument("--rescore", action="store_true",
+                    help="rebuild the table and README section from the saved cells (no run)")
     a = ap.parse_args(argv)
+    if a.rescore:
+        import json
+
+        from .common import RESULTS, device_tag, save
+        old = json.loads((RESULTS / f"tour-{device_tag()}.json").read_text())
+        new = {**result(old["params"]["models"], old["cells"]), "wall_s": old.get("wall_s")}
+        new["params"]["quick"] = False
+        save("tour", new)
+        return new
     models = [m for m in a.models.split(",") if m]
     for m in models:
         if m not in CASES:
