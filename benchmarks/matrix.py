@@ -25,7 +25,8 @@ run yet (a partial run merged with ``--merge``).
     .venv/bin/python -m benchmarks.matrix [--models a,b] [--families x,y] [--merge] [--no-save]
 
 The table lands in ``benchmarks/README.md``; ``make matrix`` runs it all
-(about 25 minutes on 2 shared cores). ``--merge`` runs only the cells asked
+(its first 91 cells took 8 minutes on 2 cores; the 160 of today's
+table more). ``--merge`` runs only the cells asked
 for and merges them into the saved result, so a new model or family is added
 without running the rest again. ResNet-50 (``tv-resnet50``) is left out of
 the default models: its training at this size is chaotic (see
@@ -253,6 +254,17 @@ def _mark(status: str | None) -> str:
     return "yes" if status == "ok" else "n/a" if status.startswith("StrategyError") else "FAIL"
 
 
+def _commits(details: list[dict]) -> list[str]:
+    """A note of how many cells ran at which commit, for a merged table (cells
+    tagged by :func:`merge`); none for a table of one run."""
+    runs: dict[str, int] = {}
+    for d in details:
+        if "commit" in d:
+            runs[str(d["commit"])] = runs.get(str(d["commit"]), 0) + 1
+    return ["cells by the commit they ran at (a merged table): " + ", ".join(f"{c} {n}" for c, n in runs.items())] \
+        if runs else []
+
+
 def result(models: list[str], families: list[str], details: list[dict]) -> dict[str, Any]:
     """The result dict of the cells ``details`` (one per model and family)."""
     cells = {(d["model"], d["family"]): d["status"] for d in details}
@@ -261,14 +273,16 @@ def result(models: list[str], families: list[str], details: list[dict]) -> dict[
         "title": "Real models x strategy families (numerics against one process)",
         "description": __doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2],
         "params": {"models": models, "families": {f: FAMILIES[f] for f in families}, "steps": STEPS,
-                   "optimizer": f"SGD lr={LR} (the ResNets {RESNET_LR}) momentum=0.9", "tolerance": {"default": 1e-4, **TOLERANCE}},
+                   "optimizer": f"SGD lr={LR} (the ResNets {RESNET_LR}) momentum=0.9",
+                   "tolerance": {"default": 1e-4, **TOLERANCE}},
         "table": {"columns": ["model"] + families,
                   "rows": [[m] + [marks[(m, f)] for f in families] for m in models]},
         "summary": {"cells": len(cells), "pass": sum(v == "yes" for v in marks.values()),
                     "not applicable": sum(v == "n/a" for v in marks.values()),
                     "fail": sum(v == "FAIL" for v in marks.values()),
                     **({"not run": sum(v == "-" for v in marks.values())} if len(cells) < len(marks) else {})},
-        "notes": [f"{m} / {f}: {s}" for (m, f), s in cells.items() if s != "ok"] or ["every cell run passes"],
+        "notes": ([f"{m} / {f}: {s}" for (m, f), s in cells.items() if s != "ok"] or ["every cell run passes"])
+        + _commits(details),
         "cells": details,
     }
 
@@ -289,7 +303,9 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         return sorted(dict.fromkeys(names), key=lambda n: (list(known).index(n) if n in known else len(known)))
     models = order(old["params"]["models"] + new["params"]["models"], MODELS)
     families = order(list(old["params"]["families"]) + list(new["params"]["families"]), FAMILIES)
-    cells = {(d["model"], d["family"]): d for d in old["cells"] + new["cells"]}
+    commit = {"old": old.get("versions", {}).get("commit"), "new": new.get("versions", {}).get("commit")}
+    cells = {(d["model"], d["family"]): {"commit": commit[k], **d}
+             for k, part in (("old", old["cells"]), ("new", new["cells"])) for d in part}
     out = result(models, families, list(cells.values()))
     out["params"]["families"] = {**old["params"]["families"], **out["params"]["families"]}
     return out
@@ -306,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rescore", action="store_true",
                     help="rebuild the table and README section from the saved cells (no run)")
     a = ap.parse_args(argv)
-    from .common import save, timed_run
+    from .common import save, timed_run, versions
     if a.rescore:
         old = _saved()
         keep = {k: old[k] for k in ("wall_s",) if k in old}
@@ -325,7 +341,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not a.merge:
         return timed_run("matrix", lambda: run(models, families, a.timeout), quick=False, save_result=not a.no_save,
                          log=console.print)
-    new = timed_run("matrix", lambda: run(models, families, a.timeout), quick=False, save_result=False, log=console.print)
+    new = timed_run("matrix", lambda: run(models, families, a.timeout), quick=False, save_result=False,
+                    log=console.print)
+    new["versions"] = versions()
     old = _saved()
     out = merge(old, new)
     out["params"]["quick"] = False

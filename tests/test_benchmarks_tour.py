@@ -55,10 +55,13 @@ def _cell(model, family, status):
 def test_matrix_merge_keeps_the_saved_cells_and_marks_the_unrun():
     old = matrix.result(["nanogpt", "hf-gpt2"], ["dp", "tp"],
                         [_cell(m, f, "ok") for m in ("nanogpt", "hf-gpt2") for f in ("dp", "tp")])
+    old["versions"] = {"commit": "aaa"}
     new = matrix.result(["tv-resnet18"], ["tp", "dp", "2d"],
                         [_cell("tv-resnet18", "dp", "ok"), _cell("tv-resnet18", "tp", "ok"),
                          _cell("tv-resnet18", "2d", "StrategyError: no")])
+    new["versions"] = {"commit": "bbb"}
     redo = matrix.result(["nanogpt"], ["tp"], [_cell("nanogpt", "tp", "RuntimeError: boom")])
+    redo["versions"] = {"commit": "ccc"}
     out = matrix.merge(matrix.merge(old, new), redo)
     # MODELS / FAMILIES order, whatever order the runs came in
     assert out["params"]["models"] == ["nanogpt", "hf-gpt2", "tv-resnet18"]
@@ -67,4 +70,5 @@ def test_matrix_merge_keeps_the_saved_cells_and_marks_the_unrun():
     assert rows == {"nanogpt": ["yes", "FAIL", "-"], "hf-gpt2": ["yes", "yes", "-"],
                     "tv-resnet18": ["yes", "yes", "n/a"]}
     assert out["summary"] == {"cells": 7, "pass": 5, "not applicable": 1, "fail": 1, "not run": 2}
-    assert out["notes"] == ["nanogpt / tp: RuntimeError: boom", "tv-resnet18 / 2d: StrategyError: no"]
+    assert out["notes"][:2] == ["nanogpt / tp: RuntimeError: boom", "tv-resnet18 / 2d: StrategyError: no"]
+    assert out["notes"][2].endswith("aaa 3, ccc 1, bbb 3")    # old cells keep their run's commit
