@@ -181,6 +181,9 @@ def result(models: list[str], details: list[dict]) -> dict[str, Any]:
     marks = [d["mark"] for d in details]
     notes = [f"{d['model']} / {d['cluster']} / {d['column']} ({d['strategy']}): {d['status']}"
              for d in details if d["status"] != "ok"]
+    if any(m.endswith("(weights replicated)") for m in marks):
+        notes.append("weights replicated: auto's plan has tp > 1 but the ILP split no weight (each rank holds "
+                     "the whole model: at these sizes no split saves more than its communication costs)")
     return {
         "title": "User tour: models x strategies, on the CPU and for a GPU preset (issue 18)",
         "description": " ".join(__doc__.split("\n\n")[1:3]).replace("\n", " "),
