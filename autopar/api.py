@@ -229,8 +229,8 @@ SEARCH_MODES = {
 }
 
 
-#: the tensor-parallel layouts the automatic search can try (3d is not implemented)
-SEARCH_TP_MODES = ("1d", "2d", "2.5d")
+#: the tensor-parallel layouts the automatic search can try
+SEARCH_TP_MODES = ("1d", "2d", "2.5d", "3d")
 
 
 def check_tp_modes(tp_modes: Sequence[str]) -> tuple[str, ...]:
@@ -240,7 +240,7 @@ def check_tp_modes(tp_modes: Sequence[str]) -> tuple[str, ...]:
     for m in modes:
         if m not in SEARCH_TP_MODES:
             raise StrategyError(f"tp_modes: {m!r} is not a layout the search tries; valid: "
-                                f"{', '.join(SEARCH_TP_MODES)} (3d is not implemented yet)")
+                                f"{', '.join(SEARCH_TP_MODES)}")
     if "1d" not in modes:
         raise StrategyError(f"tp_modes={list(modes)} must include '1d' (tp=1 and every 1d tp size are its lines)")
     return modes
@@ -277,8 +277,8 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     through PuLP (``pip install autopar[pulp]``); recorded in the plan's
     ``search.ilp.solver`` when not HiGHS. ``tp_modes``: the tensor-parallel
     layouts the search tries, ``("1d",)`` by default; add ``"2d"`` for
-    Colossal-AI's q x q grids (``tp_mode=2d``) and ``"2.5d"`` for them 2 and
-    4 deep, which the cost model prices.
+    Colossal-AI's q x q grids (``tp_mode=2d``), ``"2.5d"`` for them 2 and
+    4 deep and ``"3d"`` for the q x q x q cubes, which the cost model prices.
 
     Raises :class:`StrategyError` for an invalid strategy, search mode,
     solver (or one not installed) or pin (two contradicting pins are both

@@ -46,7 +46,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import cost_models
 from cost_models.comm import fit_alpha_beta
@@ -295,10 +295,38 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
     sources = dict(d["sources"])
     dev = d["device"]
 
-    # --- matmul
+    ctx = _Said(who, conc, reps)
+    _fit_matmul_into(dev, sources, meas, base_spec.compute_dtype, ctx)
+    _fit_framework_into(dev, sources, meas, ctx)
+    _fit_memory_into(dev, sources, meas, ctx, host, date)
+    d, sources = _fit_collectives_into(d, sources, meas, ctx, procs, backend)
+
+    name = base_spec.name if base_spec.name.endswith("-calibrated") else f"{base_spec.name}-calibrated"
+    d["name"] = name
+    base_desc = base_spec.description.split(" Base: ", 1)[-1]   # recalibrating: no nesting
+    d["description"] = (
+        f"{base_spec.name} calibrated by `autopar calibrate` on {host} {date}: {conc} over {backend}, "
+        f"{meas.get('mode', '?')} sizes. Base: {base_desc}")
+    d["sources"] = dict(sorted(sources.items()))
+    return cost_models.load_cluster(d).to_dict()   # validates; keys sorted
+
+
+class _Said(NamedTuple):
+    """How every ``sources`` entry of a calibration names its origin: by
+    whom and when (``who``), the processes measured at once (``conc``), the
+    timed samples per measurement (``reps``)."""
+
+    who: str
+    conc: str
+    reps: Any
+
+
+def _fit_matmul_into(dev: dict, sources: dict, meas: dict, compute_dtype: str, ctx: _Said) -> None:
+    """The matmul peaks per measured dtype, the efficiency and the kernel
+    overhead, written into ``dev`` with their ``sources``."""
+    who, conc, reps = ctx
     overhead = fit_overhead([meas["overhead"]["seconds"]])
     mm = meas["matmul"]
-    compute_dtype = base_spec.compute_dtype
     if compute_dtype not in {m["dtype"] for m in mm}:
         compute_dtype = "float32"
     peak, eff = fit_matmul([(m["dtype"], 2.0 * m["m"] * m["k"] * m["n"], m["seconds"]) for m in mm],
@@ -326,10 +354,16 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
         f"{who}: torch.add of two 16-element tensors, {meas['overhead'].get('calls', '?')} calls per sample, "
         f"{conc}, median of {reps} samples per process, median over processes")
 
-    # --- framework (host-bound devices)
+
+def _fit_framework_into(dev: dict, sources: dict, meas: dict, ctx: _Said) -> None:
+    """Host-bound devices: the per-op dispatch and per-tensor optimizer
+    overheads, when measured (after :func:`_fit_matmul_into`, whose kernel
+    overhead they exclude)."""
+    who, conc, _ = ctx
     fw = meas.get("framework")
     if fw:
-        dev["dispatch_overhead_s"] = fit_framework(fw["step_s"], fw["ops"], fw["costed_ops"], overhead)
+        dev["dispatch_overhead_s"] = fit_framework(fw["step_s"], fw["ops"], fw["costed_ops"],
+                                                    dev["kernel_overhead_s"])
         sources["device.dispatch_overhead_s"] = (
             f"{who}: forward + backward of an fx-traced 8 x (Linear, GELU, LayerNorm) model of width 8, "
             f"{fw['ops']} ops, {fw['step_s'] * 1e3:.3g} ms per step, / (3 x ops), less the kernel overhead; {conc}")
@@ -338,7 +372,11 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
             sources[f"device.optimizer_overhead_s.{k}"] = (
                 f"{who}: torch.optim {k} step over the {fw['tensors']} tensors of that model, per tensor; {conc}")
 
-    # --- memory
+
+def _fit_memory_into(dev: dict, sources: dict, meas: dict, ctx: _Said, host: str, date: str) -> None:
+    """Memory bandwidth and efficiency (copies, elementwise ops), memory
+    size and the device's name."""
+    who, conc, reps = ctx
     bw, mem_eff = fit_memory([(c["bytes"], c["seconds"]) for c in meas["copy"]],
                              [(e["bytes"], e["seconds"]) for e in meas["elementwise"]])
     dev["memory_bandwidth"] = bw
@@ -362,7 +400,13 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
     if meas.get("device_name"):
         dev["name"] = meas["device_name"]
 
-    # --- collectives
+
+def _fit_collectives_into(d: dict, sources: dict, meas: dict, ctx: _Said, procs: int,
+                          backend: str) -> tuple[dict, dict]:
+    """The intra-node collective fits and the link they imply, when
+    collectives were measured (several processes); returns ``(d, sources)``,
+    ``sources`` rebuilt without the old intra-node entries."""
+    who, _, _ = ctx
     coll = meas.get("collectives") or []
     if coll:
         fits = fit_collectives([(c["kind"], c["group"], c["bytes"], c["seconds"]) for c in coll])
@@ -388,15 +432,7 @@ def build_cluster(meas: dict[str, Any], base: Any = "cpu", *, host: str | None =
             sources["intra_node.bandwidth"] = (
                 f"{who}: median over the {n} collective fits above of the ring formula's "
                 f"bandwidth coefficient / beta ({backend})")
-
-    name = base_spec.name if base_spec.name.endswith("-calibrated") else f"{base_spec.name}-calibrated"
-    d["name"] = name
-    base_desc = base_spec.description.split(" Base: ", 1)[-1]   # recalibrating: no nesting
-    d["description"] = (
-        f"{base_spec.name} calibrated by `autopar calibrate` on {host} {date}: {conc} over {backend}, "
-        f"{meas.get('mode', '?')} sizes. Base: {base_desc}")
-    d["sources"] = dict(sorted(sources.items()))
-    return cost_models.load_cluster(d).to_dict()   # validates; keys sorted
+    return d, sources
 
 
 # ---------------------------------------------------------------------------------- measuring (children)
@@ -477,10 +513,6 @@ def _timed(fn: Callable[[], Any], reps: int, min_sample_s: float, sync: Callable
 def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict[str, Any]:
     """One calibration process: compute, memory, then collectives (all ranks in step)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from .runtime.collectives import _all_gather_single, _reduce_scatter_single
 
     if cuda:
         torch.cuda.set_device(rank)
@@ -498,8 +530,30 @@ def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict
 
     res: dict[str, Any] = {"matmul": [], "copy": [], "elementwise": [], "collectives": []}
     torch.manual_seed(rank)
+    _measure_compute(res, sizes, device, cuda, sync, tick)
+    _measure_memory(res, sizes, device, sync, tick)
+    _measure_collectives(res, sizes, rank, world, device, cuda, sync, tick)
 
-    # --- matmul
+    if rank == 0:
+        if cuda:
+            props = torch.cuda.get_device_properties(rank)
+            res["device_name"], res["memory_bytes"] = props.name, int(props.total_memory)
+        else:
+            try:
+                res["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):
+                pass
+    return res
+
+
+def _measure_compute(res: dict, sizes: Sizes, device: Any, cuda: bool, sync: Callable[[], None],
+                     tick: Callable[[str], None]) -> None:
+    """Matmul rates per dtype and shape, the kernel overhead and (host-bound
+    devices) the framework's time per op and per tensor, into ``res``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
     items = [(s, dt) for dt in sizes.matmul_dtypes for s in sizes.matmul]
     items += [(s, dt) for dt in sizes.extra_dtypes for s in sizes.extra_shapes]
     for (m, k, n), dt in items:
@@ -527,7 +581,14 @@ def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict
         res["framework"] = _framework_overhead(sizes.reps)
         tick("framework overhead")
 
-    # --- memory
+
+def _measure_memory(res: dict, sizes: Sizes, device: Any, sync: Callable[[], None],
+                    tick: Callable[[str], None]) -> None:
+    """Copy bandwidth per buffer size and the elementwise kernels' rates, into ``res``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
     for nbytes in sizes.copy_bytes:
         src = torch.ones(nbytes // 4, device=device)
         dst = torch.empty_like(src)
@@ -549,7 +610,15 @@ def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict
         tick(f"memory {op} {_human_bytes(nb)}")
     del a, b
 
-    # --- collectives: every group of one size at once
+
+def _measure_collectives(res: dict, sizes: Sizes, rank: int, world: int, device: Any, cuda: bool,
+                         sync: Callable[[], None], tick: Callable[[str], None]) -> None:
+    """Every collective kind and size on every group of one size at once
+    (all ranks in step), the max over ranks taken later, into ``res``."""
+    import torch.distributed as dist
+
+    from .runtime.collectives import _all_gather_single, _reduce_scatter_single
+
     for g in group_sizes(world):
         blocks = [list(range(i, i + g)) for i in range(0, world - world % g, g)]
         handles = [dist.new_group(r, backend="nccl" if cuda else "gloo") for r in blocks]
@@ -576,17 +645,6 @@ def _worker(rank: int, world: int, sizes: Sizes, cuda: bool, queue: Any) -> dict
                                                "seconds": _median(samples)})
                 tick(f"{kind} group {g} {_human_bytes(nbytes)}")
         dist.barrier()
-
-    if rank == 0:
-        if cuda:
-            props = torch.cuda.get_device_properties(rank)
-            res["device_name"], res["memory_bytes"] = props.name, int(props.total_memory)
-        else:
-            try:
-                res["memory_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            except (ValueError, OSError, AttributeError):
-                pass
-    return res
 
 
 def _collective(kind, nbytes, g, mine, rank, device, dist, all_gather_single, reduce_scatter_single):

@@ -236,7 +236,7 @@ def plan(
     tp_modes: str = typer.Option("1d", "--tp-modes",
                                  help="Tensor-parallel layouts the search tries, comma-separated: 1d (default), "
                                       "or 1d,2d to add Colossal-AI's q x q grids (tp_mode=2d), 1d,2d,2.5d also them 2 and "
-                                      "4 deep (tp_mode=2.5d)."),
+                                      "4 deep (tp_mode=2.5d), and 3d for the q x q x q cubes (tp_mode=3d)."),
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan_and_record as make_plan

@@ -67,8 +67,8 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node
-from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, row_placement, scaled_shapes, \
-    track_batch
+from .sharding import AxisSharding, batch_dims, depth_placement, needs_grad, numel as _numel, row_placement, \
+    scaled_shapes, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
@@ -349,32 +349,40 @@ class CostModel:
 
     def _estimate_2d(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
                      devices: int) -> Estimate:
-        """:meth:`estimate` of a ``tp_mode=2d`` or ``2.5d`` ``cfg`` (``sh``:
-        its columns, ``shapes``: one grid rank's)."""
+        """:meth:`estimate` of a ``tp_mode=2d``, ``2.5d`` or ``3d`` ``cfg``
+        (``sh``: its columns, ``shapes``: one grid rank's)."""
         view = self.grid_view(cfg)
         est = self._estimate_flat(view, sh, shapes, global_batch, devices)
         grid, m = cfg.tp_grid, cfg.microbatches
         rows, cols = grid[-2], grid[-1]
+        depth = grid[0] if len(grid) == 3 else 1
         topo = self.topology((cfg.dp, *grid))
-        r_axis = len(grid) - 1          # the rows' axis in (dp, [depth,] rows, cols)
-        split, whole, n_split = self._grid_params(sh, rows, cols)
+        r_axis = len(grid) - 1          # the rows' axis in (dp, [depth,] rows, cols); the depth's is 1
+        cube, split, whole, n_split = self._grid_params(sh, cfg)
         isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
+
+        def coll(kind: str, elems: float, axis: int) -> float:
+            return topo.collective_time(kind, elems * isz, axis) if elems else 0.0
         # per microbatch: every split weight gathered along the rows (again when recomputed), its
         # gradient reduce-scattered; the gradients of the weights the rows replicate all-reduced;
-        # with 2.5d's depth, every gradient shard summed over the depth (it replicates the weights)
-        gathers = (2 if cfg.recompute == "full" else 1) * topo.collective_time("all_gather", split * isz, r_axis)
-        row_comm = m * (gathers + topo.collective_time("reduce_scatter", split * isz, r_axis) +
-                        topo.collective_time("all_reduce", whole * isz, r_axis) +
-                        (topo.collective_time("all_reduce", (split / rows + whole) * isz, 1) if len(grid) == 3
-                         else 0.0))
+        # 2.5d's depth replicates the weights: every gradient shard summed over it; 3d's splits
+        # the rows' shards again: gathered over the rows (to the depth's chunk), then over the
+        # depth, the gradient reduce-scattered back the same way
+        gathers = coll("all_gather", split, r_axis) + coll("all_gather", cube / depth, r_axis) + \
+            coll("all_gather", cube, 1)
+        row_comm = m * ((2 if cfg.recompute == "full" else 1) * gathers +
+                        coll("reduce_scatter", split, r_axis) + coll("reduce_scatter", cube / depth, r_axis) +
+                        coll("reduce_scatter", cube, 1) + coll("all_reduce", whole, r_axis) +
+                        (coll("all_reduce", split / rows + whole, 1) if depth > 1 else 0.0))
         # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
         local, n_tensors = self._local_params(sh, cols)
-        local -= split * (1 - 1 / rows)
+        gathered = split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))
+        local -= gathered
         fwd = est.compute_time_s / (m * passes)
         dp_comm, opt, states = self._dp_tail(dataclasses.replace(view, dp=cfg.dp), local, n_tensors, topo, 0,
                                              fwd, (passes - 1) * fwd, self._fsdp_units())
         # the gathered weights their matmuls keep for backward (one layer's at a time when recomputed)
-        kept = split * isz * ((1 - 1 / rows) if cfg.recompute == "none" else (1 - 1 / rows) / max(n_split, 1))
+        kept = gathered * isz / (1 if cfg.recompute == "none" else max(n_split, 1))
         memory = dict(est.memory, weights=states["weights"], gradients=states["gradients"],
                       optimizer=states["optimizer"], grid_weights_gathered=kept)
         old_states = est.memory["weights"] + est.memory["gradients"] + est.memory["optimizer"]
@@ -387,16 +395,21 @@ class CostModel:
             fits=peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
             tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
 
-    def _grid_params(self, sh: AxisSharding, rows: int, cols: int) -> tuple[float, float, int]:
-        """Trainable elements of one grid column's share of the weights that
-        :func:`~autopar.sharding.grid_rows` splits over the rows (summed), of
-        those it replicates there (whose gradients the rows all-reduce), and
-        the number of layer units holding split ones."""
-        key = ("grid", id(sh), rows, cols)
+    def _grid_params(self, sh: AxisSharding, cfg: ParallelConfig) -> tuple[float, float, float, int]:
+        """Trainable elements of one grid column's share of the weights
+        (summed): those a 3d cube's rows and depth both split
+        (:func:`~autopar.sharding.depth_placement`), those the rows alone
+        split (:func:`~autopar.sharding.grid_rows`), those the rows replicate
+        (whose gradients the rows all-reduce), and the number of layer units
+        holding split ones."""
+        grid = cfg.tp_grid
+        rows, cols = grid[-2], grid[-1]
+        depth = grid[0] if cfg.tp_mode == "3d" else 1
+        key = ("grid", id(sh), rows, cols, depth)
         hit = self.cache.local_params.get(key)
         if hit is not None:
             return hit
-        split = whole = 0.0
+        cube = split = whole = 0.0
         units_: set = set()
         grad = needs_grad(self.graph)
         for nd in self.graph.nodes:
@@ -404,12 +417,16 @@ class CostModel:
                 continue
             col = sh.out.get(nd.name, R)
             elems = _numel(nd.out.shape) / (cols if is_shard(col) else 1)
-            if row_placement(nd.out.shape, col, cols, rows) == R:
+            row = row_placement(nd.out.shape, col, cols, rows)
+            if row == R:
                 whole += elems
+                continue
+            units_.add(nd.group)
+            if depth > 1 and depth_placement(nd.out.shape, col, cols, row, rows, depth) != R:
+                cube += elems
             else:
                 split += elems
-                units_.add(nd.group)
-        out = (split, whole, len(units_))
+        out = (cube, split, whole, len(units_))
         self.cache.local_params[key] = out
         return out
 
@@ -717,7 +734,7 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode in ("2d", "2.5d"):
+        if cfg.tp_mode != "1d":
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)

@@ -112,20 +112,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     that do not fit this world or model, :class:`UnsupportedError` for valid
     strategies this release cannot run (fp16 with ZeRO-3).
     """
-    if on_nonfinite not in ("raise", "skip"):
-        raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
-    if lr_scheduler is not None and not callable(lr_scheduler):
-        raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
-                            f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
-    try:
-        max_grad_norm = check_max_norm(max_grad_norm)
-    except ValueError as e:
-        raise StrategyError(str(e)) from None
-    if optimizer is not None and not callable(optimizer):
-        raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
-                            f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
+    max_grad_norm = _check_arguments(model, optimizer, on_nonfinite, lr_scheduler, max_grad_norm)
     rank, world = init_process_group(backend, timeout_s=timeout_s)
     keys = None
     if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
@@ -166,7 +153,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg), cfg, mesh)]
     copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
                          cfg.tp_grid[-2] if len(cfg.tp_grid) > 1 else 1,
-                         cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1) if max_grad_norm is not None else {}
+                         cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1,
+                         prog.depth_placement) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
     aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
@@ -181,8 +169,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
-    if cfg.tp_mode in ("2d", "2.5d"):
-        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"))
+    if cfg.tp_mode != "1d":
+        pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
+                         mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
@@ -193,6 +182,28 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
+
+
+def _check_arguments(model: nn.Module, optimizer: Any, on_nonfinite: str, lr_scheduler: Any,
+                     max_grad_norm: Any) -> float | None:
+    """:func:`parallelize`'s arguments checked before any work (each a
+    :class:`StrategyError` saying what would be valid); returns
+    ``max_grad_norm`` as a float (or None)."""
+    if on_nonfinite not in ("raise", "skip"):
+        raise StrategyError(f"on_nonfinite={on_nonfinite!r} is invalid; valid: 'raise', 'skip'")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise StrategyError(f"lr_scheduler must be a factory optimizer -> scheduler, e.g. lambda o: "
+                            f"torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, 100); got {lr_scheduler!r}")
+    try:
+        max_grad_norm = check_max_norm(max_grad_norm)
+    except ValueError as e:
+        raise StrategyError(str(e)) from None
+    if optimizer is not None and not callable(optimizer):
+        raise StrategyError(f"optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
+                            f"lambda p: torch.optim.AdamW(p, lr=1e-4); got {optimizer!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise StrategyError(f"{type(model).__name__} has no trainable parameters: there is nothing to train")
+    return max_grad_norm
 
 
 def example_specs(graph: Graph, inputs: tuple, target: Any) -> tuple[list, tuple | None]:
@@ -299,9 +310,6 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
-    if cfg.cp > 1 and cfg.zero == 3:
-        raise UnsupportedError(f"cp={cfg.cp} with zero=3: FSDP2 would shard over dp only while gradients are "
-                               "reduced over dp x cp; use zero<=2 with context parallelism")
 
 
 def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,
@@ -347,8 +355,8 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
-    if cfg.tp_mode in ("2d", "2.5d"):   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
-        names = (("tp_depth",) if cfg.tp_mode == "2.5d" else ()) + ("tp_row", "tp")
+    if cfg.tp_mode != "1d":   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
+        names = (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")
         return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", *names), timeout_s=timeout_s)
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
@@ -382,12 +390,15 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
     grid: list[Axis] = []
-    if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
-        grid.append(Axis(follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False), mesh.coord("tp_depth"),
-                         mesh.group("tp_depth"), whole_sizes=True))
-    if cfg.tp_mode in ("2d", "2.5d"):    # the grid's rows: the batch split, the weights stored split and gathered
+    if cfg.tp_mode != "1d":    # the grid's rows: the batch split, the weights stored split and gathered
         grid.append(Axis(grid_rows(graph, tp_sh, cfg.tp_grid[-2], shapes), mesh.coord("tp_row"),
                          mesh.group("tp_row"), whole_sizes=True))
+    if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
+        depth = follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False)
+    elif cfg.tp_mode == "3d":    # the cube's depth: the batch split again, the rows' weight shards split again
+        depth = grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes, inner=grid[0].sh)
+    if len(cfg.tp_grid) == 3:
+        grid.insert(0, Axis(depth, mesh.coord("tp_depth"), mesh.group("tp_depth"), whole_sizes=True))
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
                          grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None)
@@ -493,7 +504,10 @@ def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig) -> nn.
 
 def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
     """With ``zero=3``: ``module``'s layer regions, then the whole of it,
-    sharded over the data-parallel ranks with torch FSDP2 (compute in the
+    sharded over the data-parallel ranks with torch FSDP2 (with context
+    parallelism over ``dp x cp`` flattened into one axis, as torchtitan's
+    ``dp_shard_cp``: the cp ranks hold the same weights and their gradients
+    are averaged with the dp ranks'; compute in the
     low precision, gradients reduced in ``reduce_dtype`` or fp32; ``offload``
     keeps the shards on the host). Returns ``module``. Raises
     :class:`UnsupportedError` when torch built no DeviceMesh."""
@@ -504,17 +518,21 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
                                "init_device_mesh failed on this process group")
     low = LOW_PRECISION.get(cfg.precision)
     reduce = LOW_PRECISION.get(cfg.reduce_dtype) if cfg.reduce_dtype else (torch.float32 if low else None)
-    return R_.fully_shard_regions(module, mesh.device_mesh["dp"], param_dtype=low, reduce_dtype=reduce,
+    dm = mesh.device_mesh
+    shard_mesh = dm["dp", "cp"]._flatten("dp_cp") if cfg.cp > 1 else dm["dp"]
+    return R_.fully_shard_regions(module, shard_mesh, param_dtype=low, reduce_dtype=reduce,
                                   offload=cfg.offload == "optimizer")
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
-                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1, depth: int = 1) -> dict[str, int]:
+                tp: int, rows: dict[str, str] | None = None, n_rows: int = 1, depth: int = 1,
+                on_depth: dict[str, str] | None = None) -> dict[str, int]:
     """Program name -> how many ranks hold the same reduced gradient of that
     parameter besides its dp replicas: ``tp`` for a weight replicated over
     tp (with ``tp_mode=2d``: the grid's columns, and ``n_rows`` more for one
-    replicated over its rows, ``rows`` holding those placements, and 2.5d's
-    ``depth``, which replicates every weight), times the
+    replicated over its rows, ``rows`` holding those placements, and the
+    ``depth`` of 2.5d, which replicates every weight, or of 3d, for one
+    replicated there, ``on_depth`` holding those placements), times the
     ranks of its tie group for a weight tied across pipeline stages. Only
     entries above 1 (what gradient clipping must not count twice)."""
     tie = {id(t): dist.get_world_size(g) for t, g in tied}
@@ -523,7 +541,8 @@ def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied:
     for name, t in local.items():
         if isinstance(t, nn.Parameter) and t.requires_grad:
             n = (1 if is_shard(placement.get(name, "R")) else tp) * tie.get(id(t), 1) * \
-                (1 if is_shard(rows.get(name, "R")) else n_rows) * depth
+                (1 if is_shard(rows.get(name, "R")) else n_rows) * \
+                (1 if is_shard((on_depth or {}).get(name, "R")) else depth)
             if n > 1:
                 out[name] = n
     return out

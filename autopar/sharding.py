@@ -356,7 +356,8 @@ def follow_batch(graph: Graph, n: int, shapes: dict[str, Shape | None], batch_ax
     return walk_axis(graph, n, shapes, inp, cost, None, batch_axis=batch_axis)
 
 
-def grid_rows(graph: Graph, cols: AxisSharding, q: int, shapes: dict[str, Shape | None]) -> AxisSharding:
+def grid_rows(graph: Graph, cols: AxisSharding, q: int, shapes: dict[str, Shape | None],
+              inner: AxisSharding | None = None) -> AxisSharding:
     """The rows of a ``q x q`` tensor-parallel grid (``tp_mode=2d``) whose
     columns are decided by ``cols``: the batch split over the rows wherever a
     rule allows (:func:`follow_batch` on the column-local ``shapes``; the loss
@@ -365,12 +366,21 @@ def grid_rows(graph: Graph, cols: AxisSharding, q: int, shapes: dict[str, Shape 
     largest that ``q`` divides), so each rank holds ``1/q^2`` of it. Its
     readers still read it whole along the rows: the compiler all-gathers it
     there before use and reduce-scatters its gradient (SUMMA's broadcast of the
-    weight blocks along a grid column)."""
+    weight blocks along a grid column).
+
+    ``inner``: the rows of the same grid when these are the depth of a
+    ``tp_mode=3d`` cube: the depth splits the batch again and stores every
+    weight the rows split split once more (on a dim the columns leave whole,
+    the rows' own when it divides), so each rank holds ``1/q^3`` of it."""
     rows = follow_batch(graph, q, shapes, batch_axis=False)
     grad = needs_grad(graph)
     for nd in graph.nodes:
         if nd.kind == "param" and grad.get(nd.name) and nd.out is not None:
-            p = row_placement(nd.out.shape, cols.out.get(nd.name, R), cols.n, q)
+            col = cols.out.get(nd.name, R)
+            if inner is None:
+                p = row_placement(nd.out.shape, col, cols.n, q)
+            else:
+                p = depth_placement(nd.out.shape, col, cols.n, inner.out.get(nd.name, R), inner.n, q)
             if p != R:
                 rows.out[nd.name] = p
     return rows
@@ -386,6 +396,22 @@ def row_placement(shape: Shape, col: str, n_cols: int, q: int) -> str:
     local = [s // n_cols if d == taken else s for d, s in enumerate(shape)]
     dims = [d for d in range(len(local)) if d != taken and local[d] % q == 0]
     return S(max(dims, key=lambda d: (local[d], -d))) if dims else R
+
+
+def depth_placement(shape: Shape, col: str, n_cols: int, row: str, n_rows: int, q: int) -> str:
+    """Where the depth of a ``tp_mode=3d`` cube stores a trainable parameter
+    the columns place ``col`` and the rows ``row`` (:func:`row_placement`):
+    only one the rows split (the others stay replicated, as on the rows), on
+    the largest dim the columns leave whole that ``q`` divides after both
+    splits; the rows' own dim is allowed (split twice, the depth's chunks
+    outermost), as both axes gather it before use. Replicated when none."""
+    if row == R:
+        return R
+    taken = shard_dim(col) if is_shard(col) else None
+    by_rows = shard_dim(row)
+    local = [s // (n_cols if d == taken else n_rows if d == by_rows else 1) for d, s in enumerate(shape)]
+    dims = [d for d in range(len(local)) if d != taken and local[d] % q == 0]
+    return S(max(dims, key=lambda d: (local[d], d != by_rows, -d))) if dims else R
 
 
 def batch_dims(graph: Graph) -> dict[str, int | None]:

@@ -169,3 +169,28 @@ def test_rules_can_fail():
     probe = ast.parse("def f():\n    from ..search import ilp\n")
     found = [n for n in ast.walk(probe) if isinstance(n, ast.ImportFrom)]
     assert found and found[0].level == 2
+
+
+def _long_functions(limit: int = 80) -> list[str]:
+    """Functions whose code (docstring left out) runs over ``limit`` lines and
+    whose docstring gives no reason (a sentence starting "Long because")."""
+    out = []
+    for path in _modules("autopar"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node) or ""
+            body = node.body[1:] if doc and len(node.body) > 1 else node.body
+            lines = node.end_lineno - body[0].lineno + 1
+            if lines > limit and "long because" not in doc.lower():
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_long_function_without_a_reason():
+    """Issue 14's rule: no function over ~80 lines of code without a reason in its docstring."""
+    assert _long_functions() == []
+
+
+def test_long_function_rule_can_fail():
+    assert _long_functions(limit=40)

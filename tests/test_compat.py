@@ -157,6 +157,18 @@ def test_colossal_2d_25d_3d_map_to_tp_mode(tensor, strategy):
     assert any("tp_mode" in n for n in compat.to_torchtitan(got.config, global_batch=32).notes)
 
 
+def test_colossal_3d_config_is_evaluated_and_planned():
+    """A Colossal-AI 3D config (tensor=dict(size=8, mode='3d')) now runs: it is priced and becomes a plan."""
+    import autopar
+    got = col(dict(tensor=dict(size=8, mode="3d")), devices=16)
+    assert got.config == parse_strategy("dp=2,tp=8,tp_mode=3d", 16)
+    model = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
+    est = autopar.evaluate(model, cluster="dgx-a100-80g", devices=16, global_batch=16, strategy=got.config)
+    assert est.parallel["tp_mode"] == "3d" and est.step_time_s > 0 and est.memory["grid_weights_gathered"] > 0
+    plan = autopar.plan(model, cluster="dgx-a100-80g", devices=16, global_batch=16, strategy=got.config)
+    assert compat.to_colossal(plan).data["parallel"]["tensor"] == {"size": 8, "mode": "3d"}
+
+
 def test_colossal_accepted_forms():
     assert col(dict(pipeline=dict(size=2))).strategy.startswith("dp=8,tp=1,pp=2,microbatches=2")
     assert col(dict(tensor=dict(size=1, mode=None))).config == parse_strategy("dp=16", 16)

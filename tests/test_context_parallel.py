@@ -31,9 +31,11 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: cp=2 (with dp=2, ZeRO-1 over dp x cp and full recompute), cp=4 and cp=2 x tp=2 across the models (the
 #: suite's time budget allows one spawn; each model not in every case); nanoGPT goes through torch.export
 #: (seconds per trace, twice per parallelize): its hardest case only
-CASES = {"gpt": ("dp=2,cp=2,zero=1,recompute=full", "cp=4"),
+CASES = {"gpt": ("dp=2,cp=2,zero=1,recompute=full", "cp=4", "dp=2,cp=2,zero=3"),
          "llama": ("cp=4", "cp=2,tp=2", "cp=2,pp=2,microbatches=2"),
          "nanogpt": ("cp=2,tp=2",)}
+# gradient clipping (max_grad_norm) under cp: the norm over FSDP2's dp x cp shards counts each weight once
+CLIP = {("gpt", "dp=2,cp=2,zero=3"): 0.05}
 
 
 # ----------------------------------------------------------------------------- fast, one process
@@ -86,6 +88,20 @@ def test_search_picks_cp_for_long_llama3_8b():
     assert plan.config.cp > 1, plan.strategy
 
 
+def test_pipelines_are_searched_with_cp_for_long_sequences_only():
+    """Llama 3 trained at 128k positions with cp and pp together: the pipelined grid offers cp
+    where the flat one does (before: never), and short sequences keep the grid they had."""
+    from autopar.search.grid import pipeline_configs
+    long_ = autopar.trace("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,seq=32768,vocab=128")
+    short = autopar.trace("llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn=128,seq=64,vocab=128")
+    cps = {(c.pp, c.cp) for c in pipeline_configs(long_, 16, 16)}
+    assert {(2, 2), (2, 4), (4, 2)} <= cps and all(pp > 1 for pp, _ in cps)
+    assert {c.cp for c in pipeline_configs(short, 16, 16)} == {1}
+    cfg = next(c for c in pipeline_configs(long_, 16, 16) if c.cp == 2 and c.pp == 2 and c.dp > 1)
+    est = autopar.evaluate(long_, cluster="dgx-h100", devices=16, global_batch=16, strategy=cfg.to_string())
+    assert est.cp_comm_time_s > 0 and est.step_time_s > 0
+
+
 class _MaskPerCall(torch.nn.Module):
     """Attention whose causal mask is made inside forward at the sequence length."""
 
@@ -135,7 +151,7 @@ def _case(name):
     return z.model, x, y, z.loss_fn
 
 
-def _reference(name):
+def _reference(name, clip=None):
     model, x, y, loss_fn = _case(name)
     o = _opt(list(model.parameters()))
     losses = []
@@ -143,6 +159,9 @@ def _reference(name):
         o.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            assert norm > clip          # the clip is active
         o.step()
         losses.append(loss.item())
     with torch.no_grad():
@@ -150,9 +169,14 @@ def _reference(name):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _run(name, strategy):
+def _run(name, strategy, clip=None):
     model, x, y, loss_fn = _case(name)
-    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt, strategy=strategy)
+    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt, strategy=strategy,
+                             max_grad_norm=clip)
+    if "zero=3" in strategy:      # FSDP2 shards every weight over dp x cp (4 ranks), not dp alone
+        from torch.distributed.tensor import DTensor
+        ps = list(pm.parameters())
+        assert ps and all(isinstance(p, DTensor) and p.device_mesh.size() == 4 for p in ps), strategy
     losses = [pm.train_step((x,), y) for _ in range(STEPS)]
     if pm.pipeline is None:       # (eval_step runs no pipeline yet)
         losses.append(pm.eval_step((x,), y))
@@ -160,10 +184,11 @@ def _run(name, strategy):
 
 
 def _checkpoint(path):
-    """A checkpoint saved under dp=2,cp=2,zero=1 resumes under cp=4: the next step's loss, both ways."""
+    """A checkpoint saved under dp=2,cp=2,zero=3 (FSDP2 over dp x cp) resumes under cp=4: the next
+    step's loss, both ways."""
     model, x, y, loss_fn = _case("gpt")
     pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
-                             strategy="dp=2,cp=2,zero=1")
+                             strategy="dp=2,cp=2,zero=3")
     pm.train_step((x,), y)
     pm.save_checkpoint(path)
     going_on = pm.train_step((x,), y)
@@ -176,10 +201,14 @@ def _checkpoint(path):
 def _worker(rank, world, path):
     warnings.simplefilter("ignore")
     out = {"checkpoint": _checkpoint(path)}
+    refs = {}
     for name, strategies in CASES.items():
-        want_losses, want_w = _reference(name)
         for strategy in strategies:
-            losses, w = _run(name, strategy)
+            clip = CLIP.get((name, strategy))
+            if (name, clip) not in refs:
+                refs[name, clip] = _reference(name, clip)
+            want_losses, want_w = refs[name, clip]
+            losses, w = _run(name, strategy, clip)
             worst = max(((w[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
                         for k, v in want_w.items() if k in w)
             out[name, strategy] = (want_losses, losses, worst, sorted(set(want_w) - set(w)))

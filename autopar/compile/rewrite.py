@@ -176,6 +176,7 @@ class LocalProgram:
     param_placement: dict[str, str]      # param qualified name -> tp placement
     comms: int                           # collectives inserted
     row_placement: dict[str, str] = dataclasses.field(default_factory=dict)   # tp_mode=2d: on the grid's rows
+    depth_placement: dict[str, str] = dataclasses.field(default_factory=dict)  # 2.5d, 3d: on the grid's depth
 
 
 @dataclass(frozen=True)
@@ -217,8 +218,8 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     ``shapes`` are the node shapes local to the data-parallel axis (at the
     microbatch size the program will run with); ``params`` maps parameter /
     buffer qualified names to their full tensors (identical on every rank).
-    ``grid``: with ``tp_mode=2d`` the grid's rows (with 2.5d its depth, then
-    its rows), outermost first; ``tp`` then decides its columns. Each value
+    ``grid``: with ``tp_mode=2d`` the grid's rows (with 2.5d and 3d its
+    depth, then its rows), outermost first; ``tp`` then decides its columns. Each value
     is moved along every axis (splits outermost first, gathers innermost
     first where two axes split the same dim).
     ``batch_group``: the data-parallel group when it has several ranks; every
@@ -236,7 +237,8 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
-                        row_placement=rw.placement[-2] if grid else {})
+                        row_placement=rw.placement[-2] if grid else {},
+                        depth_placement=rw.placement[-3] if len(grid) > 1 else {})
 
 
 class _Rewriter:

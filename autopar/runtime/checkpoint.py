@@ -103,7 +103,8 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
 
 # ----------------------------------------------------------------------------- this rank's tensors
 #: how a tensor is split over the tensor axes: (dim, axis size, this rank's coordinate, group) per
-#: axis that splits it (the tp axis; with a tp_mode grid also its rows); empty: whole
+#: axis that splits it (the tp axis; with a tp_mode grid also its rows, and a 3d cube's depth), innermost
+#: first; empty: whole
 Split = tuple[tuple[int, int, int, Any], ...]
 
 
@@ -115,6 +116,9 @@ def _held(pm) -> list[tuple[str, torch.Tensor, list[str], Split]]:
     rows = getattr(pm, "row_placement", None) or {}
     row_n = pm.config.tp_grid[-2] if len(pm.config.tp_grid) > 1 else 1
     row_rank = dist.get_rank(pm.row_group) if rows and pm.row_group is not None else 0
+    depth = getattr(pm, "depth_placement", None) or {}     # tp_mode=3d: the cube's depth splits them again
+    depth_n = pm.config.tp_grid[0] if len(pm.config.tp_grid) == 3 else 1
+    depth_rank = dist.get_rank(pm.depth_group) if depth and pm.depth_group is not None else 0
     for name, t in pm._local_tensors().items():
         keys = pm.state_names.keys_of(name)
         if keys:
@@ -124,6 +128,9 @@ def _held(pm) -> list[tuple[str, torch.Tensor, list[str], Split]]:
                 split.append((shard_dim(p), tp, pm.tp_rank, pm.tp_group))
             if is_shard(r) and row_n > 1:
                 split.append((shard_dim(r), row_n, row_rank, pm.row_group))
+            dep = depth.get(name, "R")
+            if is_shard(dep) and depth_n > 1:
+                split.append((shard_dim(dep), depth_n, depth_rank, pm.depth_group))
             out.append((name, t, keys, tuple(split)))
     return out
 

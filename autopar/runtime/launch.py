@@ -81,10 +81,12 @@ _GRACE_S = 3.0     # how long a rank that exited with code 0 may take to have it
 REUSE_ENV = "AUTOPAR_REUSE_RANKS"
 
 
-def _serve(inbox, results) -> None:
+def _serve(inbox, results, acks) -> None:
     """A reusable rank: run jobs from ``inbox`` until it yields None. Each job
     starts as a fresh process would: the default torch seed, the environment
-    as it was, and a process group of its own (destroyed after the job)."""
+    as it was, and a process group of its own (destroyed after the job).
+    After each job it says on ``acks`` whether it takes another (True) or
+    retires (False), which the pool reads before it sends the next job."""
     import torch
     import torch.distributed  # noqa: F401 - imported once, before the first job (what a job imports stays)
 
@@ -97,7 +99,9 @@ def _serve(inbox, results) -> None:
         finally:
             os.environ.clear()
             os.environ.update(env)
-        if _meshes_outlive_the_job():
+        retire = _meshes_outlive_the_job()
+        acks.put(not retire)
+        if retire:
             return       # this rank retires: the pool starts a fresh one for the next run
 
 
@@ -127,24 +131,40 @@ class _Pool:
         self.results = None
         self.procs: list = []
         self.inboxes: list = []
+        self.acks: list = []
+        self.busy: set[int] = set()      # ranks that ran the last job and have not said yet what next
 
     def take(self, world_size: int) -> tuple[list, object]:
-        """The first ``world_size`` ranks (started as needed) and the queue they answer on."""
+        """The first ``world_size`` ranks (started as needed) and the queue they answer on.
+        Waits for the ranks of the last job to say they take another; when
+        one retires (or says nothing within a minute) every rank is
+        replaced."""
+        for r in sorted(self.busy):
+            try:
+                going_on = self.acks[r].get(timeout=60)
+            except queue.Empty:
+                going_on = False
+            if not going_on:
+                self.close()
+                break
+        self.busy = set()
         if any(not p.is_alive() for p in self.procs):
             self.close()
         if self.results is None:
             self.results = self.ctx.Queue()
         while len(self.procs) < world_size:
-            inbox = self.ctx.Queue()
-            p = self.ctx.Process(target=_serve, args=(inbox, self.results), name=f"rank{len(self.procs)}",
+            inbox, acks = self.ctx.Queue(), self.ctx.Queue()
+            p = self.ctx.Process(target=_serve, args=(inbox, self.results, acks), name=f"rank{len(self.procs)}",
                                  daemon=True)
             p.start()
             self.procs.append(p)
             self.inboxes.append(inbox)
+            self.acks.append(acks)
         return self.procs[:world_size], self.results
 
     def send(self, rank: int, job: tuple) -> None:
         self.inboxes[rank].put(job)
+        self.busy.add(rank)
 
     def close(self) -> None:
         """Stop every rank (after a failed run: its process groups may be wedged)."""
@@ -152,9 +172,9 @@ class _Pool:
             if p.is_alive():
                 p.kill()
             p.join()
-        for q in self.inboxes + ([self.results] if self.results is not None else []):
+        for q in self.inboxes + self.acks + ([self.results] if self.results is not None else []):
             q.close()
-        self.procs, self.inboxes, self.results = [], [], None
+        self.procs, self.inboxes, self.acks, self.results, self.busy = [], [], [], None, set()
 
 
 _pool = _Pool()

@@ -169,6 +169,8 @@ class ParallelModule(nn.Module):
         self.param_placement = param_placement
         self.row_placement: dict[str, str] = {}      # tp_mode=2d: each parameter's placement on the grid's rows
         self.row_group: Any = None
+        self.depth_placement: dict[str, str] = {}    # tp_mode=3d: on the cube's depth
+        self.depth_group: Any = None
         self.comms = comms
         self.compute_dtype = LOW_PRECISION.get(cfg.precision, torch.float32)
         self.fsdp = cfg.zero == 3
@@ -181,11 +183,15 @@ class ParallelModule(nn.Module):
         return local_tensors([self.program] if self.program is not None else list(self.stage_modules))
 
     # -- training -------------------------------------------------------------
-    def set_grid_rows(self, placement: dict[str, str], group: Any) -> None:
+    def set_grid_rows(self, placement: dict[str, str], group: Any, depth_placement: dict[str, str] | None = None,
+                      depth_group: Any = None) -> None:
         """``tp_mode=2d``: each parameter's placement on the grid's rows (the
         tp axis being its columns) and the rows' process group, over which
-        :meth:`full_state_dict` and checkpoints gather the shards too."""
+        :meth:`full_state_dict` and checkpoints gather the shards too; with a
+        depth (2.5d, 3d), the same on the depth (3d splits the weights there
+        again; 2.5d replicates them)."""
         self.row_placement, self.row_group = dict(placement), group
+        self.depth_placement, self.depth_group = dict(depth_placement or {}), depth_group
 
     def set_context_split(self, input_dims: list[int | None], target_dim: int | None, positions: Sequence[int]) -> None:
         """Context parallelism: split input ``i`` along ``input_dims[i]`` (and
@@ -450,6 +456,9 @@ class ParallelModule(nn.Module):
             row = self.row_placement.get(name, "R")
             if is_shard(row):            # tp_mode=2d: the grid's rows hold the column shard split again
                 full = C.all_gather(full, shard_dim(row), self.row_group)
+            depth = self.depth_placement.get(name, "R")
+            if is_shard(depth):          # tp_mode=3d: the cube's depth holds the rows' shard split again
+                full = C.all_gather(full, shard_dim(depth), self.depth_group)
             for key in self.state_names.keys_of(name):
                 out[key] = full.cpu()
         if self.pipeline is not None:

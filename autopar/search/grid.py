@@ -126,7 +126,7 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
             for sp in _sp_choices(graph, tp, memory_options):
                 for rc in recomputes:
                     for z in zeros:
-                        if z and dp * cp == 1 or z == 3 and cp > 1:    # FSDP2 shards over dp only
+                        if z and dp * cp == 1:     # nothing to shard over
                             continue
                         out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc, zero=z,
                                                    sequence_parallel=sp, offload=offload) for m in mbs])
@@ -143,12 +143,13 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     with the microbatches whose samples per data-parallel rank the grid's rows
     divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3, pipeline or
     cp). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
-    :data:`GRID_DEPTHS`), the samples split over depth x rows."""
+    :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
+    the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1, 2) if memory_options else (0,)
     out = []
     for q in tp_valid_sizes(graph):
-        for d in (GRID_DEPTHS if mode == "2.5d" else (1,)):
+        for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):
             tp = d * q * q
             if q == 1 or devices % tp or global_batch % (devices // tp):
                 continue
@@ -169,7 +170,10 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
-    multiple of ``pp`` when interleaved). With ``devices_per_node``, a
+    multiple of ``pp`` when interleaved); context parallelism (cp > 1) where
+    :func:`autopar.strategies.context.cp_choices` offers it (attention over
+    long sequences: Llama 3 trained 405B at 128k positions with cp=16 and
+    pp=16). With ``devices_per_node``, a
     stage of more devices than a node that are not whole nodes is left out
     (its groups would straddle nodes, which the cluster model does not
     describe: 1920 A100 at pp=32 gives stages of 60)."""
@@ -181,30 +185,43 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     zeros = (0, 1) if memory_options else (0,)
     out = []
     for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
-        for pp in divisors(devices // tp):
-            if pp == 1 or pp > n_layers:
-                continue
-            stage = devices // pp
-            if devices_per_node and stage > devices_per_node and stage % devices_per_node:
-                continue
-            dp = devices // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_replica = global_batch // dp
-            counts = [m for m in divisors(per_replica) if m >= pp]
-            for sched in schedules:
-                chunks = 2 if sched == "interleaved" else 1
-                if pp * chunks > n_layers:
+        for cp in cp_choices(graph, devices // tp):
+            for pp in divisors(devices // (tp * cp)):
+                if pp == 1 or pp > n_layers:
                     continue
-                for sp in _sp_choices(graph, tp, memory_options):
-                    for rc in recomputes:
-                        for z in zeros:
-                            if z and dp == 1:
-                                continue
-                            out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=sched,
-                                                      recompute=rc, zero=z, chunks=chunks, sequence_parallel=sp,
-                                                      offload=offload)
-                                       for m in counts if sched != "interleaved" or m % pp == 0)
+                stage = devices // pp
+                if devices_per_node and stage > devices_per_node and stage % devices_per_node:
+                    continue
+                dp = devices // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                out.extend(_pipelines(graph, n_layers, dp, tp, pp, cp, global_batch // dp, schedules, recomputes,
+                                      zeros, offload, memory_options))
+    return out
+
+
+def _pipelines(graph: Graph, n_layers: int, dp: int, tp: int, pp: int, cp: int, per_replica: int,
+               schedules: tuple[str, ...], recomputes: tuple[str, ...], zeros: tuple[int, ...], offload: str,
+               memory_options: bool) -> list[ParallelConfig]:
+    """The pipelined configurations of one ``dp x tp x pp x cp`` split (see
+    :func:`pipeline_configs`): every schedule, sequence parallel choice,
+    recompute, ZeRO stage and microbatch count ``m >= pp`` dividing the
+    per-replica batch (a multiple of ``pp`` when interleaved)."""
+    out = []
+    counts = [m for m in divisors(per_replica) if m >= pp]
+    for sched in schedules:
+        chunks = 2 if sched == "interleaved" else 1
+        if pp * chunks > n_layers:
+            continue
+        for sp in _sp_choices(graph, tp, memory_options):
+            for rc in recomputes:
+                for z in zeros:
+                    if z and dp * cp == 1:
+                        continue
+                    out.extend(ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, microbatches=m, schedule=sched,
+                                              recompute=rc, zero=z, chunks=chunks, sequence_parallel=sp,
+                                              offload=offload)
+                               for m in counts if sched != "interleaved" or m % pp == 0)
     return out
 
 
@@ -218,8 +235,8 @@ def search_grid(planner: Planner, *, progress: Callable[[int, int], None] | None
     docstring). ``memory_options=False`` searches the plain strategies only
     (no recompute, ZeRO, sequence parallelism or offload). ``tp_modes``:
     the tensor-parallel layouts tried, ``("1d",)`` by default; with ``"2d"``
-    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep
-    (:func:`grid2d_configs`). Raises
+    also the q x q grids, with ``"2.5d"`` the grids 2 and 4 deep, with
+    ``"3d"`` the q x q x q cubes (:func:`grid2d_configs`). Raises
     :class:`NoFeasibleStrategyError` when nothing fits, naming the closest
     and the fewest devices that would fit."""
     t0 = time.perf_counter()
@@ -295,7 +312,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     graph, devices, global_batch, mode = planner.graph, planner.devices, planner.global_batch, planner.mode
     planner.tally = Tally()
     lines = grid_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options)
-    for grid in ("2d", "2.5d"):
+    for grid in ("2d", "2.5d", "3d"):
         if grid in tp_modes:
             lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options,
                                     mode=grid)
@@ -358,7 +375,8 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
 
 def _try_copies(planner: Planner, feasible: list) -> int:
     """Multi-copy parallel (``copies``) on the ``COPIES_TOP`` fastest fitting
-    configurations without a pipeline, with tp > 1 and no ZeRO-3: every
+    1d configurations without a pipeline (the grammar refuses copies on a
+    tp_mode grid), with tp > 1 and no ZeRO-3: every
     count in ``COPIES`` that divides the per-rank microbatch, with the
     sharder and placements that won there (their decisions do not depend on
     the copies, so nothing is solved again). Only where the device overlaps
@@ -367,7 +385,8 @@ def _try_copies(planner: Planner, feasible: list) -> int:
     evaluated."""
     if planner.cluster.device.comm_overlap <= 0:
         return 0
-    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3),
+    flat = sorted((f for f in feasible if f[1].tp > 1 and f[1].pp == 1 and f[1].cp == 1 and f[1].zero < 3
+                   and f[1].tp_mode == "1d"),
                   key=lambda f: f[0].step_time_s)[:COPIES_TOP]
     count = 0
     for _, cfg, sh in flat:

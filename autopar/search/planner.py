@@ -189,7 +189,7 @@ class Planner:
         the grid's columns, decided as for :meth:`CostModel.grid_view` (a 1d
         config of the columns, over the rows' share of the batch), and the
         shapes are one grid rank's."""
-        if cfg.tp_mode in ("2d", "2.5d"):
+        if cfg.tp_mode != "1d":
             return self.sharding(CostModel.grid_view(cfg), sharder)
         key, model, sharder, shapes = self._axis_key(cfg, sharder)
         axes = self.state.axes

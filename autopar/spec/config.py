@@ -178,7 +178,8 @@ class ParallelConfig:
     tp_mode: str = _key(
         "1d", "how the tp group is laid out: 1d (Megatron: one axis of tp ranks), 2d (Colossal-AI's SUMMA: a "
               "q x q grid, tp = q^2; the batch split over its rows, the hidden dims over its columns, every "
-              "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube)",
+              "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube, tp = q^3; the batch "
+              "split over its depth and rows, the hidden dims over its columns, every weight over all three)",
         choices=TP_MODES, recorded="changed", aliases=("tensor_mode", "tensor_parallel_mode"))
     tp_depth: int = _key(1, "depth of tp_mode=2.5d: the number of q x q grids (tp = tp_depth x q^2)", minimum=1,
                          recorded="changed", aliases=("tensor_depth",))
@@ -490,18 +491,15 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
-    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d
-    and 2.5d run without pipelines, context parallelism and ZeRO-3, with the
-    samples of a microbatch on a data-parallel rank divisible by the ranks
-    that split them (the rows, times the depth of 2.5d); 3d is read and
-    validated but not implemented (:class:`UnsupportedError`)."""
+    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d,
+    2.5d and 3d run without pipelines, context parallelism, ZeRO-3 and copies
+    (:class:`UnsupportedError`), with the samples of a microbatch on a
+    data-parallel rank divisible by the ranks that split them (the rows,
+    times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
     if cfg.tp_mode == "1d":
         return
     mode = cfg.tp_mode
-    if mode not in ("2d", "2.5d"):
-        raise UnsupportedError(f"tp_mode={mode} (tp={cfg.tp} as a {' x '.join(map(str, cfg.tp_grid))} "
-                               f"grid) is valid but not implemented yet; tp_mode=1d, 2d and 2.5d are")
-    for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("zero=3", cfg.zero == 3)):
+    for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("zero=3", cfg.zero == 3), ("copies", cfg.copies > 1)):
         if bad:
             raise UnsupportedError(f"tp_mode={mode} with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
                                    f"is not implemented yet; tp_mode={mode} runs with dp, microbatches, recompute "
@@ -509,7 +507,7 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     rows = cfg.grid_batch_split
     per = global_batch // max(cfg.dp * cfg.microbatches, 1)
     if per % rows:
-        who = "rows" if mode == "2d" else "depth x rows"
+        who = "rows" if mode == "2d" else "depth x rows"    # 3d: the cube's depth and rows
         raise StrategyError(f"tp_mode={mode} splits each microbatch's {per} samples on a data-parallel rank over "
                             f"the grid's {rows} {who}: they must be divisible by {rows} (global batch "
                             f"{global_batch} / (dp={cfg.dp} x microbatches={cfg.microbatches}))")
