@@ -9,6 +9,10 @@ with its gradients clipped to a global norm (the norm equal to one process's), t
 saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step's loss and the final
 weights within rel 1e-4 of one process, and every trainable weight of two
 dims held as a quarter on each rank (split over the grid's rows and columns).
+In the same spawn, timm's ViT front (a class token expanded to
+``x.shape[0]``, traced by fx as ``getattr`` + ``getitem``) on the grid: the
+size is the rows' local batch at run time, which the program must widen to
+the whole batch its placements assume.
 
 The 3d cube (2 x 2 x 2) trains GPT and Llama in one spawn of 8 processes, run
 when asked (``AUTOPAR_SPAWN8=1``: minutes on 2 cores); its placements (an
@@ -20,6 +24,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 
 import autopar
 from autopar.errors import StrategyError, UnsupportedError
@@ -193,9 +198,48 @@ def _checkpoint(pm, path, strategy="dp=2,tp=2,zero=1"):
     return going_on, other.train_step((x,), y)
 
 
+class ClsTokens(nn.Module):
+    """timm's ``VisionTransformer._pos_embed``: ``cls_token.expand(x.shape[0], -1, -1)`` joined to the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, 32))
+        self.embed, self.fc, self.head = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
+        return self.head(torch.relu(self.fc(h))[:, 0])
+
+
+def _cls_tokens():
+    """Losses of one process and of ``tp=4,tp_mode=2d``, and the final weights' worst relative difference."""
+    def case():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        return ClsTokens(), torch.randn(4, 5, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+    model, x, y = case()
+    o = _opt(list(model.parameters()))
+    want = []
+    for _ in range(STEPS):
+        o.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        o.step()
+        want.append(loss.item())
+    other, x, y = case()
+    pm = autopar.parallelize(other, (x,), loss_fn=torch.nn.functional.cross_entropy, example_target=y,
+                             optimizer=_opt, strategy="tp=4,tp_mode=2d")
+    got = [pm.train_step((x,), y) for _ in range(STEPS)]
+    w = pm.full_state_dict()
+    worst = max(((w[k] - v).abs().max() / v.abs().max()).item() for k, v in model.state_dict().items())
+    return want, got, worst
+
+
 def _worker(rank, world, path):
     warnings.simplefilter("ignore")
-    out = {}
+    out = {"cls_tokens": _cls_tokens()}
     for spec, strategies in CASES.items():
         want_losses, want_w, matrices = _reference(spec)
         for strategy in strategies:
@@ -241,6 +285,13 @@ def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
             assert norms == pytest.approx(want_norms, rel=1e-4), (spec, strategy)
             assert worst < 1e-4 and not missing, (spec, strategy, worst, missing)
             assert matrices > 0 and not not_quarter, (spec, strategy, not_quarter)
+
+
+def test_2d_widens_a_batch_size_read_off_a_grid_split_value(results):
+    for r in results:
+        want, got, worst = r["cls_tokens"]
+        assert got == pytest.approx(want, rel=1e-4)
+        assert worst < 1e-4
 
 
 # ----------------------------------------------------------------------------- 8 processes: the 3d cube

@@ -148,6 +148,26 @@ def _keep_runtime_sizes(local: tuple[int, ...], given: tuple, traced: tuple[int,
     return tuple(g if isinstance(g, fx.Node) and loc == t else loc for loc, g, t in zip(local, sizes, traced))
 
 
+def _size_read(fnode: fx.Node) -> tuple[str, int] | None:
+    """``(value, d)`` when ``fnode`` reads size ``d`` of a value:
+    ``aten.sym_size.int(v, d)``, ``v.size(d)``, and fx's ``v.shape[d]`` and
+    ``v.size()[d]`` (a ``getitem`` of ``getattr(v, "shape")`` / ``v.size()``);
+    else None."""
+    args = fnode.args
+    if fnode.target is torch.ops.aten.sym_size.int or (fnode.op == "call_method" and fnode.target == "size"):
+        if len(args) >= 2 and isinstance(args[0], fx.Node) and isinstance(args[1], int):
+            return args[0].name, args[1]
+        return None
+    if fnode.target is operator.getitem and len(args) == 2 and isinstance(args[0], fx.Node) \
+            and isinstance(args[1], int):
+        whole = args[0]
+        if (whole.target is getattr and whole.args[1:] == ("shape",)) or \
+                (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1):
+            if isinstance(whole.args[0], fx.Node):
+                return whole.args[0].name, args[1]
+    return None
+
+
 @dataclass
 class LocalProgram:
     """This rank's program: the module and where each parameter came from."""
@@ -380,15 +400,14 @@ class _Rewriter:
 
     def whole_size(self, fnode: fx.Node, x: fx.Node) -> fx.Node:
         """``x``, or for a size read off dim ``d`` of a value an axis with
-        ``whole_sizes`` splits on ``d`` (``aten.sym_size.int(v, d)``,
-        ``v.size(d)``), that size times the axis's size: the batch a grid's rows
-        split stays the whole one in sizes (``arange(B)`` positions, expands),
-        as the placements of the values made from it say."""
-        is_size = fnode.target is torch.ops.aten.sym_size.int or (fnode.op == "call_method" and fnode.target == "size")
-        if not is_size or len(fnode.args) < 2 or not isinstance(fnode.args[0], fx.Node) \
-                or not isinstance(fnode.args[1], int):
+        ``whole_sizes`` splits on ``d`` (:func:`_size_read`), that size times
+        the axis's size: the batch a grid's rows split stays the whole one in
+        sizes (``arange(B)`` positions, timm's ``cls_token.expand(x.shape[0],
+        ...)``), as the placements of the values made from it say."""
+        read = _size_read(fnode)
+        if read is None:
             return x
-        src, d = fnode.args[0].name, fnode.args[1]
+        src, d = read
         for ax in self.axes:
             p = ax.out(src)
             if ax.whole_sizes and is_shard(p) and (shard_dim(p) == d or (d < 0 and self._rank_of(src) + d ==
