@@ -54,10 +54,10 @@ def test_real_model_matches_single_process(results, model, family, strategy):
 def test_matrix_families_are_all_covered():
     # selective recompute, ZeRO-1 and bf16 run on export graphs in `make matrix`; in `make test` on the
     # zoo's fx graphs (tests/test_memory_options.py), for the suite's time budget; so does the 2d grid
-    # (tests/test_tensor2d.py); dp x 2d and 2.5d take 8 processes, as pp x dp x tp
+    # (tests/test_tensor2d.py); dp x 2d, 2.5d and 3d take 8 processes, as pp x dp x tp
     assert {f for _, f, _ in RUNS} >= set(matrix.FAMILIES) - {"dp", "pp x dp x tp", "zero-1",
                                                                "recompute selective", "bf16", "2d", "dp x 2d",
-                                                               "2.5d"}
+                                                               "2.5d", "3d"}
     assert {m for m, _, _ in RUNS} == set(EXPORT_MODELS)
 
 
