@@ -71,7 +71,7 @@ from .sharding import AxisSharding, batch_dims, needs_grad, numel as _numel, row
     track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
-from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
+from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
 from .spec import ParallelConfig, check_grid, divisors
 from .spec.placement import R
 from .strategies import is_shard
@@ -975,7 +975,7 @@ class CostModel:
         pp, m, chunks = cfg.pp, cfg.microbatches, cfg.chunks
 
         def run(count: int) -> Timeline:
-            return simulate(build_schedule(cfg.schedule, pp, count, chunks), fwd, bwd, p2p)
+            return simulate_schedule(cfg.schedule, pp, count, chunks, fwd, bwd, p2p)
 
         tl = None
         if m > EXTRAPOLATE * pp:
