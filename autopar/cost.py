@@ -71,7 +71,7 @@ from .sharding import AxisSharding, backward_reads, batch_dims, depth_placement,
     row_placement, instances, scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
-from .pipeline.schedule import Timeline, build_schedule, makespan_lower_bound, simulate
+from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
 from .spec import ParallelConfig, check_grid, divisors
 from .spec.placement import P, R
 from .strategies import is_shard
@@ -996,7 +996,7 @@ class CostModel:
         pp, m, chunks = cfg.pp, cfg.microbatches, cfg.chunks
 
         def run(count: int) -> Timeline:
-            return simulate(build_schedule(cfg.schedule, pp, count, chunks), fwd, bwd, p2p)
+            return simulate_schedule(cfg.schedule, pp, count, chunks, fwd, bwd, p2p)
 
         tl = None
         if m > EXTRAPOLATE * pp:

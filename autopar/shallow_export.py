@@ -100,17 +100,24 @@ def _layer_of(n: fx.Node, prefix: str) -> int | None:
     return None
 
 
-def _renamed(value: Any, old: str, new: str) -> Any:
-    """``value`` (a module path, a tuple of them, a stack dict) with the layer path ``old`` read as ``new``."""
+def _renamed(value: Any, old: str, new: str, memo: dict[str, str] | None = None) -> Any:
+    """``value`` (a module path, a tuple of them, a stack dict) with the layer path ``old`` read as ``new``.
+    ``memo``: the strings already renamed from ``old`` to ``new`` (a layer's nodes share a few
+    module paths, so a copy renames each once)."""
     if isinstance(value, str):
+        if memo is not None:
+            hit = memo.get(value)
+            if hit is None:
+                hit = memo[value] = _renamed(value, old, new)
+            return hit
         if value == old or value.startswith(old + "."):
             return new + value[len(old):]
         key_old, key_new = old.replace(".", "_"), new.replace(".", "_")   # stack keys: L__self__model_layers_2
         return re.sub(re.escape(key_old) + r"(?=$|[._])", key_new, value) if key_old in value else value
     if isinstance(value, tuple):
-        return tuple(_renamed(v, old, new) for v in value)
+        return tuple(_renamed(v, old, new, memo) for v in value)
     if isinstance(value, dict):
-        return {_renamed(k, old, new): _renamed(v, old, new) for k, v in value.items()}
+        return {_renamed(k, old, new, memo): _renamed(v, old, new, memo) for k, v in value.items()}
     return value
 
 
@@ -149,6 +156,7 @@ def _replicate(gm: fx.GraphModule, prefix: str, layers: int, root: nn.Module) ->
         new_path, src = f"{prefix}.{k}", copies[-1]
         made: list[fx.Node] = []
         env: dict[fx.Node, fx.Node] = {}
+        names: dict[str, str] = {}
 
         def arg(a: fx.Node) -> fx.Node:
             if a in env:
@@ -159,7 +167,7 @@ def _replicate(gm: fx.GraphModule, prefix: str, layers: int, root: nn.Module) ->
 
         for n in last:
             if n.op == "get_attr":
-                target = _renamed(str(n.target), old_path, new_path)
+                target = _renamed(str(n.target), old_path, new_path, names)
                 _copy_state(gm, root, target)
                 with g.inserting_after(attr_cursor):
                     new = g.get_attr(target)
@@ -168,7 +176,7 @@ def _replicate(gm: fx.GraphModule, prefix: str, layers: int, root: nn.Module) ->
                 with g.inserting_after(cursor):
                     new = g.node_copy(n, arg)
                 cursor = new
-            new.meta = {**{key: (_renamed(v, old_path, new_path) if key == "nn_module_stack" else v)
+            new.meta = {**{key: (_renamed(v, old_path, new_path, names) if key == "nn_module_stack" else v)
                            for key, v in n.meta.items()}, **({"autopar_copy": True} if n.op == "get_attr" else {})}
             env[n] = new
             made.append(new)
@@ -323,12 +331,13 @@ def _extend(graph: fx.Graph, prefix: str, layers: int) -> fx.Graph | None:
         for k in range(KEEP, layers):
             new_path = f"{prefix}.{k}"
             made: dict[fx.Node, fx.Node] = {}
+            names: dict[str, str] = {}
             for m in last:
                 def arg(a: fx.Node) -> fx.Node:
                     return made[a] if a in made else copy_of_prev[a] if a in copy_of_prev else env[a]
-                target = _renamed(m.target, old_path, new_path) if m.op in ("call_module", "get_attr") \
-                    else m.target
-                meta = {key: _renamed(v, old_path, new_path) if key == "nn_module_stack" else v
+                target = _renamed(m.target, old_path, new_path, names) \
+                    if m.op in ("call_module", "get_attr") else m.target
+                meta = {key: _renamed(v, old_path, new_path, names) if key == "nn_module_stack" else v
                         for key, v in m.meta.items()}
                 made[m] = make(m, target, fx.map_arg((m.args, m.kwargs), arg), meta)
             copy_of_prev = {p: made[q] for p, q in zip(prev, last)}

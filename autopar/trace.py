@@ -25,6 +25,7 @@ import contextlib
 import dis
 import hashlib
 import io
+import itertools
 import logging
 import operator
 import sys
@@ -495,7 +496,22 @@ def _merge_tied(gm: fx.GraphModule, aliases: dict[str, str] | None = None) -> di
 
 
 def _is_meta_model(m: nn.Module) -> bool:
-    return any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+    return any(t.is_meta for t in itertools.chain(m.parameters(), m.buffers()))
+
+
+def _holding_params(root: nn.Module) -> set[str]:
+    """The paths of the modules of ``root`` holding a parameter (their own
+    or a descendant's, tied ones under every name): one walk, where asking
+    each module for its parameters walked its subtree again."""
+    held: set[str] = set()
+    for name, _ in root.named_parameters(remove_duplicate=False):
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        while path not in held:
+            held.add(path)
+            if not path:
+                break
+            path = path.rsplit(".", 1)[0] if "." in path else ""
+    return held
 
 
 class _GroupShapeProp(ShapeProp):
@@ -544,8 +560,9 @@ def _twins(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     same position in the first instance (instances = siblings of equal structure)."""
     cache: dict[int, str] = {}
     by_key: dict[tuple[str, str], list[str]] = defaultdict(list)
+    held = _holding_params(gm)
     for path, m in gm.named_modules():
-        if path and any(True for _ in m.parameters()):
+        if path and path in held:
             parent = path.rsplit(".", 1)[0] if "." in path else ""
             by_key[(parent, _module_signature(m, cache))].append(path)
     inst_of = {p: paths[0] for paths in by_key.values() if len(paths) >= 2 for p in paths}
@@ -1102,8 +1119,9 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
         return []
     cache: dict[int, str] = {}
     by_parent: dict[tuple[str, str], list[str]] = defaultdict(list)
+    held = _holding_params(root)
     for path, m in root.named_modules():
-        if not path or not any(True for _ in m.parameters()):
+        if not path or path not in held:
             continue
         parent = path.rsplit(".", 1)[0] if "." in path else ""
         by_parent[(parent, _module_signature(m, cache))].append(path)

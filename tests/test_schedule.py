@@ -6,7 +6,8 @@ import pytest
 
 from autopar.errors import StrategyError
 from autopar.pipeline.schedule import (SCHEDULES, Action, Event, Timeline, bubble_fraction, build_schedule,
-                                       check_schedule, makespan_lower_bound, simulate)
+                                       check_schedule, makespan_lower_bound, simulate,
+                                       simulate_schedule)
 from autopar.pipeline.timeline import plot_timeline
 
 F, B = "F", "B"
@@ -164,6 +165,28 @@ def test_makespan_lower_bound_holds(schedule, pp, m, chunks):
         assert makespan_lower_bound(pp, m, [1.0] * stages, [2.0] * stages, [0.0] * (stages - 1)) == \
             pytest.approx(even, rel=1e-12)
 
+
+@pytest.mark.parametrize("schedule,pp,m,chunks", [
+    ("gpipe", 4, 8, 1), ("1f1b", 1, 3, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 16, 2), ("interleaved", 4, 8, 4),
+])
+def test_simulate_schedule_equals_simulate(schedule, pp, m, chunks):
+    """The kept order of a named schedule gives the timeline simulate gives its
+    action lists, time for time, whatever the stage times (and on a second call,
+    which reuses the order)."""
+    import random
+    rng = random.Random(pp * 100 + m + chunks)
+    stages = pp * chunks
+    for _ in range(3):
+        fwd = [rng.uniform(0.1, 2.0) for _ in range(stages)]
+        bwd = [rng.uniform(0.1, 4.0) for _ in range(stages)]
+        p2p = [rng.uniform(0.0, 0.5) for _ in range(stages - 1)]
+        want = simulate(build_schedule(schedule, pp, m, chunks), fwd, bwd, p2p)
+        got = simulate_schedule(schedule, pp, m, chunks, fwd, bwd, p2p)
+        assert (got.makespan, got.busy, got.peak_in_flight) == (want.makespan, want.busy, want.peak_in_flight)
+        assert got.events == want.events
+    with pytest.raises(ValueError, match="len\\(fwd\\)"):
+        simulate_schedule(schedule, pp, m, chunks, [1.0] * (stages + 1), [1.0] * (stages + 1))
 
 def test_backward_before_its_own_forward_deadlocks():
     actions = [[Action(F, 0), Action(B, 0)], [Action(B, 0), Action(F, 0)]]

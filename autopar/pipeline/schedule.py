@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from itertools import accumulate, chain
 from operator import attrgetter
 
@@ -195,29 +195,69 @@ def simulate(actions: Sequence[Sequence[Action]], fwd: Sequence[float], bwd: Seq
     :class:`ValueError` for malformed input (an action listed twice, a chunk
     the stage times do not cover, a negative time).
     """
-    plan = _Compiled.of(actions, fwd, bwd, p2p)
-    begin, pos, clock = _run(plan)
-    stuck = [r for r in range(len(actions)) if pos[r] < plan.offsets[r + 1]]
+    pp, stages = len(actions), len(fwd)
+    if pp < 1 or len(bwd) != stages or stages % pp:
+        raise ValueError(f"need len(fwd) == len(bwd) == pp * chunks with pp = len(actions) = {pp}, "
+                         f"got len(fwd)={stages}, len(bwd)={len(bwd)}")
+    return _timed(_Order.of(actions, stages), fwd, bwd, p2p)
+
+
+def simulate_schedule(schedule: str, pp: int, microbatches: int, chunks: int, fwd: Sequence[float],
+                      bwd: Sequence[float], p2p: float | Sequence[float] = 0.0) -> Timeline:
+    """:func:`simulate` of :func:`build_schedule` ``(schedule, pp, microbatches,
+    chunks)``, the same timeline, with the schedule's actions and their order
+    (what does not depend on the times) made once per schedule and kept for
+    the next call (a search simulates one schedule under many stage times)."""
+    if len(fwd) != pp * chunks or len(bwd) != pp * chunks:
+        raise ValueError(f"need len(fwd) == len(bwd) == pp * chunks = {pp * chunks}, "
+                         f"got len(fwd)={len(fwd)}, len(bwd)={len(bwd)}")
+    if pp * microbatches * chunks > ORDERS_KEPT_UNITS:      # a few MB each: made for this call only
+        return _timed(_Order.of(build_schedule(schedule, pp, microbatches, chunks), pp * chunks), fwd, bwd, p2p)
+    return _timed(_schedule_order(schedule, pp, microbatches, chunks), fwd, bwd, p2p)
+
+
+#: :func:`simulate_schedule` keeps the orders of the last 16 schedules of at most this many
+#: (microbatch, chunk) units per rank times ranks (about 5 MB each at most)
+ORDERS_KEPT_UNITS = 1 << 15
+
+
+@lru_cache(maxsize=16)
+def _schedule_order(schedule: str, pp: int, microbatches: int, chunks: int) -> _Order:
+    return _Order.of(build_schedule(schedule, pp, microbatches, chunks), pp * chunks)
+
+
+def _timed(order: _Order, fwd: Sequence[float], bwd: Sequence[float], p2p: float | Sequence[float]) -> Timeline:
+    """The timeline of ``order`` under these stage and transfer times (see :func:`simulate`)."""
+    fwd_v, bwd_v = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    if (fwd_v < 0).any() or (bwd_v < 0).any():
+        raise ValueError("forward and backward times must be >= 0")
+    # gap[v]: transfer v -> v+1; gap[V-1] (also gap[-1]) = 0: no transfer past either end
+    gap = np.append(_links(p2p, len(fwd)), 0.0)
+    wait = np.where(order.backward, gap[order.stage], gap[order.stage - 1])
+    cost = np.where(order.backward, bwd_v[order.stage], fwd_v[order.stage])
+    begin, pos, clock = _run(order, wait.tolist(), cost.tolist())
+    stuck = [r for r in range(order.pp) if pos[r] < order.offsets[r + 1]]
     if stuck:
         raise RuntimeError("pipeline schedule deadlocks: " + "; ".join(
-            f"rank {r} waits forever at action {pos[r] - plan.offsets[r]}, "
-            f"{actions[r][pos[r] - plan.offsets[r]]}" for r in stuck))
-    return Timeline(pp=plan.pp, chunks=plan.chunks, makespan=max(clock),
-                    busy=np.bincount(plan.rank, weights=plan.cost, minlength=plan.pp).tolist(),
-                    peak_in_flight=plan.peak_in_flight(),
-                    make_events=partial(_events, plan.flat, plan.offsets, np.array(begin), list(fwd),
+            f"rank {r} waits forever at action {pos[r] - order.offsets[r]}, "
+            f"{order.flat[pos[r]]}" for r in stuck))
+    return Timeline(pp=order.pp, chunks=order.chunks, makespan=max(clock),
+                    busy=np.bincount(order.rank, weights=cost, minlength=order.pp).tolist(),
+                    peak_in_flight=list(order.peak_in_flight),
+                    make_events=partial(_events, order.flat, order.offsets, np.array(begin), list(fwd),
                                         list(bwd)))
 
 
 @dataclass(frozen=True)
-class _Compiled:
-    """The action lists as flat arrays (rank 0's actions, then rank 1's, ...), ready for :func:`_run`.
+class _Order:
+    """The action lists as flat arrays (rank 0's actions, then rank 1's, ...), ready for :func:`_run`:
+    everything but the times, so one schedule's order serves every simulation of it.
 
     Every (kind, stage, microbatch) has a slot ``F(v, i) = v m + i``,
     ``B(v, i) = (V + v) m + i`` and one more slot, always finished at time 0,
     stands for "nothing to wait for". Each action waits for one slot (``dep``)
-    plus ``wait`` seconds: ``F(v-1, i)`` plus the transfer for a forward,
-    ``B(v+1, i)`` plus the transfer for a backward. That a backward also waits
+    plus a transfer: ``F(v-1, i)`` for a forward, ``B(v+1, i)`` for a
+    backward. That a backward also waits
     for its own forward is checked once, statically: the forward must come
     earlier in the same rank's list (then the rank has finished it, and it
     finished before ``B(v+1, i)`` could start).
@@ -230,21 +270,14 @@ class _Compiled:
     flat: list[Action]
     rank: np.ndarray
     backward: np.ndarray        # bool: B (else F)
-    slot: np.ndarray
-    dep: np.ndarray
-    wait: np.ndarray
-    cost: np.ndarray
+    stage: np.ndarray
+    slot: list[int]
+    dep: list[int]
+    peak_in_flight: tuple[int, ...]
 
     @classmethod
-    def of(cls, actions: Sequence[Sequence[Action]], fwd: Sequence[float], bwd: Sequence[float],
-           p2p: float | Sequence[float]) -> _Compiled:
-        pp, stages = len(actions), len(fwd)
-        if pp < 1 or len(bwd) != stages or stages % pp:
-            raise ValueError(f"need len(fwd) == len(bwd) == pp * chunks with pp = len(actions) = {pp}, "
-                             f"got len(fwd)={stages}, len(bwd)={len(bwd)}")
-        fwd_v, bwd_v = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-        if (fwd_v < 0).any() or (bwd_v < 0).any():
-            raise ValueError("forward and backward times must be >= 0")
+    def of(cls, actions: Sequence[Sequence[Action]], stages: int) -> _Order:
+        pp = len(actions)
         flat = list(chain.from_iterable(actions))
         n = len(flat)
         offsets = [0, *accumulate(map(len, actions))]
@@ -261,43 +294,42 @@ class _Compiled:
         nothing = 2 * stages * m                                     # the last slot
         dep = np.where(backward, np.where(stage == stages - 1, nothing, slot + m),
                        np.where(stage == 0, nothing, fslot - m))
-        # gap[v]: transfer v -> v+1; gap[V-1] (also gap[-1]) = 0: no transfer past either end
-        gap = np.append(_links(p2p, stages), 0.0)
-        plan = cls(pp=pp, chunks=stages // pp, offsets=offsets, slots=nothing + 1, flat=flat, rank=rank,
-                   backward=backward, slot=slot, dep=dep,
-                   wait=np.where(backward, gap[stage], gap[stage - 1]),
-                   cost=np.where(backward, bwd_v[stage], fwd_v[stage]))
-        plan.check_order(fslot)
-        return plan
-
-    def check_order(self, fslot: np.ndarray) -> None:
-        """Reject an action listed twice, and a backward not preceded by its forward on the same rank."""
-        order = np.arange(len(self.slot))
-        index = np.full(self.slots, -1)
-        index[self.slot] = order
-        twice = np.flatnonzero(index[self.slot] != order)
-        if len(twice):
-            raise ValueError(f"rank {self.rank[twice[0]]} lists {self.flat[twice[0]]} more than once")
-        b = np.flatnonzero(self.backward)
-        own_forward = index[fslot[b]]
-        stuck = b[(own_forward < 0) | (own_forward > b)]
-        if len(stuck):
-            k, r = int(stuck[0]), int(self.rank[stuck[0]])
-            raise RuntimeError(f"pipeline schedule deadlocks: rank {r} runs {self.flat[k]} at action "
-                               f"{k - self.offsets[r]} before (or without) its forward on the same rank, "
-                               f"so it would wait for it forever")
-
-    def peak_in_flight(self) -> list[int]:
-        """Per rank, the most activations held at once: its list order alone decides it."""
-        held = np.cumsum(np.where(self.backward, -1, 1))
-        peaks = []
-        for lo, hi in zip(self.offsets, self.offsets[1:]):
-            before = held[lo - 1] if lo else 0
-            peaks.append(int(max(held[lo:hi].max(initial=before) - before, 0)))
-        return peaks
+        _check_order(flat, offsets, rank, backward, slot, fslot, nothing + 1)
+        return cls(pp=pp, chunks=stages // pp, offsets=offsets, slots=nothing + 1, flat=flat, rank=rank,
+                   backward=backward, stage=stage, slot=slot.tolist(), dep=dep.tolist(),
+                   peak_in_flight=_peaks(backward, offsets))
 
 
-def _run(plan: _Compiled) -> tuple[list[float], list[int], list[float]]:
+def _check_order(flat: list[Action], offsets: list[int], rank: np.ndarray, backward: np.ndarray,
+                 slot: np.ndarray, fslot: np.ndarray, slots: int) -> None:
+    """Reject an action listed twice, and a backward not preceded by its forward on the same rank."""
+    order = np.arange(len(slot))
+    index = np.full(slots, -1)
+    index[slot] = order
+    twice = np.flatnonzero(index[slot] != order)
+    if len(twice):
+        raise ValueError(f"rank {rank[twice[0]]} lists {flat[twice[0]]} more than once")
+    b = np.flatnonzero(backward)
+    own_forward = index[fslot[b]]
+    stuck = b[(own_forward < 0) | (own_forward > b)]
+    if len(stuck):
+        k, r = int(stuck[0]), int(rank[stuck[0]])
+        raise RuntimeError(f"pipeline schedule deadlocks: rank {r} runs {flat[k]} at action "
+                           f"{k - offsets[r]} before (or without) its forward on the same rank, "
+                           f"so it would wait for it forever")
+
+
+def _peaks(backward: np.ndarray, offsets: list[int]) -> tuple[int, ...]:
+    """Per rank, the most activations held at once: its list order alone decides it."""
+    held = np.cumsum(np.where(backward, -1, 1))
+    peaks = []
+    for lo, hi in zip(offsets, offsets[1:]):
+        before = held[lo - 1] if lo else 0
+        peaks.append(int(max(held[lo:hi].max(initial=before) - before, 0)))
+    return tuple(peaks)
+
+
+def _run(order: _Order, wait: list[float], cost: list[float]) -> tuple[list[float], list[int], list[float]]:
     """The event loop: advance each rank through its actions while what it waits for has finished.
 
     A rank that must wait parks on the slot it waits for and is resumed when
@@ -305,13 +337,12 @@ def _run(plan: _Compiled) -> tuple[list[float], list[int], list[float]]:
     Returns each action's start time, where each rank stopped (its end offset
     unless stuck) and each rank's clock.
     """
-    offsets, slot, dep, wait, cost = (plan.offsets, plan.slot.tolist(), plan.dep.tolist(),
-                                      plan.wait.tolist(), plan.cost.tolist())
-    done = [-1.0] * (plan.slots - 1) + [0.0]    # end time per slot, -1: not yet; last: "nothing"
-    parked = [-1] * plan.slots                    # the rank waiting for each slot, -1: none
+    offsets, slot, dep = order.offsets, order.slot, order.dep
+    done = [-1.0] * (order.slots - 1) + [0.0]    # end time per slot, -1: not yet; last: "nothing"
+    parked = [-1] * order.slots                    # the rank waiting for each slot, -1: none
     begin = [0.0] * len(slot)
-    pos, clock = offsets[:-1], [0.0] * plan.pp
-    runnable = list(range(plan.pp))
+    pos, clock = offsets[:-1], [0.0] * order.pp
+    runnable = list(range(order.pp))
     while runnable:
         r = runnable.pop()
         now = clock[r]
@@ -338,7 +369,7 @@ def _events(flat: list[Action], offsets: list[int], begin: np.ndarray, fwd: list
             bwd: list[float]) -> list[Event]:
     """The simulated actions as :class:`Event` objects, rank by rank in execution order.
 
-    Kept apart from :class:`_Compiled` so that a timeline holds on to only
+    Kept apart from :class:`_Order` so that a timeline holds on to only
     8 bytes per action (its start) plus the action list, not the whole plan.
     """
     pp, starts, events = len(offsets) - 1, begin.tolist(), []
