@@ -498,10 +498,14 @@ def selective_keeps(graph: Graph, sh: AxisSharding | None = None) -> frozenset[s
     Everything else the layer's backwards read is run again from these and
     the layer's inputs, so selective never keeps more than no recompute
     keeps of the same values, and keeps a matmul's output instead of the
-    values computed from it. Memoised on the graph per decisions."""
+    values computed from it. Memoised on the graph per decisions: the
+    placements of the layer nodes (many searched shardings share them)."""
     if sh is None or sh.n == 1:
         return graph.memo(("selective_keeps", None), lambda: _selective_keeps(graph, None))
-    return _selective_keeps(graph, sh)
+    layer = graph.memo(("layer_node_names",), lambda: tuple(nd.name for nd in graph.nodes if nd.group is not None))
+    out, strategy = sh.out, sh.strategy
+    key = ("selective_keeps", tuple((out.get(n), strategy.get(n)) for n in layer))
+    return graph.memo(key, lambda: _selective_keeps(graph, sh))
 
 
 def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
