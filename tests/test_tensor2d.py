@@ -237,28 +237,35 @@ def _cls_tokens():
     return want, got, worst
 
 
+def _train(spec, strategy, want_w, matrices, share):
+    """``spec`` trained under ``strategy`` for STEPS steps (clipped as CLIP says): the module, the
+    batch and ``((losses, norms), worst relative weight error, missing weights, the matrices a rank
+    does not hold 1/share of, how many matrices it holds)``."""
+    model, x, y, loss_fn = _case(spec)
+    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
+                             strategy=strategy, max_grad_norm=CLIP[spec])
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(pm.train_step((x,), y))
+        if CLIP[spec] is not None:
+            norms.append(float(pm.grad_norm))
+    pre = len("model.")
+    held = {k[pre:]: t.numel() for k, t in pm._local_tensors().items() if k[pre:] in matrices}
+    w = pm.full_state_dict()
+    worst = max(((w[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
+                for k, v in want_w.items() if k in w)
+    wrong = sorted(k for k, n in held.items() if share * n != matrices[k])
+    return pm, x, y, ((losses, norms), worst, sorted(set(want_w) - set(w)), wrong, len(held))
+
+
 def _worker(rank, world, path):
     warnings.simplefilter("ignore")
     out = {"cls_tokens": _cls_tokens()}
     for spec, strategies in CASES.items():
         want_losses, want_w, matrices = _reference(spec)
         for strategy in strategies:
-            model, x, y, loss_fn = _case(spec)
-            pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
-                                     strategy=strategy, max_grad_norm=CLIP[spec])
-            losses, norms = [], []
-            for _ in range(STEPS):
-                losses.append(pm.train_step((x,), y))
-                if CLIP[spec] is not None:
-                    norms.append(float(pm.grad_norm))
-            losses = (losses, norms)
-            pre = len("model.")
-            held = {k[pre:]: t.numel() for k, t in pm._local_tensors().items() if k[pre:] in matrices}
-            w = pm.full_state_dict()
-            worst = max(((w[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
-                        for k, v in want_w.items() if k in w)
-            quarter = sorted(k for k, n in held.items() if 4 * n != matrices[k])
-            out[spec, strategy] = (want_losses, losses, worst, sorted(set(want_w) - set(w)), quarter, len(held))
+            pm, x, y, got = _train(spec, strategy, want_w, matrices, 4)
+            out[spec, strategy] = (want_losses, *got)
             if spec == GPT:
                 pm.last_batch = ((x,), y)
                 out["checkpoint"] = _checkpoint(pm, path)
@@ -309,21 +316,8 @@ def _cube_worker(rank, world, path):
     out = {}
     for spec, strategy in CUBE.items():
         want_losses, want_w, matrices = _reference(spec)
-        model, x, y, loss_fn = _case(spec)
-        pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, optimizer=_opt,
-                                 strategy=strategy, max_grad_norm=CLIP[spec])
-        losses, norms = [], []
-        for _ in range(STEPS):
-            losses.append(pm.train_step((x,), y))
-            if CLIP[spec] is not None:
-                norms.append(float(pm.grad_norm))
-        pre = len("model.")
-        held = {k[pre:]: t.numel() for k, t in pm._local_tensors().items() if k[pre:] in matrices}
-        w = pm.full_state_dict()
-        worst = max(((w[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
-                    for k, v in want_w.items() if k in w)
-        eighth = sorted(k for k, n in held.items() if 8 * n != matrices[k])
-        out[spec] = (want_losses, (losses, norms), worst, sorted(set(want_w) - set(w)), eighth, len(held))
+        pm, x, y, got = _train(spec, strategy, want_w, matrices, 8)
+        out[spec] = (want_losses, *got)
         if spec == GPT:     # a checkpoint of the cube resumes under 1d (and the cube's own next step goes on)
             pm.last_batch = ((x,), y)
             out["checkpoint"] = _checkpoint(pm, path, "dp=4,tp=2,zero=1")
