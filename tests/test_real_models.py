@@ -95,3 +95,25 @@ def test_vocab_parallel_kernels_on_an_export_graph():
         if nd.kind == "cross_entropy" or nd.kind == "embedding" and g[nd.inputs[0]].param == "model.transformer.wte.weight":
             chosen[nd.kind] = st["strategy"][1]        # the tensor-parallel axis
     assert chosen == {"embedding": "vocab", "cross_entropy": "vocab"}
+
+
+def test_export_factory_ops_follow_the_rank_device():
+    """torch.export writes the trace's device into factory ops (a Hugging Face
+    model's ``arange`` of positions): the compiled program must make them on
+    the rank's device, or a model traced on the CPU fails on a GPU (seen on an
+    H200: "index is on cpu, different from other tensors on cuda:0")."""
+    import torch
+
+    from autopar.compile.fx_utils import retarget_devices
+
+    class Pos(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.arange(x.shape[1], dtype=x.dtype)
+
+    gm = torch.export.export(Pos(), (torch.zeros(2, 3),)).module()
+    named = [n for n in gm.graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    assert named and all(n.kwargs["device"].type == "cpu" for n in named)
+    assert retarget_devices(gm, torch.device("meta")) == len(named)
+    out = gm(torch.zeros(2, 3, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 3)
+    assert retarget_devices(gm, torch.device("meta")) == 0     # already there: the graph is left alone

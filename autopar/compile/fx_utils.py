@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["get_attr", "free_nodes"]
+__all__ = ["get_attr", "free_nodes", "retarget_devices"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -34,3 +35,24 @@ def free_nodes(gm: fx.GraphModule) -> set[str]:
             if all(i.op == "placeholder" or i.name in free for i in n.all_input_nodes):
                 free.add(n.name)
     return free
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
+    """Point every op that names a device at ``device`` (this rank's), and
+    recompile ``gm`` if any changed; return how many nodes changed.
+
+    A ``torch.export`` graph writes the device it was traced on into its
+    factory and copy ops (``aten.arange(..., device=cpu)``, ``full``,
+    ``zeros``, ``_to_copy``): a Hugging Face model's position ids would
+    otherwise be made on the CPU beside weights on the GPU. A device that
+    flows from a tensor at run time (``x.device`` in a ``torch.fx`` graph)
+    is a node, not a constant, and is left alone."""
+    changed = 0
+    for node in gm.graph.nodes:
+        dev = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(dev, (torch.device, str)) and torch.device(dev) != device:
+            node.kwargs = {**node.kwargs, "device": device}
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed

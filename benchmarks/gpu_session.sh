@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU checks of a session lent one CUDA machine (see benchmarks/README.md, "GPU runs").
+# Run from the repository root on that machine; OUT names where results go (default /tmp/gpu-out).
+# Python packages the machine's image lacks travel as wheels in .whl/ (highspy, jsonschema and
+# its dependencies); the image's own torch is used, whatever its version.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, autopar; print('torch', torch.__version__, 'autopar', autopar.__version__, torch.cuda.get_device_name(0))"
+timeout 150 python3 -m autopar.cli calibrate --quick --out "$OUT/cluster-gpu.json" 2>&1 | tail -40
+cal=(); [ -f "$OUT/cluster-gpu.json" ] && cal=(--calibrated "$OUT/cluster-gpu.json")
+timeout "${FIDELITY_TIMEOUT:-330}" python3 -m benchmarks.fidelity_gpu "${cal[@]}" "$@" 2>&1 | tee "$OUT/fidelity_gpu.log"
+cp benchmarks/results/fidelity_gpu-gpu-*.json "$OUT/" 2>/dev/null
+cp benchmarks/README.md "$OUT/README.bench.md" 2>/dev/null
+ls -la "$OUT"
