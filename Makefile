@@ -12,7 +12,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5,
 # links the CUDA torch and cannot load, which autopar.zoo.vision works around (see there).
 VISION_PIP ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torchvision timm' || echo '--no-deps torchvision==0.28.0 timm==1.0.31')
 
-.PHONY: all demo test bench matrix venv clean
+.PHONY: test-spawn8 all demo test bench matrix venv clean
 
 all: test
 
@@ -40,6 +40,10 @@ $(BROWSER_STAMP): $(STAMP)
 # running two pytest-xdist workers beside them measured slower (654-658 s against the budget of 600)
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q tests
+
+# the 8-process spawns (pp x dp x tp, the 2.5d and 3d cubes) the suite skips for its time budget
+test-spawn8: $(STAMP)
+	AUTOPAR_SPAWN8=1 $(PY) -m pytest -q -k "8_processes or cube or 3d_trains" tests/test_pipeline_runtime.py tests/test_tensor2d.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -523,8 +523,13 @@ class _GroupShapeProp(ShapeProp):
     exact, and it makes 96 identical blocks cost about as much as one.
     """
 
-    def __init__(self, gm: fx.GraphModule, twin: dict[fx.Node, fx.Node], **kw: Any) -> None:
-        super().__init__(gm, **kw)
+    def __init__(self, gm: fx.GraphModule, twin: dict[fx.Node, fx.Node], fake_mode: Any = None) -> None:
+        super().__init__(gm)
+        if fake_mode is not None and self.fake_mode is None:
+            # the model's own weights enter the fake mode as they are read (it allows real
+            # inputs), instead of ShapeProp's deep copy of the whole model into fake tensors
+            # first: that copy was a quarter of tracing a zoo model for parallelize
+            self.fake_mode = fake_mode
         self.twin = twin
         self.firsts = set(twin.values())
         # (inputs, result) of first-instance nodes; the interpreter frees its

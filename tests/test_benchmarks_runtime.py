@@ -62,8 +62,9 @@ TINY_HF = {
     "hf-llama": ("hf-llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,"
                  "intermediate_size=64,vocab_size=64,seq=8"),
 }
-HF_RUNS = [("hf-gpt2", "dp=2,tp=2,sequence_parallel=true,microbatches=1", 8),
-           ("hf-llama", "dp=4,zero=3,microbatches=1", 8)]
+# one run (the suite's time budget): ZeRO-3 on an export graph, the family whose memory is measured
+# differently (FSDP2's DTensors); sequence parallel on an export graph runs in tests/test_real_models.py
+HF_RUNS = [("hf-llama", "dp=4,zero=3,microbatches=1", 8)]
 
 
 def _hf(rank: int, world: int) -> list[dict]:
@@ -88,4 +89,4 @@ def test_hf_suite_runs(spawned):
         assert all(r["model"] == key and r["global_batch"] == gb and r["pipeline"] is None for r in rows)
         assert all(r["measured_step_s"] > 0 and r["predicted_step_s"] > 0 for r in rows)
         assert all(r["measured_peak_bytes"] > 0 and r["predicted_peak_bytes"] > 0 for r in rows)
-    assert "sequence_parallel" in res[0][0]["strategy"] and "zero=3" in res[0][1]["strategy"]
+    assert "zero=3" in res[0][0]["strategy"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import run_distributed, spawn8
 from test_parallel import GPT, LLAMA, _data, _single_run, _train
 
 GPT4 = "gpt:layers=4,hidden=32,heads=4,seq=8,vocab=64"
@@ -98,7 +98,9 @@ def test_pipelines_on_4_processes_match_single_process():
         assert "layers" in r["too_many_stages"]
 
 
+@spawn8
 def test_pp_dp_tp_on_8_processes_matches_single_process():
+    """pp x dp x tp: 20 s of the suite's 10 minutes; `make matrix` runs the family on the real models."""
     res = run_distributed(_worker, 8, RUNS8, {}, timeout=300)
     _check(RUNS8, res)
 

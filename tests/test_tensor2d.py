@@ -19,7 +19,6 @@ when asked (``AUTOPAR_SPAWN8=1``: minutes on 2 cores); its placements (an
 eighth of every matrix per rank) are checked here without processes.
 """
 import math
-import os
 import warnings
 
 import pytest
@@ -30,6 +29,7 @@ import autopar
 from autopar.errors import StrategyError, UnsupportedError
 from autopar.runtime.launch import run_distributed
 from autopar.spec import parse_strategy
+from distributed import spawn8
 
 STEPS = 2
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
@@ -305,10 +305,6 @@ def test_2d_widens_a_batch_size_read_off_a_grid_split_value(results):
 #: tp_mode=3d on a 2 x 2 x 2 cube: the samples split over depth x rows (4), the hidden dims over the
 #: columns, every trainable matrix over all three (an eighth on each rank); GPT with its gradients clipped
 CUBE = {GPT: "tp=8,tp_mode=3d", LLAMA: "tp=8,tp_mode=3d"}
-#: the 8-process spawn takes minutes on the shared 2-core machine (the suite allows ~40 s per spawn),
-#: so it runs when asked (AUTOPAR_SPAWN8=1); `make matrix`'s 3d family runs the real models on the cube
-spawn8 = pytest.mark.skipif(not os.environ.get("AUTOPAR_SPAWN8"),
-                            reason="8-process spawn, minutes on 2 cores: set AUTOPAR_SPAWN8=1")
 
 
 def _cube_worker(rank, world, path):
