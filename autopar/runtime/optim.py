@@ -314,9 +314,14 @@ class DistributedOptimizer:
         else:
             self._build_flat(order, tied_order, factory)
         self.bucket_numels = [b.numel for b in self.buckets]
-        # the hooks hold this optimizer weakly: a parameter -> hook -> optimizer -> parameter cycle
-        # through the autograd engine's C++ hook table is not seen by Python's collector, and kept a
-        # dropped ParallelModule's whole training state alive (7 GiB of an H200 for a 350M GPT)
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """A hook on every parameter reports its gradient (:meth:`_on_grad`).
+        The hooks hold this optimizer weakly: a parameter -> hook -> optimizer
+        -> parameter cycle through the autograd engine's C++ hook table is not
+        seen by Python's collector, and kept a dropped ParallelModule's whole
+        training state alive (7 GiB of an H200 for a 350M GPT)."""
         me = weakref.ref(self)
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(
