@@ -105,22 +105,37 @@ def _serve(inbox, results, acks) -> None:
             return       # this rank retires: the pool starts a fresh one for the next run
 
 
+#: torch.distributed's lru caches found so far (module-level: they live as long as their modules)
+_LRU_CACHES: dict[int, object] = {}
+
+
 def _meshes_outlive_the_job() -> bool:
     """Clear torch.distributed's memoised results after a job (DTensor's
     sharding propagation caches outputs that hold the job's DeviceMesh) and
     say whether a DeviceMesh is still alive: its process-group names are
-    reused by a later job's groups, so such a rank must not run another job."""
+    reused by a later job's groups, so such a rank must not run another job.
+
+    When none is, what survived the job (imports, module state) is frozen
+    out of the collector's view (``gc.freeze``): the next job's scans and
+    collections walk only what it made. Walking the whole heap of a rank
+    that imported transformers took about a second per job, in every rank,
+    between every two spawns of the suite."""
     import functools
     import gc
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    for obj in gc.get_objects():
+    for obj in gc.get_objects():          # the unfrozen objects: what was made since the last freeze
         if isinstance(obj, functools._lru_cache_wrapper) and \
                 str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
-            obj.cache_clear()
+            _LRU_CACHES[id(obj)] = obj
+    for cached in _LRU_CACHES.values():
+        cached.cache_clear()
     gc.collect()
-    return any(isinstance(obj, DeviceMesh) for obj in gc.get_objects())
+    if any(isinstance(obj, DeviceMesh) for obj in gc.get_objects()):
+        return True
+    gc.freeze()
+    return False
 
 
 class _Pool:
