@@ -31,7 +31,7 @@ import operator
 import sys
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,7 +41,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import ops
 from .errors import TraceError
-from .graph import DTYPE_BYTES, NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
+from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
 from .inplace import out_of_place, traced_inplace_operators
 from .shallow_export import export_shallow, trace_shallow
 

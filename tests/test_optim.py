@@ -8,7 +8,6 @@ batch.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest

@@ -15,7 +15,7 @@ size is the rows' local batch at run time, which the program must widen to
 the whole batch its placements assume.
 
 The 3d cube (2 x 2 x 2) trains GPT and Llama in one spawn of 8 processes, run
-when asked (``AUTOPAR_SPAWN8=1``: minutes on 2 cores); its placements (an
+when asked (``make test-spawn8``: beyond the suite's time budget); its placements (an
 eighth of every matrix per rank) are checked here without processes.
 """
 import math
