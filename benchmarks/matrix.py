@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 import traceback
 from typing import Any
@@ -225,13 +226,14 @@ def run(models: list[str], families: list[str], timeout: float = 900) -> dict[st
     refs = {(m, p, split_of(m, FAMILIES[f][0])): None for m in models for f in families
             for p in ("bf16" if f in TOLERANCE else "fp32",)}
     refs = {k: reference(*k) for k in refs}
+    # one spawn per model and world size: all 130 four-process cells in one spawn outran its timeout
     for world in sorted({FAMILIES[f][1] for f in families}):
         fams = [f for f in families if FAMILIES[f][1] == world]
-        runs = [(m, FAMILIES[f][0]) for m in models for f in fams]
-        t0 = time.perf_counter()
-        res = run_distributed(worker, world, runs, timeout=timeout)
-        console.print(f"{len(runs)} runs on {world} processes in {time.perf_counter() - t0:.0f} s")
         for m in models:
+            runs = [(m, FAMILIES[f][0]) for f in fams]
+            t0 = time.perf_counter()
+            res = run_distributed(worker, world, runs, timeout=timeout)
+            console.print(f"{m}: {len(runs)} runs on {world} processes in {time.perf_counter() - t0:.0f} s")
             for f in fams:
                 key = (m, FAMILIES[f][0])
                 ref = refs[(m, "bf16" if f in TOLERANCE else "fp32", split_of(m, key[1]))]
@@ -313,6 +315,8 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    # the ranks are kept between the spawns (one per model and world size), as in the test suite
+    os.environ.setdefault("AUTOPAR_REUSE_RANKS", "1")
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matrix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
