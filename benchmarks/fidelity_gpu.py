@@ -39,6 +39,7 @@ import traceback
 import numpy as np
 
 from benchmarks.common import save
+from benchmarks.fidelity import mape, spearman
 
 # (key, zoo string, global batch): sized so that a step is tens to hundreds of ms on an H100/H200
 MODELS = {
@@ -196,11 +197,6 @@ def _calibrated_prediction(spec: str, strategy: str, gb: int, calibrated: str | 
         return None
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else float("nan")
-
-
 def main(quick: bool, cluster: str, calibrated: str | None, tiny: bool, steps: int) -> dict:
     import torch
     models, strategies = (TINY, TINY_STRATEGIES) if tiny else (MODELS, QUICK if quick else STRATEGIES)
@@ -237,7 +233,7 @@ def main(quick: bool, cluster: str, calibrated: str | None, tiny: bool, steps: i
     pred, meas = [r["predicted_step_s"] for r in ok], [r["measured_step_s"] for r in ok]
     summary = {
         "cases": len(raw), "ran": len(ok),
-        "time_mape": float(np.median([abs(p / m - 1) for p, m in zip(pred, meas)])) if ok else None,
+        "time_mape": mape(pred, meas) if ok else None,
         "spearman": spearman(pred, meas) if len(ok) > 1 else None,
         "memory_mape": float(np.median([abs(r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1)
                                         for r in ok if r["measured_peak_bytes"]])) if ok and ok[0]["measured_peak_bytes"] else None,
@@ -246,7 +242,7 @@ def main(quick: bool, cluster: str, calibrated: str | None, tiny: bool, steps: i
     }
     cal = [(r["predicted_calibrated_s"], r["measured_step_s"]) for r in ok if r.get("predicted_calibrated_s")]
     if cal:
-        summary["time_mape_calibrated"] = float(np.median([abs(p / m - 1) for p, m in cal]))
+        summary["time_mape_calibrated"] = mape(*zip(*cal))
     result = {
         "params": {"cluster": cluster, "calibrated": calibrated, "steps": steps, "quick": quick,
                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
