@@ -49,7 +49,7 @@ from ..strategies.rules import Ctx
 from ..strategies.axis_cost import op_local_time
 from ..strategies.redistribute import output_time, transition_time
 from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature
-from .solvers import DEFAULT, Backend, HighsBackend, Model, backend
+from .solvers import BOUNDED_MIP_GAP, DEFAULT, Backend, HighsBackend, Model, backend
 
 Shape = tuple[int, ...]
 SCALE = 1e6          # the objective is in microseconds: HiGHS' tolerances suit numbers near 1
@@ -598,6 +598,8 @@ class _Problem:
         rows = [] if memory is None else [memory] if isinstance(memory, MemoryTerms) else list(memory)
         for terms in rows:
             self._memory_row(mdl, terms, x, xp)
+        if rows:
+            mdl.rel_gap = BOUNDED_MIP_GAP
         return _Built(mdl, x, xp, rows, memory is not None, (self.comm, self.compute, self.param_time),
                       time.perf_counter() - t0)
 
