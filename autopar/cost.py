@@ -10,9 +10,9 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
 * tensor-parallel communication: per node, :func:`autopar.strategies.axis_cost.op_axis_time`
   (the transitions of its inputs from :mod:`autopar.strategies.redistribute`
   and the collectives inside the op), times ``m``: exactly the charge the ILP
-  and the greedy search weigh, so a transition several readers share (the q,
-  k and v projections reading one LayerNorm output) is paid per reader though
-  the compiler inserts it once (an over-charge the three share); with
+  and the greedy search weigh; a transition the readers of a layer instance
+  share (the q, k and v projections reading one LayerNorm output) is paid
+  once, as the compiler inserts it once; with
   ``recompute=full`` the layers' forward collectives once more (the
   checkpoint replays them).
 * data-parallel communication (``_dp_tail``): ZeRO-0 an all-reduce of the
@@ -75,7 +75,7 @@ from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
 from .spec import ParallelConfig, check_grid, divisors
 from .spec.placement import P, R
 from .strategies import is_shard
-from .strategies.axis_cost import op_axis_time
+from .strategies.axis_cost import op_axis_time, shared_key
 from .strategies.context import attentions, check_cp
 from .strategies.redistribute import feasible, output_time, transition_steps
 
@@ -1365,23 +1365,24 @@ class CostModel:
         dispatch = self.cluster.device.dispatch_overhead_s
         unit_of = self._outside_unit()
         out = []
+        charged: set = set()
         for nd in self._nodes_to_cost(sh.copied_from):
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
             # the op's time on the tensor-parallel axis, exactly as the searches charge it (an input
-            # without a placement, shape arithmetic, arrives as read). A transition several readers
-            # share (q, k and v reading one LayerNorm output) is charged per reader here, as in the
-            # ILP and the greedy search, though the compiler inserts it once: the three must agree
-            # (tests/test_redistribute.py) until the ILP can price a shared transition once
+            # without a placement, shape arithmetic, arrives as read). A transition the readers of a
+            # layer instance share (q, k and v reading one LayerNorm output) is charged to the first,
+            # as the compiler inserts it once and the ILP and the greedy search price it
             ins = [sh.out.get(i, w) for i, w in zip(nd.inputs, st.ins)]
-            at = op_axis_time(nd, st, ins, tp,
-                              nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp)
+            fresh = [shared_key(nd, i, w, st.split, self.grad) not in charged for i, w in zip(nd.inputs, st.ins)]
+            at = op_axis_time(nd, st, ins, tp, nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp,
+                              charged=charged)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
                 if nd.out is not None else None
-            regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want in zip(nd.inputs, ins, st.ins)
-                           if _regathered(have, want, self.grad.get(i, False), st.split))
+            regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want, new in zip(nd.inputs, ins, st.ins, fresh)
+                           if new and _regathered(have, want, self.grad.get(i, False), st.split))
             out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient, regather))
         self.cache.hold(sh)
         self.cache.node_times[key] = (shapes, out)

@@ -113,13 +113,15 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
 
     ``input_placement(node)`` places the graph inputs; ``cost(node, strategy,
     input placements, ctx)`` ranks a candidate (None for a parameter not yet
-    placed: its first consumer places it); ``output_placement`` is recorded
+    placed: its first consumer places it), and ``cost.commit(node, strategy,
+    input placements)``, where it has one, is told each decision; ``output_placement`` is recorded
     for the graph's output; ``pins`` fix the output placement of nodes;
     ``batch_axis`` tells the rules this is the batch axis. A node whose every
     candidate costs infinity is replicated. Returns the decisions. (One
     function: its small helpers share the decisions being built.)"""
     res = AxisSharding(n=n)
     pins = pins or {}
+    commit = getattr(cost, "commit", None)    # told each decision (a cost that shares transitions)
     walk = _walk_structure(graph)
     inst, prev_of, by_name = walk.inst, walk.prev_of, graph._by_name
     for name, p in pins.items():
@@ -148,6 +150,8 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
         if best is None:  # every candidate impossible: replicate
             best = Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
         _apply(nd, best)
+        if commit is not None:
+            commit(nd, best, ins_cur)
 
     def _apply(nd: Node, st: Strategy) -> None:
         res.strategy[nd.name] = st

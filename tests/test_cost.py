@@ -327,9 +327,10 @@ def test_copies_pay_only_where_communication_overlaps():
 
 
 def test_search_tries_copies_on_gpus_only():
-    # (a GPT 13B shape here chose tp=2 with copies=2 until the sequence-parallel entry's second gather in
-    # backward was charged; it now plans dp=8, zero=3)
-    spec = "gpt:layers=16,hidden=8192,heads=64,seq=2048,vocab=50304"
+    # (a 16-layer GPT of hidden 8192 here planned copies with tp=2 until the q, k and v projections'
+    # shared gradient all-reduce was charged once, leaving less tp communication to hide: it now plans
+    # dp=4,tp=2,zero=3 without copies; this wider 8-layer shape plans tp=4 with copies=4)
+    spec = "gpt:layers=8,hidden=12288,heads=96,seq=2048,vocab=50304"
     p = autopar.plan(graph(spec), cluster="dgx-a100-80g", devices=8, global_batch=16, search_mode="grid")
     assert p.parallel.get("copies", 1) > 1 and p.parallel["tp"] > 1 and p.parallel["pp"] == 1
     p = autopar.plan(graph("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"), cluster="cpu", devices=4,

@@ -46,7 +46,7 @@ from ..graph import Graph, Node
 from ..spec.placement import P, R
 from ..strategies import Strategy, candidates
 from ..strategies.rules import Ctx
-from ..strategies.axis_cost import op_local_time
+from ..strategies.axis_cost import op_local_time, shared_key
 from ..strategies.redistribute import output_time, transition_time
 from .propagate import _SKIP, INF, AxisSharding, _instances, _numel, needs_grad, pin_signature
 from .solvers import BOUNDED_MIP_GAP, DEFAULT, Backend, HighsBackend, Model, backend
@@ -357,7 +357,7 @@ class _Problem:
         # which nodes share a decision, and the edges between decisions, do not
         # depend on the shapes: computed once per graph and pins
         self._pins_key = tuple(sorted(pins.items()))
-        self.by_name, self.key, self.mult, self.copied_from, self.edges, self.reps = graph.memo(
+        self.by_name, self.key, self.mult, self.copied_from, self.edges, self.reps, self.shared = graph.memo(
             ("ilp_structure", self._pins_key), self._structure)
         self._choices()
         self._placed_nodes: tuple[list[str], dict[str, list[str]], dict[str, list[str]]] | None = None
@@ -366,12 +366,13 @@ class _Problem:
 
     def _structure(self) -> tuple:
         """(nodes by name, decision key per node, multiplicities, copied
-        instances, edges, the nodes that are their own decision in graph order)."""
+        instances, edges, the nodes that are their own decision in graph
+        order, the shared readings)."""
         self.by_name = {nd.name: nd for nd in self.graph.nodes}
         self._keys()
-        self._edges()
+        shared = self._edges()
         reps = [nd for nd in self.graph.nodes if self.key[nd.name] == nd.name]
-        return self.by_name, self.key, self.mult, self.copied_from, self.edges, reps
+        return self.by_name, self.key, self.mult, self.copied_from, self.edges, reps, shared
 
     # -- which nodes share a decision ----------------------------------------
     def _keys(self) -> None:
@@ -500,9 +501,15 @@ class _Problem:
     def param_cost(self, k: str, p: str) -> float:
         return self.param_time(self.by_name[k], p) + MEMORY_EPS * self.nbytes(k) * (1.0 if p == R else 1.0 / self.n)
 
-    def _edges(self) -> None:
-        """(producer decision, consumer decision, input slot) -> multiplicity."""
+    def _edges(self) -> dict[tuple, int]:
+        """``self.edges``: (producer decision, consumer decision, input slot)
+        -> multiplicity. Returns the shared readings: the edges by which
+        several readers of one layer instance (or several outside the
+        layers) read one value, as a sorted tuple of edges -> how many
+        values are read so; a transition they read alike is inserted once
+        (:func:`~autopar.strategies.axis_cost.shared_key`)."""
         self.edges: dict[tuple[str, str, int], int] = {}
+        readers: dict[tuple[str, str | None], set] = {}
         for nd in self.graph.nodes:
             kv = self.key[nd.name]
             if not self._decides(self.by_name[kv]):
@@ -512,6 +519,13 @@ class _Problem:
                     continue
                 e = (self.key[i], kv, slot)
                 self.edges[e] = self.edges.get(e, 0) + 1
+                readers.setdefault((i, nd.group), set()).add(e)
+        shared: dict[tuple, int] = {}
+        for es in readers.values():
+            if len(es) > 1:
+                sig = tuple(sorted(es))
+                shared[sig] = shared.get(sig, 0) + 1
+        return shared
 
     def read(self, u: str, st: Strategy, slot: int) -> tuple[str, bool]:
         """How a consumer running ``st`` reads its input ``slot`` (produced by
@@ -527,14 +541,33 @@ class _Problem:
         want, into_split = read
         return transition_time(have, want, self.nbytes(u), self.grad.get(u, False), into_split, self.comm)
 
-    def charge(self, nd: Node, st: Strategy, have: dict[str, str]) -> float:
+    def charge(self, nd: Node, st: Strategy, have: dict[str, str], charged: set | None = None) -> float:
         """What the program charges ``nd`` run as ``st`` when its inputs are
-        placed as ``have`` (graph inputs: R): its node cost and the edges into it."""
+        placed as ``have`` (graph inputs: R): its node cost and the edges into
+        it. ``charged``: the transitions earlier readers paid for
+        (:func:`~autopar.strategies.axis_cost.shared_key`), skipped; this
+        node's are added."""
         c = self.node_cost(nd.name, st)
         for slot, i in enumerate(nd.inputs):
             if self._placed(self.by_name[i]):
-                c += self.edge_cost(i, have.get(i, R), self.read(i, st, slot))
+                q = self.read(i, st, slot)
+                t = self.edge_cost(i, have.get(i, R), q)
+                if charged is not None and t:
+                    key = shared_key(nd, i, q[0], st.split, self.grad)
+                    if key in charged:
+                        continue
+                    charged.add(key)
+                c += t
         return c
+
+    def objective(self, strategy: dict[str, Strategy], out: dict[str, str]) -> float:
+        """What the program charges a whole set of decisions, parameters
+        apart: :meth:`charge` over the decided nodes in graph order, each
+        shared transition once (what :func:`solve_axis`'s optimum is, for its
+        own decisions, less the parameter terms)."""
+        charged: set = set()
+        return sum(self.charge(nd, strategy[nd.name], out, charged) for nd in self.graph.nodes
+                   if nd.name in strategy)
 
     # -- the program --------------------------------------------------------------
     def _memory_row(self, mdl, memory: MemoryTerms, x: dict, xp: dict) -> None:
@@ -668,9 +701,19 @@ class _Problem:
 
     def _price_edges(self, mdl: _EdgeTerms, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> None:
         """The edges' terms: linear in one side's choice when the other side
-        has one, else the transportation form (see the module docstring)."""
+        has one, else the transportation form (see the module docstring).
+        A transition the readers of a shared reading (:meth:`_edges`) read
+        alike is paid once: one variable per transition, at least every
+        reader's indicator of it, carries its price."""
         moves: dict[tuple, float] = {}     # the transitions repeat across edges: priced once each
-        for u, m, have, want, pairs, sums in self._edge_plan(x, xp):
+        alone = dict(self.edges)           # per edge: the multiplicity no shared reading covers
+        for sig, count in self.shared.items():
+            for e in sig:
+                alone[e] -= count
+        # per edge, (given, read) -> the variables whose sum says that pair is taken (None: 1)
+        taken: dict[tuple, dict[tuple, list]] = {}
+        prices: dict[tuple, dict[tuple, float]] = {}
+        for e, u, m, have, want, pairs, sums in self._edge_plan(x, xp):
             cost = {}
             for p, q, key in pairs:
                 c = moves.get(key)
@@ -679,32 +722,61 @@ class _Problem:
                 cost[p, q] = c
             if all(c == 0 for c in cost.values()):
                 continue
+            prices[e] = cost
+            ind = taken[e] = {}
             if len(have) == 1 or len(want) == 1:
-                # one side is fixed: the cost is linear in the other side's choice
+                # one side is fixed: the pair is the other side's choice
                 for (p, q), c in cost.items():
-                    for t in (want[q] if len(have) == 1 else have[p]):
-                        if c != INF:
-                            mdl.cost(t, m * c * SCALE)
-                        elif t is not None:
-                            mdl.row({t: 1.0}, 0.0, 0.0)
-                        else:
+                    ts = want[q] if len(have) == 1 else have[p]
+                    if c != INF:
+                        ind[p, q] = ts
+                        continue
+                    for t in ts:
+                        if t is None:
                             raise InfeasiblePins(f"no placement of {u} can be read as {q[0]}")
-                continue
-            ev = {}
-            for (p, q), c in cost.items():
-                if c != INF:
-                    ev[p, q] = e = mdl.var()
-                    mdl.cost(e, m * c * SCALE)
-            # transportation form: the pair variables' row and column sums are the two choices
-            for side, groups in enumerate(sums):
-                for pl, (coefs, const) in groups.items():
-                    row = {e: 1.0 for pq, e in ev.items() if pq[side] == pl}
-                    for vv in coefs:
-                        row[vv] = row.get(vv, 0.0) - 1.0
-                    mdl.row(row, const, const)
+                        mdl.row({t: 1.0}, 0.0, 0.0)
+            else:
+                for (p, q), c in cost.items():
+                    if c != INF:
+                        ind[p, q] = [mdl.var()]
+                # transportation form: the pair variables' row and column sums are the two choices
+                for side, groups in enumerate(sums):
+                    for pl, (coefs, const) in groups.items():
+                        row = {ts[0]: 1.0 for pq, ts in ind.items() if pq[side] == pl}
+                        for vv in coefs:
+                            row[vv] = row.get(vv, 0.0) - 1.0
+                        mdl.row(row, const, const)
+            if alone[e]:
+                for pq, ts in ind.items():
+                    if cost[pq]:
+                        for t in ts:
+                            mdl.cost(t, alone[e] * cost[pq] * SCALE)
+        for sig, count in self.shared.items():
+            by_move: dict[tuple, list[list]] = {}
+            for e in sig:
+                for pq, ts in taken.get(e, {}).items():
+                    if prices[e][pq]:
+                        by_move.setdefault(pq, []).append(ts)
+            for pq, readers in by_move.items():
+                c = next(prices[e][pq] for e in sig if pq in taken.get(e, {}))
+                if len(readers) == 1:
+                    for t in readers[0]:
+                        mdl.cost(t, count * c * SCALE)
+                    continue
+                z = mdl.var()
+                mdl.cost(z, count * c * SCALE)
+                for ts in readers:     # z >= the reader's indicator of the pair
+                    row = {z: 1.0}
+                    ones = 0.0
+                    for t in ts:
+                        if t is None:
+                            ones += 1.0
+                        else:
+                            row[t] = row.get(t, 0.0) - 1.0
+                    mdl.row(row, ones, INF)
 
     def _edge_plan(self, x: dict[str, list], xp: dict[str, dict[str, int | None]]) -> list[tuple]:
-        """Per edge ``(producer, multiplicity, {placement given: its
+        """Per edge ``(the edge, producer, multiplicity, {placement given: its
         variables}, {read: its variables}, [(given, read, key of the
         transition's price)], the two sides' sums as (variables, constant)
         per placement)``. Every build of this problem numbers the
@@ -735,7 +807,8 @@ class _Problem:
                     want.setdefault(self.read(u, st, slot), []).append(xv)
                 nb, gr = self.nbytes(u), self.grad.get(u, False)
                 sums = tuple({pl: rhs(terms) for pl, terms in groups.items()} for groups in (have, want))
-                plan.append((u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want], sums))
+                plan.append(((u, v, slot), u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want],
+                             sums))
             self._edges_planned = plan
         return self._edges_planned
 

@@ -75,16 +75,26 @@ class GreedyCost:
         self.memory_weight = memory_weight
         self.grad = needs_grad(graph)
         self.sizes = _Sizes(shapes, itemsize)   # bytes per value, computed for the values a decision reads
+        # the transitions the decided readers paid for (axis_cost.shared_key): a later
+        # reader of the same layer instance reading a value alike shares them
+        self.charged: set = set()
 
     def __call__(self, nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx | None = None) -> float:
-        t = self.time(nd, st, cur)
+        t = self.time(nd, st, cur, self.charged)
         return INF if t == INF else t + self.heuristic(nd, st, cur)
 
-    def time(self, nd: Node, st: Strategy, cur: list[str | None]) -> float:
+    def commit(self, nd: Node, st: Strategy, cur: list[str | None]) -> None:
+        """The walk decided ``nd`` as ``st``: its input transitions are paid."""
+        self.time(nd, st, cur, self.charged, commit=True)
+
+    def time(self, nd: Node, st: Strategy, cur: list[str | None], charged: set | None = None,
+             commit: bool = False) -> float:
         """Seconds per microbatch of ``nd`` as ``st`` with its inputs in ``cur``
-        (None: a parameter not yet placed, which takes what ``st`` reads)."""
+        (None: a parameter not yet placed, which takes what ``st`` reads);
+        ``charged``: the transitions earlier readers paid for, which cost
+        nothing again (with ``commit``, this node's are added)."""
         t = op_axis_time(nd, st, cur, self.n, nbytes=self.sizes.get, grad=self.grad, compute=self.compute,
-                         comm=self.comm).total
+                         comm=self.comm, charged=charged, commit=commit).total
         if nd.name == self.graph.output:
             t += output_time(st.out, self.sizes.get(nd.name, 0.0), self.comm)
         return t
