@@ -32,7 +32,7 @@ from autopar.search.propagate import GreedyCost
 from autopar.spec import ParallelConfig
 from autopar.sharding import AxisSharding, needs_grad, numel
 from autopar.strategies import Strategy, candidates
-from autopar.strategies.axis_cost import op_axis_time
+from autopar.strategies.axis_cost import op_axis_time, shared_key
 from autopar.strategies.redistribute import (INF, output_time, transition_collectives, transition_steps,
                                              transition_time)
 from autopar.strategies.rules import Ctx
@@ -383,3 +383,33 @@ def test_ilp_never_slower_than_megatron_with_sequence_parallel(spec, cluster):
                 assert a <= b * (1 + tol), (cfg.to_string(), a, b)
                 seen += 1
     assert seen > 0
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA])
+@pytest.mark.parametrize("sharder", ["manual", "ilp"])
+def test_the_compiler_inserts_each_charged_transition_once(spec, sharder):
+    """The searches and the cost model charge a transition the readers of a
+    layer instance read alike once (``axis_cost.shared_key``): the compiled
+    program has exactly one chain of Comm modules per charged transition (the
+    q, k and v projections share one gradient reduction of their norm's output)."""
+    from autopar import zoo
+    ax = _Axis(spec, 2, False)
+    sh = ax.sharding(SHARDERS[sharder])
+    g, grad = ax.graph, needs_grad(ax.graph)
+    charged = set()
+    for nd in g.nodes:
+        st = sh.strategy.get(nd.name)
+        if st is None:
+            continue
+        for i, w in zip(nd.inputs, st.ins):
+            have = sh.out.get(i, w)
+            if transition_steps(have, w, grad.get(i, False) and ax.cfg.tp > 1, st.split):
+                charged.add(shared_key(nd, i, w, st.split, grad))
+    z = zoo.build(spec, batch=2)
+    params = {**dict(z.model.named_parameters()), **dict(z.model.named_buffers())}
+    gm = compile_local(g, sh, ax.shapes, tp_rank=0, tp_group=None, params=params).module
+    comms = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Comm)]
+    chains = [n for n in comms if n.args[0] not in comms]
+    assert len(chains) == len(charged), (len(chains), sorted(charged))
+    if sharder == "manual":     # Megatron's placements: the q, k and v projections read one reduction
+        assert any(len(n.users) > 1 for n in chains), "no transition with several readers: not exercised"
