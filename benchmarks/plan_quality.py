@@ -275,9 +275,10 @@ def _notes(records: list[dict]) -> list[str]:
         "All throughputs are predictions of autopar's own cost model on simulated clusters, not measurements; "
         "a plan that is better under the model is better in reality only as far as the model is right "
         "(see the fidelity benchmark).",
-        "Plain dp and ZeRO-3 are tp = 1 with the fewest microbatches that fit (gradient accumulation); ZeRO-3 and "
-        "recompute are predicted by the cost model but `parallelize` does not execute them yet. `auto/exec-only` "
-        "compares the auto plan with the auto plan restricted to what runs today (no recompute, no ZeRO).",
+        "Plain dp and ZeRO-3 are tp = 1 with the fewest microbatches that fit (gradient accumulation). "
+        "`parallelize` now executes every strategy the grammar accepts, so `auto/exec-only` (the auto plan "
+        "with `executable_only=True`, which no longer restricts anything) is 1 by construction: the column "
+        "stays so that older results compare.",
         "The global batch is the GPT-3 paper's (512 sequences for 1.3B and 2.7B, 1024 for 6.7B and 13B, 1536 "
         "for 175B) rounded up to a multiple of the device count, so that plain dp is a valid strategy "
         "(175B on 1024 GPUs uses 2048).",
