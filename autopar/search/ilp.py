@@ -852,7 +852,9 @@ class _Problem:
 
     def _runners_up(self, pick: dict[str, int], ppick: dict[str, str]) -> dict[str, list[tuple[str, str, float]]]:
         """Per op decision, the other candidates with the extra time (per
-        microbatch) each would cost if only it changed."""
+        microbatch) each would cost if only it changed (its edges priced as
+        its own: where it shares a transition with other readers the figure
+        is approximate, the shared part counted whole on both sides)."""
         place = dict(ppick)
         for k, j in pick.items():
             place[k] = self.cands[k][j].out
