@@ -16,20 +16,24 @@
 
 Every backend solves on one thread to the relative MIP gap the model asks
 for (:attr:`Model.rel_gap`): :data:`MIP_GAP` (1e-7) by default, so the
-objectives agree to within that, and :data:`BOUNDED_MIP_GAP` (2%) for a
-program with a memory row (:mod:`autopar.search.ilp`). The memory row makes
-the program a knapsack whose last percents HiGHS spends most of its time
-proving (Llama-3-8B on 32 H100: 3.7 s to prove, to 1%, the solution its root
-rounding found in 0.1 s, the root bound then 1.4% from it); the row itself is
-a linear model of memory whose answer the planner evaluates exactly and
-compares with the Megatron
-placements, so a 2% gap loses little it could trust.
+objectives agree to within that, and :data:`BOUNDED_MIP_GAP` (0.1%) for a
+program with a memory row (:mod:`autopar.search.ilp`), a knapsack whose
+last fractions of a percent can take long to prove; the row itself is a
+linear model of memory whose answer the planner evaluates exactly and
+compares with the Megatron placements. (With presolve on, proving the last
+percent of Llama-3-8B's bounded program took 2-4 s, the largest single cost
+of its search; without presolve it is optimal in 0.5 s.)
 
-HiGHS runs without its feasibility-jump heuristic: on these programs (one
-binary per candidate, an equality row per decision) it found nothing the
-root's own heuristics did not, and took a quarter of the solve time (the 108
-programs of a Llama-3-8B search on 32 H100: 4.7 s solved with it, 3.6 s
-without, the same optimum each, the same solution in 107).
+HiGHS runs without presolve and without its feasibility-jump heuristic. On
+these programs (one binary per candidate, an equality row per decision, a
+pair or shared-transition variable per edge) presolve reduced little and its
+reductions sent the solver into long rounds of cuts: a Hugging Face
+Llama-3-8B's programs on 32 H100 took 4-5 s each with it, 0.2-0.6 s without (the
+same optima); feasibility jump found nothing the root's own heuristics did
+not (the 108 programs of the zoo Llama-3-8B solved one after another: 4.7 s
+with it, 3.6 s without). Equal-cost ties may fall otherwise than with
+presolve (a Llama's embedding: vocabulary-parallel rather than split along
+the hidden size, at the same time and memory).
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ from ..errors import StrategyError
 
 DEFAULT = "highs"
 MIP_GAP = 1e-7
-BOUNDED_MIP_GAP = 2e-2
+BOUNDED_MIP_GAP = 1e-3
 #: PuLP's solver classes per name of ``pulp:NAME``, the first available one used
 PULP_SOLVERS = {
     "CBC": ("COIN_CMD", "PULP_CBC_CMD"),    # a cbc on the PATH, else the one PuLP ships
@@ -218,6 +222,7 @@ class HighsBackend:
         h.setOptionValue("mip_rel_gap", float(model.rel_gap))
         h.setOptionValue("threads", 1)
         h.setOptionValue("mip_heuristic_run_feasibility_jump", False)
+        h.setOptionValue("presolve", "off")
         h.passModel(lp)
         h.run()
         st = h.getModelStatus()
