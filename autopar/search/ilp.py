@@ -713,7 +713,7 @@ class _Problem:
         # per edge, (given, read) -> the variables whose sum says that pair is taken (None: 1)
         taken: dict[tuple, dict[tuple, list]] = {}
         prices: dict[tuple, dict[tuple, float]] = {}
-        for e, u, m, have, want, pairs, sums in self._edge_plan(x, xp):
+        for e, u, _m, have, want, pairs, sums in self._edge_plan(x, xp):
             cost = {}
             for p, q, key in pairs:
                 c = moves.get(key)
@@ -752,13 +752,12 @@ class _Problem:
                         for t in ts:
                             mdl.cost(t, alone[e] * cost[pq] * SCALE)
         for sig, count in self.shared.items():
-            by_move: dict[tuple, list[list]] = {}
+            by_move: dict[tuple, tuple[float, list[list]]] = {}   # (given, read) -> its price, the readers
             for e in sig:
                 for pq, ts in taken.get(e, {}).items():
                     if prices[e][pq]:
-                        by_move.setdefault(pq, []).append(ts)
-            for pq, readers in by_move.items():
-                c = next(prices[e][pq] for e in sig if pq in taken.get(e, {}))
+                        by_move.setdefault(pq, (prices[e][pq], []))[1].append(ts)
+            for pq, (c, readers) in by_move.items():
                 if len(readers) == 1:
                     for t in readers[0]:
                         mdl.cost(t, count * c * SCALE)
