@@ -506,16 +506,20 @@ def selective_keeps(graph: Graph, sh: AxisSharding | None = None) -> frozenset[s
     placements of the layer nodes (many searched shardings share them)."""
     if sh is None or sh.n == 1:
         return graph.memo(("selective_keeps", None), lambda: _selective_keeps(graph, None))
-    layer = graph.memo(("layer_node_names",), lambda: tuple(nd.name for nd in graph.nodes if nd.group is not None))
+    # an instance copied from another has its decisions position by position, so it keeps what
+    # its source keeps: the key and the search run over the other instances alone (flat in depth)
+    inst, copied = _walk_structure(graph).inst, sh.copied_from
     out, strategy = sh.out, sh.strategy
-    key = ("selective_keeps", tuple((out.get(n), strategy.get(n)) for n in layer))
+    key = ("selective_keeps", tuple(sorted(copied.items())),
+           tuple((out.get(x.name), strategy.get(x.name)) for g, nodes in inst.items() if g not in copied
+                 for x in nodes))
     return graph.memo(key, lambda: _selective_keeps(graph, sh))
 
 
 def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
-    reads = backward_reads(graph)
-    # (layer, value): read by a backward of that layer (the next layer keeps its input itself)
-    read = {(nd.group, v) for nd in graph.nodes if nd.group is not None for v in reads[nd.name]}
+    read = graph.memo(("layer_backward_reads",), lambda: _layer_backward_reads(graph))
+    inst = _walk_structure(graph).inst
+    copied = sh.copied_from if sh is not None else {}
 
     def moves(value: str, reader: Node) -> bool:
         """Whether the value reaches ``reader`` through a forward collective."""
@@ -526,16 +530,12 @@ def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
         want = st.ins[reader.inputs.index(value)] if st is not None else have
         return have != want and have != R     # R -> S(d) is a local slice
 
-    keep = []
-    for nd in graph.nodes:
-        if nd.group is None or not selective_candidate(graph, nd):
-            continue
+    def kept(nd: Node) -> bool:
         todo, seen = [nd], {nd.name}
         while todo:
             v = todo.pop()
             if (nd.group, v.name) in read:
-                keep.append(nd.name)
-                break
+                return True
             for u in graph.consumers(v.name):
                 un = graph[u]
                 if u in seen or un.group != nd.group or selective_candidate(graph, un) or moves(v.name, un) \
@@ -543,4 +543,22 @@ def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
                     continue
                 seen.add(u)
                 todo.append(un)
+        return False
+
+    positions: dict[str, list[int]] = {}     # per instance, the positions it keeps
+    keep = []
+    for g, nodes in inst.items():
+        source = g
+        while source in copied:
+            source = copied[source]
+        if source not in positions:
+            positions[source] = [k for k, nd in enumerate(inst[source]) if selective_candidate(graph, nd) and kept(nd)]
+        keep += [nodes[k].name for k in positions[source]]
     return frozenset(keep)
+
+
+def _layer_backward_reads(graph: Graph) -> frozenset[tuple[str, str]]:
+    """(layer instance, value) pairs where a backward of that instance reads
+    the value (the next layer keeps its input itself)."""
+    reads = backward_reads(graph)
+    return frozenset((nd.group, v) for nd in graph.nodes if nd.group is not None for v in reads[nd.name])

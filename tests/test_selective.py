@@ -57,6 +57,21 @@ def test_row_parallel_outputs_are_run_again():
     assert len(one["kept"]) == 6 and len(one["run again"]) == 1, one
 
 
+@pytest.mark.parametrize("spec", [GPT, LLAMA])
+def test_copied_layers_keep_what_their_source_keeps(spec):
+    # selective_keeps decides the instances a search copied from another once (flat in depth):
+    # the same set as deciding every instance of the same decisions on its own
+    import dataclasses
+    from autopar.sharding import _selective_keeps
+    g = as_graph(spec.format(layers=6))
+    for strategy in ("dp=1,tp=8", "dp=1,tp=8,sp=true", "dp=2,tp=4"):
+        sh, _ = planner_for(g, "dgx-a100-80g", "adamw", None, devices=8, global_batch=2).sharding(
+            _config(strategy, 8))
+        assert sh.copied_from, strategy      # the search copied layers: the shortcut is exercised
+        alone = dataclasses.replace(sh, copied_from={})
+        assert selective_keeps(g, sh) == _selective_keeps(g, alone), strategy
+
+
 def test_runtime_policy_saves_the_kept_nodes_only():
     """The compiled regions save, under selective recompute, exactly one
     matmul output per kept node (the markers around it) and nothing else."""
