@@ -1379,8 +1379,14 @@ class CostModel:
             at = op_axis_time(nd, st, ins, tp, nbytes=nbytes, grad=self.grad, compute=compute, comm=comm_tp,
                               charged=charged)
             t = at.fwd + (dispatch if nd.kind not in NO_DISPATCH else 0.0)
+            # the largest temporary: the op's output, or an input it reads gathered whole (the
+            # logits all-gathered for a cross-entropy over the full vocabulary, a sequence-parallel
+            # entry), a copy the op's backward also makes a gradient of
             transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
                 if nd.out is not None else None
+            if transient is not None:
+                transient = max([transient] + [_numel(shapes.get(i)) * isz for i, have, want in zip(nd.inputs, ins, st.ins)
+                                               if want == R and is_shard(have)])
             regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want, new in zip(nd.inputs, ins, st.ins, fresh)
                            if new and _regathered(have, want, self.grad.get(i, False), st.split))
             out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient, regather))

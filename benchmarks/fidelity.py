@@ -398,8 +398,9 @@ def main(quick: bool = False, cluster: str | None = None, suite: str = "default"
         "Python: `dispatch_overhead_s` per op, measured once by calibrate on a width-8 model) and gloo latency "
         "(ms per collective with 4 processes on 2 cores, where a rank waits for the OS to schedule its peers); "
         "both vary with load, and collectives are not overlapped with compute in the model or the runtime",
-        "what drives the remaining memory error: temporaries of the tensor-parallel kernels (vocabulary-parallel "
-        "cross-entropy, all-gathered copies) are modelled as 2 x the largest activation, and gradients are "
+        "what drives the remaining memory error: temporaries are modelled as 2 x the largest one (an op's "
+        "output, or an input it reads all-gathered, such as the logits of a cross-entropy over the full "
+        "vocabulary: with tp=4 MemTracker's `Temp` is exactly twice the whole logits), and gradients are "
         "counted as fully live at the peak while MemTracker sees them being created during backward",
     ]
     if suite == "hf":

@@ -336,3 +336,14 @@ def test_search_tries_copies_on_gpus_only():
     p = autopar.plan(graph("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"), cluster="cpu", devices=4,
                      global_batch=8)
     assert "copies" not in p.parallel          # comm_overlap 0: not tried, plans unchanged
+
+
+def test_an_input_read_gathered_counts_as_a_temporary():
+    # a cross-entropy over the full vocabulary reads the tp-split logits all-gathered: the whole
+    # logits (and their gradient in backward) are temporaries of that size, not of the local shard
+    spec = "gpt:layers=2,hidden=128,heads=4,seq=64,vocab=1024"
+    p = autopar.plan(spec, cluster="dgx-a100-80g", devices=4, global_batch=8, strategy="dp=1,tp=4,precision=bf16")
+    assert p.data["ops"][":cross_entropy"]["in"][0] == ["S(0)", "R"]      # (dp, tp): gathered on tp
+    assert p.data["ops"][":reshape"]["out"] == ["S(0)", "S(1)"]           # from vocabulary shards
+    full_logits = 8 * 64 * 1024 * 2
+    assert p.data["predicted"]["memory"]["transient"] >= 2 * full_logits * 0.999    # the plan rounds
