@@ -357,23 +357,9 @@ class CostModel:
         rows, cols = grid[-2], grid[-1]
         depth = grid[0] if len(grid) == 3 else 1
         topo = self.topology((cfg.dp, *grid))
-        r_axis = len(grid) - 1          # the rows' axis in (dp, [depth,] rows, cols); the depth's is 1
         cube, split, whole, n_split = self._grid_params(sh, cfg)
         isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
-
-        def coll(kind: str, elems: float, axis: int) -> float:
-            return topo.collective_time(kind, elems * isz, axis) if elems else 0.0
-        # per microbatch: every split weight gathered along the rows (again when recomputed), its
-        # gradient reduce-scattered; the gradients of the weights the rows replicate all-reduced;
-        # 2.5d's depth replicates the weights: every gradient shard summed over it; 3d's splits
-        # the rows' shards again: gathered over the rows (to the depth's chunk), then over the
-        # depth, the gradient reduce-scattered back the same way
-        gathers = coll("all_gather", split, r_axis) + coll("all_gather", cube / depth, r_axis) + \
-            coll("all_gather", cube, 1)
-        row_comm = m * ((2 if cfg.recompute == "full" else 1) * gathers +
-                        coll("reduce_scatter", split, r_axis) + coll("reduce_scatter", cube / depth, r_axis) +
-                        coll("reduce_scatter", cube, 1) + coll("all_reduce", whole, r_axis) +
-                        (coll("all_reduce", split / rows + whole, 1) if depth > 1 else 0.0))
+        row_comm = m * self._row_comm(cfg, cube, split, whole)[1]
         # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
         local, n_tensors = self._local_params(sh, cols)
         gathered = split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))
@@ -402,10 +388,7 @@ class CostModel:
         split (:func:`~autopar.sharding.grid_rows`), those the rows replicate
         (whose gradients the rows all-reduce), and the number of layer units
         holding split ones."""
-        grid = cfg.tp_grid
-        rows, cols = grid[-2], grid[-1]
-        depth = grid[0] if cfg.tp_mode == "3d" else 1
-        key = ("grid", id(sh), rows, cols, depth)
+        key = ("grid", id(sh), cfg.tp_grid, cfg.tp_mode)
         hit = self.cache.local_params.get(key)
         if hit is not None:
             return hit
@@ -415,19 +398,95 @@ class CostModel:
         for nd in self.graph.nodes:
             if nd.kind != "param" or not grad.get(nd.name) or nd.out is None:
                 continue
-            col = sh.out.get(nd.name, R)
-            elems = _numel(nd.out.shape) / (cols if is_shard(col) else 1)
-            row = row_placement(nd.out.shape, col, cols, rows)
-            if row == R:
-                whole += elems
-                continue
-            units_.add(nd.group)
-            if depth > 1 and depth_placement(nd.out.shape, col, cols, row, rows, depth) != R:
-                cube += elems
-            else:
-                split += elems
+            c, s_, w = self._grid_split(nd, sh, cfg)
+            cube, split, whole = cube + c, split + s_, whole + w
+            if c or s_:
+                units_.add(nd.group)
         out = (cube, split, whole, len(units_))
         self.cache.local_params[key] = out
+        return out
+
+    def _grid_split(self, nd: Node, sh: AxisSharding, cfg: ParallelConfig) -> tuple[float, float, float]:
+        """One trainable parameter node's elements in one grid column, as
+        ``(cube, split, whole)`` of :meth:`_grid_params` (one of the three
+        non-zero)."""
+        grid = cfg.tp_grid
+        rows, cols = grid[-2], grid[-1]
+        depth = grid[0] if cfg.tp_mode == "3d" else 1
+        col = sh.out.get(nd.name, R)
+        elems = _numel(nd.out.shape) / (cols if is_shard(col) else 1)
+        row = row_placement(nd.out.shape, col, cols, rows)
+        if row == R:
+            return 0.0, 0.0, elems
+        if depth > 1 and depth_placement(nd.out.shape, col, cols, row, rows, depth) != R:
+            return elems, 0.0, 0.0
+        return 0.0, elems, 0.0
+
+    def _row_comm(self, cfg: ParallelConfig, cube: float, split: float, whole: float) -> tuple[float, float]:
+        """The grid's own communication for weights of ``(cube, split,
+        whole)`` elements (:meth:`_grid_params`) per microbatch: the forward's
+        weight gathers, and everything (the gathers, again when recomputed,
+        the gradients' reduce-scatters and all-reduces).
+
+        Every split weight is gathered along the rows (again when
+        recomputed), its gradient reduce-scattered; the gradients of the
+        weights the rows replicate are all-reduced; 2.5d's depth replicates
+        the weights: every gradient shard is summed over it; 3d's splits the
+        rows' shards again: gathered over the rows (to the depth's chunk),
+        then over the depth, the gradient reduce-scattered back the same way.
+        With a pipeline, on the ``(pp, dp, [depth,] rows, cols)`` mesh."""
+        grid = cfg.tp_grid
+        rows = grid[-2]
+        depth = grid[0] if len(grid) == 3 else 1
+        lead = (cfg.pp,) if cfg.pp > 1 else ()
+        topo = self.topology((*lead, cfg.dp, *grid))
+        r_axis, d_axis = len(lead) + len(grid) - 1, len(lead) + 1
+        isz = self.itemsize
+
+        def coll(kind: str, elems: float, axis: int) -> float:
+            return topo.collective_time(kind, elems * isz, axis) if elems else 0.0
+        gathers = coll("all_gather", split, r_axis) + coll("all_gather", cube / depth, r_axis) + \
+            coll("all_gather", cube, d_axis)
+        total = (2 if cfg.recompute == "full" else 1) * gathers + \
+            coll("reduce_scatter", split, r_axis) + coll("reduce_scatter", cube / depth, r_axis) + \
+            coll("reduce_scatter", cube, d_axis) + coll("all_reduce", whole, r_axis) + \
+            (coll("all_reduce", split / rows + whole, d_axis) if depth > 1 else 0.0)
+        return gathers, total
+
+    def _grid_unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
+                         global_batch: int) -> "UnitCosts":
+        """:meth:`unit_costs` of a pipelined ``tp_mode`` grid: its columns'
+        (:meth:`grid_view`), with each unit's own grid work added (as
+        :meth:`_estimate_2d` adds the whole model's): the weight gathers in
+        its forward, every row and depth collective in its time, its
+        parameters the rows (and a cube's depth) split, and the gathered
+        weights its matmuls keep for backward, per microbatch in flight (or
+        once, while the unit is recomputed)."""
+        base = self.unit_costs(self.grid_view(cfg), sh, shapes, global_batch)
+        key = ("grid", id(base), cfg.tp_grid, cfg.tp_mode, cfg.pp, cfg.dp, cfg.recompute)
+        hit = self.cache.units.get(key)
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        grid = cfg.tp_grid
+        rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
+        lists = self._unit_param_lists[0]
+        n = len(base.time)
+        out = UnitCosts(n)
+        out.tensors, out.cut = list(base.tensors), list(base.cut)
+        for u in range(n):
+            cube = split = whole = 0.0
+            for name, _ in lists[u]:
+                c, s_, w = self._grid_split(self.graph[name], sh, cfg)
+                cube, split, whole = cube + c, split + s_, whole + w
+            gathers, total = self._row_comm(cfg, cube, split, whole)
+            gathered = (split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))) * self.itemsize
+            out.fwd[u] = base.fwd[u] + gathers
+            out.comm[u] = base.comm[u] + total
+            out.time[u] = base.time[u] + total
+            out.params[u] = base.params[u] - gathered / self.itemsize
+            out.act[u] = base.act[u] + (gathered if cfg.recompute == "none" else 0.0)
+            out.fixed[u] = base.fixed[u] + (gathered if cfg.recompute != "none" else 0.0)
+        self.cache.units[key] = (base, out)
         return out
 
     def cp_attention_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict) -> tuple[float, list[float]]:
@@ -738,7 +797,7 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode != "1d":
+        if cfg.tp_mode != "1d" and cfg.pp == 1:
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
@@ -973,7 +1032,12 @@ class CostModel:
         for name, numel, us in shared:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
-                local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
+                if cfg.tp_mode != "1d":     # a grid rank's part: split on its columns, rows and depth
+                    cube, split, whole = self._grid_split(self.graph[name], sh, cfg)
+                    grid = cfg.tp_grid
+                    local = whole + split / grid[-2] + cube / (grid[-2] * (grid[0] if cfg.tp_mode == "3d" else 1))
+                else:
+                    local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
                 total += cost_models.comm.collective_time(
                     "all_reduce", local * self.itemsize, len(ranks), topo.axis_link(0),
                     self.cluster.collectives.get("inter_node" if topo.spans_nodes(0) else "intra_node"))
@@ -1018,6 +1082,8 @@ class CostModel:
         being recomputed), and the bytes crossing each cut. What the stage
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
+        if cfg.tp_mode != "1d":
+            return self._grid_unit_costs(cfg, sh, shapes, global_batch)
         if cfg.cp > 1:     # a cp rank's share of the tokens, as data parallelism over dp x cp
             cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         # the (dp, tp) sub-mesh of a stage: laid out as in the full mesh, pp outermost

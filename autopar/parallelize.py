@@ -350,13 +350,17 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     outermost, tp fastest, as Megatron lays it out), every wait on the world
     and on each of its groups bounded by ``timeout_s``; collective. With
     ``cp > 1`` a ``cp`` axis sits between dp and tp (``(pp, dp, cp, tp)``),
-    with the joint ``dp_cp`` group the gradients are reduced over."""
+    with the joint ``dp_cp`` group the gradients are reduced over. A
+    ``tp_mode`` grid replaces the tp axis by its own (``[tp_depth,] tp_row,
+    tp``), inside ``pp`` and ``dp``."""
     if cfg.cp > 1:
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp", "tp")
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp, cfg.tp)
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
     if cfg.tp_mode != "1d":   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
         names = (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")
+        if cfg.pp > 1:
+            return Mesh.build((cfg.pp, cfg.dp, *cfg.tp_grid), ("pp", "dp", *names), timeout_s=timeout_s)
         return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", *names), timeout_s=timeout_s)
     if cfg.pp > 1:
         return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)

@@ -395,8 +395,15 @@ class _Rewriter:
         x = self.whole_size(fnode, x)
         scale = math.prod(st.scale for st in sts if st is not None)
         if scale != 1.0:
-            x = self.new.call_function(operator.mul, (x, scale))
+            x = self._inserted(operator.mul, (x, scale), f"{fnode.name}_scaled")
         env[fnode.name] = x
+
+    def _inserted(self, target: Any, args: tuple, name: str) -> fx.Node:
+        """A node the compiler adds, named apart from every traced node: fx
+        would name it after its target (``mul_5``), and a traced node made
+        later would lose that name, which stage cutting and layer regions
+        find nodes by."""
+        return self.new.create_node("call_function", target, args, name=f"autopar_{name}")
 
     def whole_size(self, fnode: fx.Node, x: fx.Node) -> fx.Node:
         """``x``, or for a size read off dim ``d`` of a value an axis with
@@ -412,7 +419,7 @@ class _Rewriter:
             p = ax.out(src)
             if ax.whole_sizes and is_shard(p) and (shard_dim(p) == d or (d < 0 and self._rank_of(src) + d ==
                                                                           shard_dim(p))):
-                x = self.new.call_function(operator.mul, (x, ax.n))
+                x = self._inserted(operator.mul, (x, ax.n), f"{fnode.name}_whole")
         return x
 
     def _rank_of(self, name: str) -> int:
@@ -435,5 +442,5 @@ class _Rewriter:
             x = self.new.call_module(mod, (remap[nd.inputs[0]], remap[nd.inputs[1]]))
             scale = math.prod(self_st.scale for self_st in
                               (a.strategy(nd.name) for a in self.axes if a is not ax) if self_st is not None)
-            return self.new.call_function(operator.mul, (x, scale)) if scale != 1.0 else x
+            return self._inserted(operator.mul, (x, scale), f"{nd.name}_scaled") if scale != 1.0 else x
         raise CompileError(f"{nd.name}: unknown kernel {st.kernel!r}")

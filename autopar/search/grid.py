@@ -141,8 +141,8 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     """The ``tp_mode=2d`` lines: ``tp = q^2`` on a ``q x q`` grid for every
     ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
     with the microbatches whose samples per data-parallel rank the grid's rows
-    divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3, pipeline or
-    cp). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
+    divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3 or cp; their
+    pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
@@ -166,7 +166,8 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
 
 def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                      schedules: tuple[str, ...] = PIPE_SCHEDULES, offload: str = "none",
-                     memory_options: bool = True, devices_per_node: int | None = None) -> list[ParallelConfig]:
+                     memory_options: bool = True, devices_per_node: int | None = None,
+                     tp_modes: tuple[str, ...] = ("1d",)) -> list[ParallelConfig]:
     """Pipelined configurations: ``pp`` up to the number of repeated layers,
     every schedule of ``schedules`` (interleaved with 2 chunks), and the
     microbatch counts ``m >= pp`` dividing the per-replica batch (a
@@ -176,7 +177,10 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     pp=16). With ``devices_per_node``, a
     stage of more devices than a node that are not whole nodes is left out
     (its groups would straddle nodes, which the cluster model does not
-    describe: 1920 A100 at pp=32 gives stages of 60)."""
+    describe: 1920 A100 at pp=32 gives stages of 60). ``tp_modes``: the
+    tensor-parallel grids (``2d``, ``2.5d``, ``3d``) are pipelined too, each
+    stage on a ``dp x grid`` sub-mesh (no sequence parallelism or cp; the
+    samples of a microbatch divisible by the grid's rows, times its depth)."""
     try:
         n_layers = units(graph).layers
     except StrategyError:   # no repeated layers in sequence: nothing to pipeline
@@ -184,8 +188,8 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
     zeros = (0, 1) if memory_options else (0,)
     out = []
-    for tp in [t for t in tp_valid_sizes(graph) if devices % t == 0]:
-        for cp in cp_choices(graph, devices // tp):
+    for mode, tp, grid_keys, rows in _pipelined_tp(graph, devices, tp_modes):
+        for cp in cp_choices(graph, devices // tp) if mode == "1d" else (1,):
             for pp in divisors(devices // (tp * cp)):
                 if pp == 1 or pp > n_layers:
                     continue
@@ -195,8 +199,30 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                 dp = devices // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                out.extend(_pipelines(graph, n_layers, dp, tp, pp, cp, global_batch // dp, schedules, recomputes,
-                                      zeros, offload, memory_options))
+                got = _pipelines(graph, n_layers, dp, tp, pp, cp, global_batch // dp, schedules, recomputes,
+                                 zeros, offload, memory_options and mode == "1d")
+                if mode != "1d":
+                    got = [dataclasses.replace(c, **grid_keys) for c in got
+                           if (global_batch // dp // c.microbatches) % rows == 0]
+                out.extend(got)
+    return out
+
+
+def _pipelined_tp(graph: Graph, devices: int, tp_modes: tuple[str, ...]) -> list[tuple[str, int, dict, int]]:
+    """``(mode, tp, the grid's strategy keys, the ranks a microbatch's
+    samples are split over)`` of every tensor-parallel layout a pipeline
+    stage may take: the 1d sizes, then the grids of ``tp_modes`` (as
+    :func:`grid2d_configs` lays them out)."""
+    out = [("1d", t, {}, 1) for t in tp_valid_sizes(graph) if devices % t == 0]
+    for mode in ("2d", "2.5d", "3d"):
+        if mode not in tp_modes:
+            continue
+        for q in tp_valid_sizes(graph):
+            for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):
+                tp = d * q * q
+                if q > 1 and devices % tp == 0:
+                    out.append((mode, tp, {"tp_mode": mode, **({"tp_depth": d} if mode == "2.5d" else {})},
+                                d * q))
     return out
 
 
@@ -317,8 +343,8 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
             lines += grid2d_configs(graph, devices, global_batch, offload=offload, memory_options=memory_options,
                                     mode=grid)
     piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
-                             memory_options=memory_options,
-                             devices_per_node=planner.cluster.devices_per_node) if pipeline else []
+                             memory_options=memory_options, devices_per_node=planner.cluster.devices_per_node,
+                             tp_modes=tp_modes) if pipeline else []
     steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
