@@ -35,7 +35,7 @@ def _plan(strategy: str, devices: int, batch: int = 32, layers=None, search: str
 COLOSSAL = [("dp=8", 8), ("dp=2,tp=4", 8), ("dp=2,tp=2,pp=2,microbatches=4", 8),
             ("dp=1,tp=2,pp=2,microbatches=4,schedule=interleaved", 4),
             ("dp=1,pp=4,microbatches=8,schedule=interleaved,chunks=3", 4), ("dp=4,microbatches=4", 4),
-            ("dp=4,tp=2,precision=fp16", 8)]
+            ("dp=4,tp=2,precision=fp16", 8), ("dp=2,tp=4,tp_mode=2d,pp=2,microbatches=4", 16)]
 MINDFORMERS = [("dp=8", 8), ("dp=2,tp=4", 8), ("dp=2,tp=2,pp=2,microbatches=4", 8), ("dp=4,zero=1,recompute=full", 4),
                ("dp=2,tp=2,sequence_parallel=true,recompute=selective", 4), ("dp=4,microbatches=4", 4),
                ("dp=1,tp=2,pp=4,microbatches=8,zero=1", 8), ("dp=2,tp=2,copies=2", 4)]
