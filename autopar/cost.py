@@ -56,6 +56,7 @@ decisions is :mod:`autopar.search.planner`'s; nothing here imports the search.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -411,16 +412,30 @@ class CostModel:
         ``(cube, split, whole)`` of :meth:`_grid_params` (one of the three
         non-zero)."""
         grid = cfg.tp_grid
-        rows, cols = grid[-2], grid[-1]
-        depth = grid[0] if cfg.tp_mode == "3d" else 1
-        col = sh.out.get(nd.name, R)
-        elems = _numel(nd.out.shape) / (cols if is_shard(col) else 1)
-        row = row_placement(nd.out.shape, col, cols, rows)
-        if row == R:
-            return 0.0, 0.0, elems
-        if depth > 1 and depth_placement(nd.out.shape, col, cols, row, rows, depth) != R:
-            return elems, 0.0, 0.0
-        return 0.0, elems, 0.0
+        depth = grid[0] if len(grid) == 3 and cfg.tp_mode == "3d" else 1
+        return _grid_split_of(nd.out.shape, sh.out.get(nd.name, R), grid[-2], grid[-1], depth)
+
+    def _grid_unit_split(self, sh: AxisSharding, cfg: ParallelConfig) -> list[tuple[float, float, float]]:
+        """Per pipeline unit, :meth:`_grid_params`' ``(cube, split, whole)``
+        of the trainable parameters it reads (kept per decisions and grid)."""
+        key = ("grid units", id(sh), cfg.tp_grid, cfg.tp_mode)
+        hit = self.cache.local_params.get(key)
+        if hit is not None:
+            return hit
+        lists = self._unit_param_lists[0]
+        split_of: dict[str, tuple[float, float, float]] = {}
+        out = []
+        for params in lists:
+            cube = split = whole = 0.0
+            for name, _ in params:
+                if name not in split_of:
+                    split_of[name] = self._grid_split(self.graph[name], sh, cfg)
+                c, s_, w = split_of[name]
+                cube, split, whole = cube + c, split + s_, whole + w
+            out.append((cube, split, whole))
+        self.cache.hold(sh)
+        self.cache.local_params[key] = out
+        return out
 
     def _row_comm(self, cfg: ParallelConfig, cube: float, split: float, whole: float) -> tuple[float, float]:
         """The grid's own communication for weights of ``(cube, split,
@@ -463,22 +478,20 @@ class CostModel:
         weights its matmuls keep for backward, per microbatch in flight (or
         once, while the unit is recomputed)."""
         base = self.unit_costs(self.grid_view(cfg), sh, shapes, global_batch)
-        key = ("grid", id(base), cfg.tp_grid, cfg.tp_mode, cfg.pp, cfg.dp, cfg.recompute)
+        grid = cfg.tp_grid
+        key = ("grid", id(base), grid, cfg.tp_mode, cfg.pp, cfg.dp, cfg.recompute)
         hit = self.cache.units.get(key)
         if hit is not None and hit[0] is base:
             return hit[1]
-        grid = cfg.tp_grid
         rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
-        lists = self._unit_param_lists[0]
         n = len(base.time)
         out = UnitCosts(n)
         out.tensors, out.cut = list(base.tensors), list(base.cut)
-        for u in range(n):
-            cube = split = whole = 0.0
-            for name, _ in lists[u]:
-                c, s_, w = self._grid_split(self.graph[name], sh, cfg)
-                cube, split, whole = cube + c, split + s_, whole + w
-            gathers, total = self._row_comm(cfg, cube, split, whole)
+        comms: dict[tuple[float, float, float], tuple[float, float]] = {}   # the layers' units alike
+        for u, (cube, split, whole) in enumerate(self._grid_unit_split(sh, cfg)):
+            if (cube, split, whole) not in comms:
+                comms[cube, split, whole] = self._row_comm(cfg, cube, split, whole)
+            gathers, total = comms[cube, split, whole]
             gathered = (split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))) * self.itemsize
             out.fwd[u] = base.fwd[u] + gathers
             out.comm[u] = base.comm[u] + total
@@ -1586,6 +1599,20 @@ class CostModel:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
         return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_split_of(shape: tuple, col: str, rows: int, cols: int, depth: int) -> tuple[float, float, float]:
+    """:meth:`CostModel._grid_split` of a parameter of ``shape`` placed
+    ``col`` on the columns (a pure function of them: the layers' weights
+    share a few shapes, so the search asks for the same ones again)."""
+    elems = _numel(shape) / (cols if is_shard(col) else 1)
+    row = row_placement(shape, col, cols, rows)
+    if row == R:
+        return 0.0, 0.0, elems
+    if depth > 1 and depth_placement(shape, col, cols, row, rows, depth) != R:
+        return elems, 0.0, 0.0
+    return 0.0, elems, 0.0
 
 
 def _regathered(have: str, want: str, grad: bool, into_split: bool) -> bool:

@@ -30,6 +30,7 @@ as a multiple of the stages.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -240,11 +241,12 @@ class ParallelConfig:
     def low_precision(self) -> bool:
         return self.precision in ("bf16", "fp16")
 
-    @property
+    @functools.cached_property
     def tp_grid(self) -> tuple[int, ...]:
         """The shape of the tp group's sub-mesh, outermost first: ``(tp,)`` for
         1d, ``(q, q)`` for 2d (rows: the batch; columns: the hidden dims),
-        ``(depth, q, q)`` for 2.5d, ``(q, q, q)`` for 3d."""
+        ``(depth, q, q)`` for 2.5d, ``(q, q, q)`` for 3d (computed once: the
+        cost model asks per parameter)."""
         return tp_grid(self.tp, self.tp_mode, self.tp_depth)
 
     @property
