@@ -13,7 +13,8 @@ dp x tp, pipelines (1F1B, interleaved, pp x dp x tp on 8 processes), Megatron
 sequence parallel, selective and full recompute, ZeRO-1/2/3, bf16, and 2D tensor
 parallel (a 2 x 2 grid, alone and with dp=2 and ZeRO-1 on 8 processes), 2.5D
 (two 2 x 2 grids, 8 processes), 3D (a 2 x 2 x 2 cube, 8 processes) and a 2 x 2
-grid in each stage of a two-stage pipeline (``pp x 2d``, 8 processes).
+grid in each stage of a two-stage pipeline (``pp x 2d``, 8 processes) and under
+ZeRO-3 over dp=2 (``2d zero-3``, 8 processes).
 
 A cell passes when every step's loss on every rank is within a relative
 ``1e-4`` of the single process's (fp32; bf16: 2e-2 of one process under
@@ -73,6 +74,7 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "2.5d": ("tp=8,tp_mode=2.5d,tp_depth=2", 8),
     "3d": ("tp=8,tp_mode=3d", 8),
     "pp x 2d": ("pp=2,tp=4,tp_mode=2d,microbatches=2", 8),
+    "2d zero-3": ("dp=2,tp=4,tp_mode=2d,zero=3", 8),
 }
 # bf16 is compared with one process under the same policy (bf16 weights and compute, fp32
 # master weights, gradients reduced in fp32): splitting a matmul or the batch changes where

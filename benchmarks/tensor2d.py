@@ -5,7 +5,7 @@ Two tables, predictions only (no training):
 1. **Search.** Per model, cluster preset, device count and global batch: the
    best strategy of the automatic search over 1d layouts only (the default),
    the best ``tp_mode=2d`` configuration (every q x q grid, microbatch count,
-   recompute and ZeRO 0-2 that the model and batch allow, flat and in every
+   recompute and ZeRO 0-3 that the model and batch allow, flat and in every
    pipeline the search would try), the same for 2.5d
    (2 and 4 deep) and for the ``q x q x q`` cubes of 3d, and what the search
    picks when it may use them all (``tp_modes=("1d", "2d", "2.5d", "3d")``). Search mode
@@ -162,8 +162,8 @@ WHY = [
     "inside the node (NVLink), and the data-parallel reduction carries a quarter of the weights. E.g. 64 GPUs, "
     "batch 64: dp=16 x 2x2 has 0.016 s of tp communication against 0.034 s for dp=16,tp=4 (and 0.112 s of "
     "compute against 0.115 s: 2-way split matmuls are more efficient), with the same 0.037 s dp reduction.",
-    "Where it loses: the larger models' best 1d plans use ZeRO-3 and sequence parallelism, which 2d does not run "
-    "yet (they are not in its grid; its pipelines are); the rows' weight gathers grow with h^2 per microbatch, are "
+    "Where it loses: the larger models' best 1d plans use sequence parallelism, which 2d does not run "
+    "yet (it is not in its grid; its pipelines and ZeRO-3 are); the rows' weight gathers grow with h^2 per microbatch, are "
     "not overlapped, and the gathered weights are kept per microbatch in flight; grids of 4 x 4 and up put the rows across nodes on 8-GPU nodes. On H100 nodes (faster "
     "NVLink, same inter-node ratio) the 1d pipelines and ZeRO-3 plans stay ahead.",
     "2.5d (d grids of q x q, the samples split over the depth too, the weights replicated over it) wins where 2d "
@@ -211,7 +211,7 @@ def main(quick: bool = False) -> dict:
                        "for the q x q x q cubes; `search with grids`: what "
                        "`autopar.plan(..., tp_modes=('1d', '2d', '2.5d', '3d'))` (CLI `--tp-modes 1d,2d,2.5d,3d`) picks. "
                        "Each grid is tried flat and in the pipelines the search tries (each stage a dp x grid "
-                       "sub-mesh); the grids run no ZeRO-3, sequence parallelism or cp, which the 1d plans may use.",
+                       "sub-mesh); the grids run no sequence parallelism or cp, which the 1d plans may use.",
         "summary": {"cases where 2d beats the best 1d": f"{len(wins)} of {len(rows)}",
                     "cases where 2.5d beats the best 1d": f"{len(deep_wins)} of {len(rows)}",
                     "best 2d gain": f"{(1 - min(r['ratio_2d_over_1d'] for r in wins)) * 100:.1f}%" if wins else "none",

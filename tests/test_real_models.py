@@ -60,7 +60,7 @@ def test_matrix_families_are_all_covered():
     # tp and pp 1F1B run inside the recompute-full strategy (pp=2,tp=2, 1F1B by default)
     assert {f for _, f, _ in RUNS} >= set(matrix.FAMILIES) - {"dp", "pp x dp x tp", "zero-1",
                                                                "recompute selective", "bf16", "2d", "dp x 2d",
-                                                               "2.5d", "3d", "pp x 2d", "tp", "pp 1F1B"}
+                                                               "2.5d", "3d", "pp x 2d", "2d zero-3", "tp", "pp 1F1B"}
     assert matrix.FAMILIES["recompute full"][0].startswith("pp=2,tp=2,")
     assert {m for m, _, _ in RUNS} | set(ELSEWHERE) == set(EXPORT_MODELS)
 

@@ -141,12 +141,12 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     """The ``tp_mode=2d`` lines: ``tp = q^2`` on a ``q x q`` grid for every
     ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
     with the microbatches whose samples per data-parallel rank the grid's rows
-    divide, times recompute and ZeRO 0-2 (grids run no ZeRO-3 or cp; their
+    divide, times recompute and ZeRO 0-3 (grids run no cp; their
     pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options else ("none",)
-    zeros = (0, 1, 2) if memory_options else (0,)
+    zeros = (0, 1, 2, 3) if memory_options else (0,)
     out = []
     for q in tp_valid_sizes(graph):
         for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):

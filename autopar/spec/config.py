@@ -494,18 +494,18 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d,
-    2.5d and 3d run without context parallelism, ZeRO-3 and copies
+    2.5d and 3d run without context parallelism and copies
     (:class:`UnsupportedError`), with the samples of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
     times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
     if cfg.tp_mode == "1d":
         return
     mode = cfg.tp_mode
-    for what, bad in (("cp", cfg.cp > 1), ("zero=3", cfg.zero == 3), ("copies", cfg.copies > 1)):
+    for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
             raise UnsupportedError(f"tp_mode={mode} with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
                                    f"is not implemented yet; tp_mode={mode} runs with dp, pipelines, microbatches, "
-                                   f"recompute and zero<=2")
+                                   f"recompute and ZeRO 0-3")
     rows = cfg.grid_batch_split
     per = global_batch // max(cfg.dp * cfg.microbatches, 1)
     if per % rows:
