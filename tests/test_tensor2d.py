@@ -82,14 +82,13 @@ def test_cost_shards_states_over_the_grid_and_charges_the_rows():
     two_d = autopar.evaluate(m, strategy="dp=4,tp=4,tp_mode=2d", **kw)
     cols = autopar.evaluate(m, strategy="dp=8,tp=2", **kw)     # the grid's columns alone, rows as dp
     # a quarter of every matrix per rank: model states below 1d's over 4 (vectors are replicated on rows)
-    states = lambda e: e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
-    assert states(two_d) < 0.55 * states(cols) and states(two_d) < 1.1 * states(one_d)
+    assert _states(two_d) < 0.55 * _states(cols) and _states(two_d) < 1.1 * _states(one_d)
     assert two_d.memory["grid_weights_gathered"] > 0
     # the rows' weight gathers and reduce-scatters are tp communication beyond the columns'
     assert two_d.tp_comm_time_s > cols.tp_comm_time_s
     # 2.5d: the same 2 x 2 grids twice deep hold what 2d's hold; their gradients are summed over the depth too
     deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
-    assert states(deep) == pytest.approx(states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
+    assert _states(deep) == pytest.approx(_states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
     assert two_d.parallel["tp_mode"] == "2d" and two_d.strategy == "dp=4,tp=4,tp_mode=2d,pp=1,microbatches=1," \
                                                                   "recompute=none,zero=0"
 
@@ -130,17 +129,20 @@ def test_grids_in_pipelines_are_costed_per_stage_and_searched():
     assert not [c for c in pipeline_configs(as_graph(m), 32, 64) if c.tp_mode != "1d"]
 
 
+def _states(e) -> float:
+    """Model states per device of an estimate: weights, gradients, optimizer."""
+    return e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
+
+
 def test_grids_under_zero3_shard_their_shards_over_dp():
     m = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
     kw = dict(cluster="dgx-a100-80g", devices=64, global_batch=64)
-    states = lambda e: e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
     one = autopar.evaluate(m, strategy="dp=16,tp=4,tp_mode=2d,zero=1", **kw)
     three = autopar.evaluate(m, strategy="dp=16,tp=4,tp_mode=2d,zero=3", **kw)
     flat = autopar.evaluate(m, strategy="dp=16,tp=4,zero=3", **kw)
     # FSDP2 over dp=16 of a rank's quarter of every matrix: the states of 1d tp=4 under ZeRO-3 (but for
-    # the biases the rows replicate),
-    # far below ZeRO-1's; the grid's own traffic is unchanged
-    assert states(three) == pytest.approx(states(flat), rel=1e-3) and states(three) < 0.5 * states(one)
+    # the biases the rows replicate), far below ZeRO-1's; the grid's own traffic is unchanged
+    assert _states(three) == pytest.approx(_states(flat), rel=1e-3) and _states(three) < 0.5 * _states(one)
     assert three.tp_comm_time_s == pytest.approx(one.tp_comm_time_s)
     assert three.memory["grid_weights_gathered"] == one.memory["grid_weights_gathered"]
 
@@ -148,12 +150,11 @@ def test_grids_under_zero3_shard_their_shards_over_dp():
 def test_cost_of_the_cube_and_its_search():
     m = "gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000"
     kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=16)
-    states = lambda e: e.memory["weights"] + e.memory["gradients"] + e.memory["optimizer"]
     deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
     cube = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=3d", **kw)
     # the same 2 x 2 x 2 ranks: 2.5d replicates every weight over its depth, 3d splits the matrices there
     # (an eighth of each per rank; the vectors stay replicated), gathering them over rows and depth per microbatch
-    assert states(cube) < 0.55 * states(deep)
+    assert _states(cube) < 0.55 * _states(deep)
     assert cube.memory["grid_weights_gathered"] > deep.memory["grid_weights_gathered"]
     assert cube.parallel["tp_mode"] == "3d" and cube.strategy.startswith("dp=2,tp=8,tp_mode=3d,")
     # the search tries the cubes only when asked, and takes one where it is faster than every 1d layout
@@ -372,7 +373,7 @@ def _cube_worker(rank, world, path):
     for spec, strategy in CUBE.items():
         want_losses, want_w, matrices = _reference(spec)
         pm, x, y, got = _train(spec, strategy, want_w, matrices, 8)
-        out[spec] = (want_losses, *got)
+        out[spec, "3d"] = (want_losses, *got)
         if spec == GPT:     # a checkpoint of the cube resumes under 1d (and the cube's own next step goes on)
             pm.last_batch = ((x,), y)
             out["checkpoint"] = _checkpoint(pm, path, "dp=4,tp=2,zero=1")
@@ -398,17 +399,6 @@ def test_checkpoint_of_the_cube_resumes_under_1d(cube_results):
 
 
 @spawn8
-@pytest.mark.parametrize("spec", list(CUBE), ids=["gpt", "llama"])
-def test_3d_trains_like_one_process_on_an_eighth_of_each_matrix(cube_results, spec):
-    for r in cube_results:
-        (want, want_norms), (got, norms), worst, missing, not_eighth, matrices = r[spec]
-        assert got == pytest.approx(want, rel=1e-4), spec
-        assert norms == pytest.approx(want_norms, rel=1e-4), spec
-        assert worst < 1e-4 and not missing, (spec, worst, missing)
-        assert matrices > 0 and not not_eighth, (spec, not_eighth)
-
-
-@spawn8
 def test_checkpoint_of_the_pipelined_grid_resumes_under_1d(cube_results):
     for r in cube_results:
         going_on, resumed = r["pipeline checkpoint"]
@@ -417,21 +407,13 @@ def test_checkpoint_of_the_pipelined_grid_resumes_under_1d(cube_results):
 
 @spawn8
 @pytest.mark.parametrize("spec", list(CUBE), ids=["gpt", "llama"])
-def test_2d_grids_in_a_pipeline_train_like_one_process(cube_results, spec):
+@pytest.mark.parametrize("run", ["3d", "pipeline", "zero3"])
+def test_8_processes_train_like_one_process_on_their_share_of_each_matrix(cube_results, spec, run):
+    """The cube (an eighth of every matrix), a 2 x 2 grid in each of two pipeline stages (a
+    quarter of its stage's) and a 2 x 2 grid under ZeRO-3 over dp=2 (an eighth)."""
     for r in cube_results:
-        (want, want_norms), (got, norms), worst, missing, not_quarter, matrices = r[spec, "pipeline"]
-        assert got == pytest.approx(want, rel=1e-4), spec
-        assert norms == pytest.approx(want_norms, rel=1e-4), spec
-        assert worst < 1e-4 and not missing, (spec, worst, missing)
-        assert matrices > 0 and not not_quarter, (spec, not_quarter)
-
-
-@spawn8
-@pytest.mark.parametrize("spec", list(CUBE), ids=["gpt", "llama"])
-def test_2d_grids_under_zero3_train_like_one_process(cube_results, spec):
-    for r in cube_results:
-        (want, want_norms), (got, norms), worst, missing, not_eighth, matrices = r[spec, "zero3"]
-        assert got == pytest.approx(want, rel=1e-4), spec
-        assert norms == pytest.approx(want_norms, rel=1e-4), spec
-        assert worst < 1e-4 and not missing, (spec, worst, missing)
-        assert matrices > 0 and not not_eighth, (spec, not_eighth)     # a quarter over the grid, halved by dp
+        (want, want_norms), (got, norms), worst, missing, not_shared, matrices = r[spec, run]
+        assert got == pytest.approx(want, rel=1e-4), (spec, run)
+        assert norms == pytest.approx(want_norms, rel=1e-4), (spec, run)
+        assert worst < 1e-4 and not missing, (spec, run, worst, missing)
+        assert matrices > 0 and not not_shared, (spec, run, not_shared)
