@@ -42,8 +42,8 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
 Memory per device: weights, gradients and optimizer state of the local
 shards (ZeRO divides them over ``dp``), the activations saved for backward
 (times the microbatches a pipeline rank keeps in flight), and the largest
-transient (e.g. the logits); ``fits`` compares the peak against 90% of the
-device memory (allocator slack).
+transient (e.g. the logits, or an input an op reads all-gathered); ``fits``
+compares the peak against 90% of the device memory (allocator slack).
 
 The model is pure: :meth:`CostModel.estimate` prices decisions made
 elsewhere (the tensor-parallel :class:`~autopar.sharding.AxisSharding`, the
