@@ -1464,8 +1464,8 @@ class CostModel:
             transient = _numel(shapes.get(nd.name)) * isz / (tp if is_shard(sh.out.get(nd.name, R)) else 1) \
                 if nd.out is not None else None
             if transient is not None:
-                transient = max([transient] + [_numel(shapes.get(i)) * isz for i, have, want in zip(nd.inputs, ins, st.ins)
-                                               if want == R and is_shard(have)])
+                transient = max([transient] + [_numel(shapes.get(i)) * isz for i, have, want
+                                               in zip(nd.inputs, ins, st.ins) if want == R and is_shard(have)])
             regather = sum(comm_tp("all_gather", nbytes(i)) for i, have, want, new in zip(nd.inputs, ins, st.ins, fresh)
                            if new and _regathered(have, want, self.grad.get(i, False), st.split))
             out.append((nd, st, nd.group, unit_of.get(nd.name, 0), t, at.comm, transient, regather))
