@@ -27,7 +27,7 @@ run yet (a partial run merged with ``--merge``).
     .venv/bin/python -m benchmarks.matrix [--models a,b] [--families x,y] [--merge] [--no-save]
 
 The table lands in ``benchmarks/README.md``; ``make matrix`` runs it all
-(its first 91 cells took 8 minutes on 2 cores; the 170 of today's
+(its first 91 cells took 8 minutes on 2 cores; the 190 of today's
 table more). ``--merge`` runs only the cells asked
 for and merges them into the saved result, so a new model or family is added
 without running the rest again. ResNet-50 (``tv-resnet50``) is left out of
