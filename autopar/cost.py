@@ -370,10 +370,18 @@ class CostModel:
                                              fwd, (passes - 1) * fwd, self._fsdp_units())
         # the gathered weights their matmuls keep for backward (one layer's at a time when recomputed)
         kept = gathered * isz / (1 if cfg.recompute == "none" else max(n_split, 1))
+        # the view counted at the columns' share what a grid rank holds less of: the gradients the
+        # backward creates as it frees the activations, and ZeRO-3's units gathered over dp
+        freed_view = est.memory.get("freed_by_backward", 0.0)
+        freed = -min(-freed_view, states["gradients"]) if freed_view else 0.0
+        units_view = self._gathered(view, sh)
+        units = self._grid_units_gathered(cfg, sh) if units_view else 0.0
         memory = dict(est.memory, weights=states["weights"], gradients=states["gradients"],
-                      optimizer=states["optimizer"], grid_weights_gathered=kept)
+                      optimizer=states["optimizer"], grid_weights_gathered=kept,
+                      transient=est.memory["transient"] - units_view + units,
+                      **({"freed_by_backward": freed} if freed else {}))
         old_states = est.memory["weights"] + est.memory["gradients"] + est.memory["optimizer"]
-        peak = est.peak_memory_bytes - old_states + states["total"] + kept
+        peak = est.peak_memory_bytes - old_states + states["total"] + kept + freed - freed_view + units - units_view
         step = est.step_time_s - est.dp_comm_time_s - est.optimizer_time_s + dp_comm + opt + row_comm
         return dataclasses.replace(
             est, strategy=cfg.to_string(), parallel=cfg.as_dict(), step_time_s=step,
@@ -406,6 +414,19 @@ class CostModel:
         out = (cube, split, whole, len(units_))
         self.cache.local_params[key] = out
         return out
+
+    def _grid_units_gathered(self, cfg: ParallelConfig, sh: AxisSharding) -> float:
+        """:meth:`_gathered` for a grid under ZeRO-3: FSDP2 gathers a grid
+        rank's own shards of a unit over dp (the root's and two layers')."""
+        grid = cfg.tp_grid
+        rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
+        try:
+            parts = [c / (rows * depth) + s_ / rows + w for c, s_, w in self._grid_unit_split(sh, cfg)]
+        except StrategyError:      # no layer units: the whole model is one
+            cube, split, whole, _ = self._grid_params(sh, cfg)
+            return (cube / (rows * depth) + split / rows + whole) * self.itemsize
+        layers = parts[1:-1]
+        return (parts[0] + parts[-1] + 2 * (max(layers) if layers else 0.0)) * self.itemsize
 
     def _grid_split(self, nd: Node, sh: AxisSharding, cfg: ParallelConfig) -> tuple[float, float, float]:
         """One trainable parameter node's elements in one grid column, as

@@ -145,6 +145,10 @@ def test_grids_under_zero3_shard_their_shards_over_dp():
     assert _states(three) == pytest.approx(_states(flat), rel=1e-3) and _states(three) < 0.5 * _states(one)
     assert three.tp_comm_time_s == pytest.approx(one.tp_comm_time_s)
     assert three.memory["grid_weights_gathered"] == one.memory["grid_weights_gathered"]
+    # the units FSDP2 gathers are a grid rank's shards: half the columns' share the view holds (same
+    # samples per rank, so the activations' temporaries are alike)
+    view = autopar.evaluate(m, strategy="dp=32,tp=2,zero=3", **kw)
+    assert three.memory["transient"] < view.memory["transient"]
 
 
 def test_cost_of_the_cube_and_its_search():
