@@ -355,15 +355,14 @@ class CostModel:
         view = self.grid_view(cfg)
         est = self._estimate_flat(view, sh, shapes, global_batch, devices)
         grid, m = cfg.tp_grid, cfg.microbatches
-        rows, cols = grid[-2], grid[-1]
-        depth = grid[0] if len(grid) == 3 else 1
+        cols = grid[-1]
         topo = self.topology((cfg.dp, *grid))
         cube, split, whole, n_split = self._grid_params(sh, cfg)
         isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         row_comm = m * self._row_comm(cfg, cube, split, whole)[1]
         # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
         local, n_tensors = self._local_params(sh, cols)
-        gathered = split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))
+        gathered = cube + split + whole - _grid_share(cfg, cube, split, whole)
         local -= gathered
         fwd = est.compute_time_s / (m * passes)
         dp_comm, opt, states = self._dp_tail(dataclasses.replace(view, dp=cfg.dp), local, n_tensors, topo, 0,
@@ -418,15 +417,11 @@ class CostModel:
     def _grid_units_gathered(self, cfg: ParallelConfig, sh: AxisSharding) -> float:
         """:meth:`_gathered` for a grid under ZeRO-3: FSDP2 gathers a grid
         rank's own shards of a unit over dp (the root's and two layers')."""
-        grid = cfg.tp_grid
-        rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
         try:
-            parts = [c / (rows * depth) + s_ / rows + w for c, s_, w in self._grid_unit_split(sh, cfg)]
+            parts = [_grid_share(cfg, *unit) for unit in self._grid_unit_split(sh, cfg)]
         except StrategyError:      # no layer units: the whole model is one
-            cube, split, whole, _ = self._grid_params(sh, cfg)
-            return (cube / (rows * depth) + split / rows + whole) * self.itemsize
-        layers = parts[1:-1]
-        return (parts[0] + parts[-1] + 2 * (max(layers) if layers else 0.0)) * self.itemsize
+            return _grid_share(cfg, *self._grid_params(sh, cfg)[:3]) * self.itemsize
+        return _fsdp_peak(parts) * self.itemsize
 
     def _grid_split(self, nd: Node, sh: AxisSharding, cfg: ParallelConfig) -> tuple[float, float, float]:
         """One trainable parameter node's elements in one grid column, as
@@ -504,7 +499,6 @@ class CostModel:
         hit = self.cache.units.get(key)
         if hit is not None and hit[0] is base:
             return hit[1]
-        rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
         n = len(base.time)
         out = UnitCosts(n)
         out.tensors, out.cut = list(base.tensors), list(base.cut)
@@ -513,7 +507,7 @@ class CostModel:
             if (cube, split, whole) not in comms:
                 comms[cube, split, whole] = self._row_comm(cfg, cube, split, whole)
             gathers, total = comms[cube, split, whole]
-            gathered = (split * (1 - 1 / rows) + cube * (1 - 1 / (rows * depth))) * self.itemsize
+            gathered = (cube + split + whole - _grid_share(cfg, cube, split, whole)) * self.itemsize
             out.fwd[u] = base.fwd[u] + gathers
             out.comm[u] = base.comm[u] + total
             out.time[u] = base.time[u] + total
@@ -704,8 +698,7 @@ class CostModel:
             elems, _ = self._unit_params(sh, cfg.tp)
         except StrategyError:
             return self._local_params(sh, cfg.tp)[0] * self.itemsize
-        layers = elems[1:-1]
-        return (elems[0] + elems[-1] + 2 * (max(layers) if layers else 0.0)) * self.itemsize
+        return _fsdp_peak(elems) * self.itemsize
 
     def _fsdp_units(self) -> int:
         try:
@@ -1067,9 +1060,7 @@ class CostModel:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
                 if cfg.tp_mode != "1d":     # a grid rank's part: split on its columns, rows and depth
-                    cube, split, whole = self._grid_split(self.graph[name], sh, cfg)
-                    grid = cfg.tp_grid
-                    local = whole + split / grid[-2] + cube / (grid[-2] * (grid[0] if cfg.tp_mode == "3d" else 1))
+                    local = _grid_share(cfg, *self._grid_split(self.graph[name], sh, cfg))
                 else:
                     local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
                 total += cost_models.comm.collective_time(
@@ -1620,6 +1611,23 @@ class CostModel:
         """Bytes of the inputs of every repeated-layer instance (what full
         recompute keeps)."""
         return sum(self._layer_input_bytes(sh, shapes, tp).values())
+
+
+def _grid_share(cfg: ParallelConfig, cube: float, split: float, whole: float) -> float:
+    """The elements a grid rank holds of a column's ``(cube, split, whole)``
+    (:meth:`CostModel._grid_params`): the rows split ``split``, the rows and
+    a 3d cube's depth split ``cube``, ``whole`` stays whole."""
+    grid = cfg.tp_grid
+    rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
+    return whole + split / rows + cube / (rows * depth)
+
+
+def _fsdp_peak(elems: Sequence[float]) -> float:
+    """ZeRO-3's unsharded elements at the peak, from the per-unit ``elems``
+    (embedding, layers, head): the root's and two layers' (the one running,
+    the one prefetched)."""
+    layers = elems[1:-1]
+    return elems[0] + elems[-1] + 2 * (max(layers) if layers else 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
