@@ -636,6 +636,20 @@ class CostModel:
         bwd = max(b + self._beside(g + r + 2 * min(g, r)), g + r)
         return fwd + bwd
 
+    def _fsdp_copies(self, elems: float, pb: float, gb: float) -> tuple[float, float]:
+        """The memory-bound copies FSDP2 runs around one unit's collectives of
+        ``elems`` (unsharded) elements, in its forward and in its backward:
+        each all-gather's copy-out (the gathered flat buffer split into the
+        parameters, on the compute stream: read and written, ``pb`` bytes an
+        element) and, in backward, the reduce-scatter's copy-in (the
+        unsharded gradients into the flat input, ``gb`` bytes an element). On
+        the device's streaming bandwidth; they slow the compute, and hide
+        behind a gather that is slower than it."""
+        dev = self.cluster.device
+        rate = dev.memory_bandwidth * dev.memory_efficiency
+        gather = 2 * elems * pb / rate
+        return gather, gather + 2 * elems * gb / rate
+
     def _dp_tail(self, cfg: ParallelConfig, local: float, n_tensors: float, topo: MeshTopology, axis: int,
                  fwd_s: float, bwd_s: float, units_: int) -> tuple[float, float, dict[str, float]]:
         """Data-parallel communication (exposed), optimizer time and model
@@ -663,13 +677,14 @@ class CostModel:
             else:                   # FSDP2: per unit, gather in forward, gather + reduce-scatter in backward
                 n = max(units_, 1)
                 g, r = coll("all_gather", local * pb / n), coll("reduce_scatter", grads / n)
+                cf, cb = self._fsdp_copies(local / n, pb, gb)
                 if cfg.overlap:     # the next unit's gather is prefetched behind this one's compute
                     hide = self.cluster.device.comm_overlap
                     f, b = hide * fwd_s / n, hide * bwd_s / n
                     # the first gather of each pass waits; the last reduce-scatter runs after it
-                    per = 2 * g + r + (n - 1) * (self._fsdp_unit(g, r, f, b) - f - b)
+                    per = 2 * g + r + cf + cb + (n - 1) * (self._fsdp_unit(g, r, f + cf, b + cb) - f - b)
                 else:
-                    per = n * (2 * g + r)
+                    per = n * (2 * g + r + cf + cb)
                 comm += m * per
         dev = self.cluster.device
         opt = n_tensors * dev.optimizer_overhead_s.get(self.optimizer, 0.0)

@@ -474,10 +474,31 @@ def _backward_reads(graph: Graph, nd: Node) -> list[str]:
     elif k == "softmax":
         names = [nd.name]
     elif k == "elementwise" and ops.is_nonlinear(nd.target):
-        names = [i for i in nd.inputs if not graph[i].is_state]
+        names = [i for i in _operands_read(graph, nd) if not graph[i].is_state]
     else:
         return []
     return [i for i in names if i in graph and graph[i].out is not None and graph[i].out.is_float]
+
+
+def _operands_read(graph: Graph, nd: Node) -> list[str]:
+    """The inputs a nonlinear elementwise op's backward reads, as autograd
+    saves them (:attr:`autopar.ops.OpInfo.operands`): a product's operand only
+    for another operand's gradient, a quotient's divisor for either's and its
+    dividend for the divisor's."""
+    info = ops.op_info(nd.target)
+    how = info.operands if info is not None else "all"
+    if how == "all":
+        return list(nd.inputs)
+    grad = needs_grad(graph)
+    if how == "product":
+        return [i for j, i in enumerate(nd.inputs)
+                if any(grad.get(o, False) for k, o in enumerate(nd.inputs) if k != j)]
+    if len(nd.inputs) < 2:   # a Python number on one side: `x / 2` keeps nothing, `2 / x` keeps x
+        divisor = not nd.attrs.get("tensor_dividend", False)
+        return [i for i in nd.inputs if divisor and grad.get(i, False)]
+    num, den = nd.inputs[0], nd.inputs[1]
+    return [x for x, keep in ((num, grad.get(den, False)), (den, grad.get(num, False) or grad.get(den, False)))
+            if keep]
 
 
 def selective_candidate(graph: Graph, nd: Node) -> bool:

@@ -993,6 +993,9 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                 a["reduction"] = "unsupported"
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
+        elif k == "elementwise" and getattr(ops.op_info(t), "operands", "") == "quotient":
+            # which side the one tensor of `x / 2` or `2 / x` is: autograd saves a divisor, not a dividend
+            a["tensor_dividend"] = bool(n.args) and isinstance(n.args[0], fx.Node)
         elif k == "reduction" and x is not None:
             dims = _arg(n, 1, "dim", None)
             if dims is None:

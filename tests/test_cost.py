@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import autopar
+from autopar import ops
 from autopar.api import as_graph
 from autopar.cost import CostModel
 from autopar.search.planner import Planner
@@ -347,3 +349,57 @@ def test_an_input_read_gathered_counts_as_a_temporary():
     assert p.data["ops"][":reshape"]["out"] == ["S(0)", "S(1)"]           # from vocabulary shards
     full_logits = 8 * 64 * 1024 * 2
     assert p.data["predicted"]["memory"]["transient"] >= 2 * full_logits * 0.999    # the plan rounds
+
+
+class _Products(torch.nn.Module):
+    """Products and quotients with a constant, a number and another activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("c", torch.randn(8))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h * self.c + h * 0.5 + h / 2 + 3.0 / (h * h + 1) + h / self.c + torch.relu(h) * h).sum()
+
+
+def test_products_keep_an_operand_only_for_anothers_gradient_as_autograd_does():
+    """What the cost model counts as saved for a product or quotient is what
+    autograd saves: ``x * cos`` with a constant ``cos`` and ``x * 0.5`` keep no
+    activation (before: the activation, which put RoPE's ``q`` and
+    ``rotate_half(q)`` into every layer's memory), ``x * y`` keeps both, a
+    divisor that needs a gradient is kept. Ground truth: the tensors autograd
+    packs while each node of the traced program runs."""
+    import torch.fx as fx
+
+    from autopar.sharding import backward_reads
+
+    x = torch.randn(4, 8)
+    g = autopar.trace(_Products(), (x,), frontend="fx")
+    reads = backward_reads(g)
+    seen: dict[str, set[str]] = {}
+
+    class Saved(fx.Interpreter):
+        def run_node(self, n):
+            packed: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+                out = super().run_node(n)
+            ins = {a.name: self.env[a] for a in n.all_input_nodes}
+            seen[n.name] = {a for a, v in ins.items() if isinstance(v, torch.Tensor) and
+                            any(p.data_ptr() == v.data_ptr() and p.shape == v.shape for p in packed)}
+            return out
+
+    Saved(g.gm).run(x)
+    checked = 0
+    for nd in g.nodes:
+        info = ops.op_info(nd.target)
+        if info is None or info.operands == "all" or nd.name not in seen:
+            continue
+        acts = {i for i in seen[nd.name] if not g[i].is_state and g[i].kind != "constant"}
+        # a divisor read by the backward of `3 / y` is saved as its reciprocal, the same bytes
+        if not acts and info.operands == "quotient" and nd.inputs and not nd.attrs.get("tensor_dividend"):
+            acts = {nd.inputs[0]}
+        assert set(reads[nd.name]) == acts, (nd.name, reads[nd.name], acts)
+        checked += 1
+    assert checked >= 6

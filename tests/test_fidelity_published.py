@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 
+import autopar
+
 from benchmarks.fidelity_published import PTDP, SIZES, T, ZERO3, activation_records, ptdp_records, ranking, \
     zero3_records
 
@@ -52,9 +54,39 @@ def test_gpt175_on_384_gpus_within_ten_percent(gpt175, group):
     assert row.within, row
 
 
-@pytest.mark.xfail(strict=True, reason="the model puts ZeRO-3 2% ahead of PTD-P at 175B on 384 GPUs; "
-                                       "the paper measured it 6% behind (both rows within 10%)")
 def test_ptdp_beats_zero3_at_175b_on_384_gpus_as_published(gpt175):
+    """The paper measured ZeRO-3 6% behind PTD-P here. The model put it 2%
+    ahead until it charged FSDP2's copies around each unit's collectives (the
+    gathered buffer split into the parameters, the gradients packed for the
+    reduce-scatter: memory-bound kernels beside the compute); now it is
+    behind, by less than measured."""
     rank = ranking(gpt175)
     assert rank["published"] == "PTD-P"
     assert rank["predicted"] == rank["published"]
+
+
+def test_zero3_pays_fsdp2s_copies_where_the_compute_is_the_longer(monkeypatch):
+    """GPT-3 175B on 384 A100 under ZeRO-3 is compute-bound per unit (a
+    layer's forward and backward outlast its gathers): each unit's copies
+    (two copy-outs of its gathered weights, a copy-in of its gradients, all
+    read and written at the device's streaming bandwidth) add to the step
+    about their time, units times microbatches."""
+    from autopar.cost import CostModel
+    from benchmarks.fidelity_published import GPT175, Row, graph
+
+    row = Row("175B", tp=1, pp=1, gpus=384, batch=1536, tflops=144, **GPT175)
+    cfg = "dp=384,microbatches=1,zero=3,recompute=full,precision=bf16"
+
+    def step():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.evaluate(graph(row.spec), cluster="dgx-a100-80g", devices=384, global_batch=1536,
+                                    strategy=cfg).step_time_s
+
+    with_copies = step()
+    monkeypatch.setattr(CostModel, "_fsdp_copies", lambda self, elems, pb, gb: (0.0, 0.0))
+    without = step()
+    # a layer of 12 h^2 weights, bf16 gathers (2 bytes), fp32 gradients (4): 2 x 2 x 2 + 2 x 4 bytes an element
+    layer = 12 * 12288 ** 2
+    copies = 96 * layer * (8 + 8) / (2039e9 * 0.8)
+    assert with_copies - without == pytest.approx(copies, rel=0.1)

@@ -54,6 +54,12 @@ class OpInfo:
     ``shape_arg``: position of its target-shape argument (for methods called
     with the sizes spread out, the sizes from there on), which the compiler
     rewrites to the local shape; ``None`` when it has none.
+    ``operands``: which inputs a ``nonlinear`` op's backward reads, as
+    autograd saves them: ``"all"``; ``"product"`` (mul: an operand only when
+    another one needs a gradient, so ``x * cos`` with a constant ``cos``
+    keeps ``cos`` alone and ``x * 0.5`` keeps nothing); ``"quotient"`` (div:
+    the divisor when either needs a gradient, the dividend only when the
+    divisor does).
     """
 
     name: str
@@ -63,6 +69,7 @@ class OpInfo:
     saved: bool = False
     whole_dims: int = 0
     shape_arg: int | None = None
+    operands: str = "all"
 
     @property
     def targets(self) -> tuple[Any, ...]:
@@ -99,6 +106,10 @@ def register_kind(name: str, family: str = "other", doc: str = "") -> KindInfo:
     return info
 
 
+#: which operands a nonlinear op's backward reads (:attr:`OpInfo.operands`)
+OPERANDS = ("all", "product", "quotient")
+
+
 def register_op(name: str, kind: str, **fields: Any) -> OpInfo:
     """Add the op ``name`` under ``kind`` with the :class:`OpInfo` ``fields``. Returns its record.
 
@@ -110,6 +121,8 @@ def register_op(name: str, kind: str, **fields: Any) -> OpInfo:
         raise AutoparError(f"op {name!r}: unknown kind {kind!r}; register it first (known: {', '.join(_KINDS)})")
     if fields.get("linear_in", "") not in LINEAR_IN:
         raise AutoparError(f"op {name!r}: linear_in={fields['linear_in']!r}; valid: {LINEAR_IN}")
+    if fields.get("operands", "all") not in OPERANDS:
+        raise AutoparError(f"op {name!r}: operands={fields['operands']!r}; valid: {OPERANDS}")
     info = _OPS[name] = OpInfo(name, kind, **fields)
     return info
 

@@ -2,7 +2,8 @@
 
 A new op is one entry here: its name (as torch.fx / torch.export spell the
 target, see :mod:`autopar.ops.registry`) and, where they differ from the
-defaults, its facts: ``nonlinear`` (backward reads the inputs),
+defaults, its facts: ``nonlinear`` (backward reads the inputs; ``operands``
+says which),
 ``linear_in`` (``"all"`` / ``"first"``: Partial passes through), ``saved``
 (selective recompute keeps the output), ``whole_dims`` (trailing dims
 that cannot be split), ``shape_arg`` (the compiler localises that shape
@@ -24,6 +25,8 @@ _ALL = {"linear_in": "all"}
 _FIRST = {"linear_in": "first"}
 _SAVED = {"saved": True}
 _SHAPE = {"shape_arg": 1}
+_PRODUCT = {"operands": "product"}     # backward reads an operand only for another's gradient
+_QUOTIENT = {"operands": "quotient"}
 
 
 def _(name: str, *facts: dict) -> tuple[str, dict]:
@@ -76,7 +79,8 @@ _kind("split", ("split", "chunk", "unbind", "split_with_sizes", "tensor_split"),
 _kind("item", (), doc="getitem on the tuple a split returned (set by the tracer, no op of its own)")
 _kind("cat", ("cat", "stack", "concat", "concatenate"), doc="tensors joined along a dim")
 _kind("elementwise", (
-    _("add", _ALL), _("sub", _ALL), _("mul", _FIRST, _NL), _("truediv", _FIRST, _NL), _("div", _FIRST, _NL),
+    _("add", _ALL), _("sub", _ALL), _("mul", _FIRST, _NL, _PRODUCT), _("truediv", _FIRST, _NL, _QUOTIENT),
+    _("div", _FIRST, _NL, _QUOTIENT),
     _("neg", _FIRST), _("pow", _NL), _("rsqrt", _NL), _("sqrt", _NL), _("exp", _NL), _("log", _NL),
     _("gelu", _NL), _("relu", _NL), _("silu", _NL), _("sigmoid", _NL), _("tanh", _NL), _("dropout", _FIRST),
     "masked_fill", "where", "clamp", "abs", "cos", "sin", _("erf", _NL), "floordiv", _("reciprocal", _NL),
