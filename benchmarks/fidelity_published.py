@@ -38,7 +38,21 @@ or figure), autopar's prediction of the same quantity, and their ratio
   MFU, model FLOPs, as autopar counts them), and DP 128 on 16,384 H100 (16
   sequences per dp rank), 400 teraFLOP/s (41%); Section 3.3.2 says it trained
   without activation checkpointing. On ``dgx-h100`` with sequence parallel and
-  the optimizer state sharded over dp (as its FSDP does).
+  the optimizer state sharded over dp (as its FSDP does). What the model keeps
+  per layer and microbatch at t = 8 with sequence parallel is 44.5 sbh/t
+  bytes (bf16), tensor by tensor what autograd saves for the zoo Llama as
+  written, in the Hugging Face manner: the two norms' inputs and those of the
+  qkv, output and first MLP linears, q, the attention output, and k and v
+  *expanded to every query head* before attention (``repeat_kv``), 2 sbh/t
+  each (unexpanded grouped-query k and v would be 2/16); RoPE's constant
+  tables (1/2); the unfused SwiGLU's gate, SiLU, up projection and product
+  (6.5 sbh/t each at ffn = 3.25 h). A Megatron-style layer (k and v at 1/16,
+  the SwiGLU fused so that its SiLU is recomputed) keeps 34.25 sbh/t. Even
+  that, on the first of 16 1F1B ranks holding 16 microbatches of 8 layers, is
+  about 68 GiB of activations beside about 20 GiB of model states: the
+  paper's claim needs fewer microbatches in flight than 1F1B keeps (its
+  schedule's tunable ``N``) or a layer that keeps less, and it does not say
+  which.
 
     python -m benchmarks.fidelity_published [--quick]
 """
@@ -138,9 +152,12 @@ NOTES = [
     "gathers and one fp32 reduce-scatter per unit at the 25 GB/s NIC of each GPU fit them within 4-14%; a ring "
     "using all 8 NICs of a node would make them several times faster than measured. A checkpoint that wraps a unit's "
     "gather hooks (the issue suspects DeepSpeed's) gathers a third time in the recompute, which would explain "
-    "the rest; FSDP2 as autopar nests it does not, so it is not charged.",
-    "At 175B on 384 GPUs the model puts ZeRO-3 ahead of PTD-P where the paper measured it 6% behind (see the "
-    "ranking): the ranking is inside the error of the two rows.",
+    "the rest; FSDP2 as autopar nests it does not, so it is not charged. The compute-bound rows (microbatch 4) "
+    "pay FSDP2's copies around each unit's collectives (the gathered buffer split into the parameters twice, "
+    "the gradients packed for the reduce-scatter once: 2.7% of the step at 175B; 6% and 11% fast before).",
+    "At 175B on 384 GPUs the paper measured ZeRO-3 6% behind PTD-P; the model now ranks it behind too, by "
+    "0.2% (2% ahead before FSDP2's copies were charged): the ranking is right, the gap inside the error of "
+    "the two rows.",
     "Activation memory matches Korthikanti's accounting where the runtime keeps what Megatron keeps (tensor "
     "parallel; sequence parallel, since the runtime keeps the column-parallel linears' input as its sequence "
     "shard and gathers it again in backward, as Megatron does: 1.82x before; full recompute with sequence "
@@ -151,13 +168,18 @@ NOTES = [
     "the hidden-split residual stream keeps 1/t of Megatron's checkpoint.",
     "Llama 3 405B: no row is within 10% (430 TFLOP/s per GPU on 8192 H100 and 400 on 16,384, Table 4; the "
     "rows compared 8192 GPUs with the 16,384-GPU number before). Without recompute the activations do not fit "
-    "80 GB (the unfused SwiGLU keeps four 3.25h-wide tensors, 26/t sbh, and 1F1B holds 16 microbatches on the "
-    "first stage; interleaved, 47 half-stage chunks, as Megatron's warm-up). Interleaved with 2 chunks the "
+    "80 GB: the zoo Llama keeps 44.5 sbh/t bytes per layer and microbatch (48.75 before products kept only "
+    "what autograd keeps: RoPE's q and rotate_half(q) were counted), of which k and v expanded to every head "
+    "(repeat_kv, 4 sbh/t) and the unfused SwiGLU's four 3.25h-wide tensors (26 sbh/t); 1F1B holds 16 "
+    "microbatches on the first stage, interleaved 47 half-stage chunks, as Megatron's warm-up. A "
+    "Megatron-style layer (34.25 sbh/t) would still not fit 1F1B's 16 microbatches (module docstring). "
+    "Interleaved with 2 chunks the "
     "simulated bubble is 18% (11% with 4 chunks; the paper does not give its count) and the rate without it "
     "about 400 TFLOP/s, below the 430 measured with a bubble: of a 15.7 s step the model has 9.6 s of compute "
     "and exposes 2.9 s of tensor-parallel collectives, which it never overlaps with compute (Megatron-core "
     "and Llama 3's stack can overlap them with the GEMMs). Full recompute fits but pays a fourth pass. Llama 3 "
-    "trained without activation checkpointing in 80 GB, so its kernels keep less than autopar's.",
+    "trained without activation checkpointing in 80 GB, with fewer microbatches in flight or a layer that "
+    "keeps less than any this model prices.",
 ]
 
 
