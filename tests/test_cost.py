@@ -403,3 +403,54 @@ def test_products_keep_an_operand_only_for_anothers_gradient_as_autograd_does():
         assert set(reads[nd.name]) == acts, (nd.name, reads[nd.name], acts)
         checked += 1
     assert checked >= 6
+
+
+class _PerHeadNormLayer(torch.nn.Module):
+    """A layer with Qwen3's per-head query and key norms (RMSNorm over each
+    head of ``[batch, seq, heads, head_dim]``) beside the residual stream's,
+    and grouped-query attention (2 key/value heads for 4 query heads)."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2, vocab=64):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv_heads, hidden // heads
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.norm = torch.nn.RMSNorm(hidden)
+        self.q, self.o = torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, hidden)
+        self.k, self.v = (torch.nn.Linear(hidden, kv_heads * self.hd) for _ in range(2))
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(self.hd), torch.nn.RMSNorm(self.hd)
+        self.final = torch.nn.RMSNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, t, c = x.shape
+        h = self.norm(x)
+        q = self.q_norm(self.q(h).view(b, t, self.heads, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k(h).view(b, t, self.kv, self.hd)).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv, self.hd).transpose(1, 2)
+        k, v = (z.repeat_interleave(self.heads // self.kv, dim=1) for z in (k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        return self.head(self.final(x))
+
+
+def test_sequence_parallel_splits_the_residual_streams_norms_not_per_head_ones():
+    """Megatron's sequence parallelism splits the norms of the residual stream
+    along the sequence. A norm over each head of a 4-D query or key (Qwen3's
+    q_norm / k_norm) is not one: before, its heads dim was taken for the
+    sequence and tp=4 with 2 heads was refused ("the sequence length 2 ... is
+    not divisible by 4"), found on a Hugging Face Qwen3."""
+    from autopar.api import planner_for
+
+    ids = torch.randint(0, 64, (2, 8))
+    g = autopar.trace(_PerHeadNormLayer(), (ids,), loss_fn=lambda out, y: torch.nn.functional.cross_entropy(
+        out.reshape(-1, out.size(-1)), y.reshape(-1)), target=ids, frontend="fx")
+    est = autopar.evaluate(g, cluster="dgx-h100", devices=4, global_batch=8,
+                           strategy="tp=4,sequence_parallel=true")
+    assert est.step_time_s > 0
+    planner = planner_for(g, "dgx-h100", "adamw", None, devices=4, global_batch=8)
+    pins, lengths = planner._sp_pins(())
+    split = {name for name, _ in lengths}
+    norms = [nd for nd in g.nodes if nd.normalizes]
+    assert len(norms) == 4 and split == {nd.name for nd in norms if len(nd.out.shape) == 3}
+    assert len(split) == 2 and all(p == "S(1)" for _, p in pins)

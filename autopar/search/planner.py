@@ -363,9 +363,12 @@ class Planner:
         lengths = []
         g = self.graph
         for nd in g.nodes:
-            if not nd.normalizes or nd.out is None or len(nd.out.shape) < 3:
+            # the residual stream's norms alone: (batch, sequence, hidden). A norm over each head
+            # of a [batch, sequence, heads, head_dim] query or key (Qwen3's q_norm / k_norm, OLMo 2's)
+            # runs inside attention, where tensor parallelism splits the heads
+            if not nd.normalizes or nd.out is None or len(nd.out.shape) != 3:
                 continue
-            seq = len(nd.out.shape) - 2
+            seq = 1
             lengths.append((nd.name, nd.out.shape[seq]))
             # the norm and the residual stream into it: the elementwise ops (residual and bias
             # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
