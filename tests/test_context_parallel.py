@@ -63,8 +63,10 @@ def test_cost_divides_activations_and_charges_gathers():
     m = "llama:layers=2,hidden=1024,heads=8,kv_heads=8,ffn=2048,seq=16384,vocab=256"
     base = autopar.evaluate(m, cluster="dgx-h100", devices=1, global_batch=1, strategy="dp=1")
     cp = autopar.evaluate(m, cluster="dgx-h100", devices=4, global_batch=1, strategy="dp=1,cp=4")
-    # a quarter of the tokens each (plus the keys and values gathered from the others)
-    assert cp.memory["activations"] < base.memory["activations"] / 2.9
+    # a quarter of the tokens each, plus the keys and values gathered from the others (which no
+    # longer dwarf the rest since products keep only what autograd keeps: RoPE's q and k were counted)
+    own = cp.memory["activations"] - cp.memory["cp_kv_gathered"]
+    assert base.memory["activations"] / 4 <= own < base.memory["activations"] / 4 * 1.1
     assert cp.compute_time_s < base.compute_time_s / 3.4          # balanced attention work
     assert cp.memory["cp_kv_gathered"] > 0
     assert cp.comm_time_s > base.comm_time_s and cp.cp_comm_time_s > 0
