@@ -4,9 +4,10 @@ The matrix (:mod:`benchmarks.matrix`) runs four Hugging Face models under
 every strategy family. These are eight more decoder architectures
 (:data:`benchmarks.real_models.MORE_HF`: Mistral, Qwen2, Qwen3, Phi-3,
 GPT-NeoX, Gemma, OPT, Falcon, 4 layers each, built from their config classes,
-traced through ``torch.export``), each under the tensor-parallel families
-that meet its own code: tp, dp x tp, a pipeline with tp in each stage, and
-Megatron sequence parallelism. A cell passes as in the matrix: every step's
+traced through ``torch.export``), each under the families that meet its own
+code: tp, dp x tp, a pipeline with tp in each stage, Megatron sequence
+parallelism, ZeRO-3 (FSDP2), an interleaved pipeline over dp, and selective
+and full recompute with tp. A cell passes as in the matrix: every step's
 loss on every rank within 1e-4 of one process, the gathered final weights
 equal, the weights really split.
 
@@ -26,7 +27,10 @@ from .real_models import MORE_HF
 
 #: the families each architecture runs, on 4 processes
 FAMILIES = [("tp", "tp=4"), ("dp x tp", "dp=2,tp=2"), ("pp x tp", "pp=2,tp=2,microbatches=2"),
-            ("sequence parallel", "tp=4,sequence_parallel=true")]
+            ("sequence parallel", "tp=4,sequence_parallel=true"), ("zero-3", "dp=4,zero=3"),
+            ("pp interleaved", "pp=2,dp=2,schedule=interleaved,chunks=2,microbatches=4"),
+            ("recompute selective", "dp=2,tp=2,recompute=selective"),
+            ("recompute full", "pp=2,tp=2,recompute=full,microbatches=2")]
 
 
 def run_model(name: str) -> dict:
@@ -59,10 +63,11 @@ def main(models: list[str] | None = None) -> dict:
         "description": "Eight `transformers` decoder architectures beside the matrix's four, 4 layers each, "
                        "built from their config classes and traced through `torch.export`; each family on 4 gloo "
                        "processes against one process (losses within 1e-4 at every step on every rank, final "
-                       "weights equal, weights split). What sets each apart from Llama: "
+                       "weights equal, weights split). Strategies: " + "; ".join(f"{f} `{st}`" for f, st in FAMILIES)
+                       + ". What sets each apart from Llama: "
                        "`benchmarks/real_models.py` (`MORE_HF`).",
         "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}"},
-        "table": {"columns": ["model", *[f"{f} ({s})" for f, s in FAMILIES], "s"],
+        "table": {"columns": ["model", *[f for f, _ in FAMILIES], "s"],
                   "rows": [[r["model"], *[("yes" if r["cells"][f] == "ok" else r["cells"][f]) for f, _ in FAMILIES],
                             round(r["s"])] for r in rows]},
         "notes": ["Found by these runs: sequence parallelism took the heads dim of Qwen3's per-head q / k "
