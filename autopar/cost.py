@@ -372,7 +372,7 @@ class CostModel:
         # the view counted at the columns' share what a grid rank holds less of: the gradients the
         # backward creates as it frees the activations, and ZeRO-3's units gathered over dp
         freed_view = est.memory.get("freed_by_backward", 0.0)
-        freed = -min(-freed_view, states["gradients"]) if freed_view else 0.0
+        freed = max(freed_view, -states["gradients"]) if freed_view else 0.0
         units_view = self._gathered(view, sh)
         units = self._grid_units_gathered(cfg, sh) if units_view else 0.0
         memory = dict(est.memory, weights=states["weights"], gradients=states["gradients"],

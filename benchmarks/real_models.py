@@ -167,14 +167,51 @@ def nanogpt_vocab() -> Case:
     return Case(model, (x,), y, lm_loss, 2)
 
 
-def hf_gpt2() -> Case:
-    T = _hf()
-    torch.manual_seed(0)
-    cfg = T.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                       use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
-                       bos_token_id=0, eos_token_id=0)
-    x, y = _tokens()
-    return Case(T.GPT2LMHeadModel(cfg), (x,), y, lm_loss, LAYERS)
+def _hf_lm(config: str, model: str, **fields: Any) -> Callable[[], Case]:
+    """A ``transformers`` language model of the matrix's size on its token batch, built from its
+    config class (no download), seeded as every case is."""
+    def build() -> Case:
+        T = _hf()
+        torch.manual_seed(0)
+        x, y = _tokens()
+        return Case(getattr(T, model)(getattr(T, config)(**fields)), (x,), y, lm_loss, LAYERS)
+    build.__doc__ = f"Hugging Face {model} ({', '.join(f'{k}={v}' for k, v in fields.items())})."
+    return build
+
+
+_HF_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
+#: more Hugging Face decoder architectures, each with what sets it apart from Llama: sliding-window
+#: attention (Mistral), qkv biases (Qwen2), per-head q/k norms (Qwen3), fused qkv and gate/up
+#: projections (Phi-3), fused per-head qkv, partial rotary and a parallel residual (GPT-NeoX), a
+#: single kv head, scaled embeddings and (1 + w) norms (Gemma), learned positions and ReLU (OPT),
+#: Falcon's new decoder (fused qkv with grouped kv, parallel attention and MLP)
+MORE_HF: dict[str, Callable[[], Case]] = {
+    "hf-mistral": _hf_lm("MistralConfig", "MistralForCausalLM", intermediate_size=2 * HIDDEN,
+                         num_key_value_heads=2, sliding_window=8, **_HF_COMMON),
+    "hf-qwen2": _hf_lm("Qwen2Config", "Qwen2ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=2,
+                       **_HF_COMMON),
+    "hf-qwen3": _hf_lm("Qwen3Config", "Qwen3ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=2,
+                       head_dim=HIDDEN // HEADS, **_HF_COMMON),
+    "hf-phi3": _hf_lm("Phi3Config", "Phi3ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS,
+                      pad_token_id=0, **_HF_COMMON),
+    "hf-neox": _hf_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", intermediate_size=2 * HIDDEN, rotary_pct=0.5,
+                      hidden_dropout=0.0, attention_dropout=0.0, **_HF_COMMON),
+    "hf-gemma": _hf_lm("GemmaConfig", "GemmaForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=1,
+                       head_dim=HIDDEN // HEADS, pad_token_id=0, **_HF_COMMON),
+    "hf-opt": _hf_lm("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, ffn_dim=2 * HIDDEN, max_position_embeddings=SEQ,
+                     word_embed_proj_dim=HIDDEN, use_cache=False, dropout=0.0, attention_dropout=0.0,
+                     bos_token_id=0, eos_token_id=0, pad_token_id=1),
+    "hf-falcon": _hf_lm("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, use_cache=False, bos_token_id=0,
+                        eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+                        new_decoder_architecture=True, num_kv_heads=2),
+}
+
+hf_gpt2 = _hf_lm("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN,
+                 n_layer=LAYERS, n_head=HEADS, use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                 bos_token_id=0, eos_token_id=0)
 
 
 def hf_gpt2_labels() -> Case:
@@ -184,24 +221,13 @@ def hf_gpt2_labels() -> Case:
     return c
 
 
-def hf_llama() -> Case:
-    T = _hf()
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
-                        max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
-    x, y = _tokens()
-    return Case(T.LlamaForCausalLM(cfg), (x,), y, lm_loss, LAYERS)
+hf_llama = _hf_lm("LlamaConfig", "LlamaForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS // 2,
+                  **_HF_COMMON)
 
 
-def hf_bert() -> Case:
-    T = _hf()
-    torch.manual_seed(0)
-    cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                       intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
-    x, y = _tokens()
-    return Case(T.BertForMaskedLM(cfg), (x,), y, lm_loss, LAYERS)
+hf_bert = _hf_lm("BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def hf_vit() -> Case:
@@ -261,47 +287,6 @@ def residual_mlp() -> Case:
     target = torch.randint(0, 10, (z.example_inputs[0].shape[0],), generator=torch.Generator().manual_seed(1))
     return Case(z.model, z.example_inputs, target, class_loss, 2)
 
-
-def _hf_lm(config: str, model: str, **fields: Any) -> Callable[[], Case]:
-    """A ``transformers`` causal LM of the matrix's size, built from its config class (no download)."""
-    def build() -> Case:
-        T = _hf()
-        torch.manual_seed(0)
-        x, y = _tokens()
-        return Case(getattr(T, model)(getattr(T, config)(**fields)), (x,), y, lm_loss, LAYERS)
-    build.__doc__ = f"Hugging Face {model} ({', '.join(f'{k}={v}' for k, v in fields.items())})."
-    return build
-
-
-_HF_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
-#: more Hugging Face decoder architectures, each with what sets it apart from Llama: sliding-window
-#: attention (Mistral), qkv biases (Qwen2), per-head q/k norms (Qwen3), fused qkv and gate/up
-#: projections (Phi-3), fused per-head qkv, partial rotary and a parallel residual (GPT-NeoX), a
-#: single kv head, scaled embeddings and (1 + w) norms (Gemma), learned positions and ReLU (OPT),
-#: Falcon's new decoder (fused qkv with grouped kv, parallel attention and MLP)
-MORE_HF: dict[str, Callable[[], Case]] = {
-    "hf-mistral": _hf_lm("MistralConfig", "MistralForCausalLM", intermediate_size=2 * HIDDEN,
-                         num_key_value_heads=2, sliding_window=8, **_HF_COMMON),
-    "hf-qwen2": _hf_lm("Qwen2Config", "Qwen2ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=2,
-                       **_HF_COMMON),
-    "hf-qwen3": _hf_lm("Qwen3Config", "Qwen3ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=2,
-                       head_dim=HIDDEN // HEADS, **_HF_COMMON),
-    "hf-phi3": _hf_lm("Phi3Config", "Phi3ForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=HEADS,
-                      pad_token_id=0, **_HF_COMMON),
-    "hf-neox": _hf_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", intermediate_size=2 * HIDDEN, rotary_pct=0.5,
-                      hidden_dropout=0.0, attention_dropout=0.0, **_HF_COMMON),
-    "hf-gemma": _hf_lm("GemmaConfig", "GemmaForCausalLM", intermediate_size=2 * HIDDEN, num_key_value_heads=1,
-                       head_dim=HIDDEN // HEADS, pad_token_id=0, **_HF_COMMON),
-    "hf-opt": _hf_lm("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                     num_attention_heads=HEADS, ffn_dim=2 * HIDDEN, max_position_embeddings=SEQ,
-                     word_embed_proj_dim=HIDDEN, use_cache=False, dropout=0.0, attention_dropout=0.0,
-                     bos_token_id=0, eos_token_id=0, pad_token_id=1),
-    "hf-falcon": _hf_lm("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
-                        num_hidden_layers=LAYERS, num_attention_heads=HEADS, use_cache=False, bos_token_id=0,
-                        eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
-                        new_decoder_architecture=True, num_kv_heads=2),
-}
 
 #: the vision cases: they need torchvision / timm (the ``vision`` extra); fx-traceable
 VISION = {"tv-resnet18": tv_resnet18, "tv-resnet50": tv_resnet50, "timm-vit": timm_vit}

@@ -503,7 +503,7 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     mode = cfg.tp_mode
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
-            raise UnsupportedError(f"tp_mode={mode} with {what}{'' if '=' in what else '=' + str(getattr(cfg, what))} "
+            raise UnsupportedError(f"tp_mode={mode} with {what}={getattr(cfg, what)} "
                                    f"is not implemented yet; tp_mode={mode} runs with dp, pipelines, microbatches, "
                                    f"recompute and ZeRO 0-3")
     rows = cfg.grid_batch_split
