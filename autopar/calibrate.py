@@ -53,7 +53,7 @@ from cost_models.comm import fit_alpha_beta
 
 from .errors import ClusterError, DistributedError
 
-__all__ = ["calibrate", "measure", "build_cluster", "fit_matmul", "fit_memory", "fit_overhead", "fit_framework",
+__all__ = ["calibrate", "measure", "build_cluster", "fit_matmul", "fit_memory", "fit_overhead", "fit_framework", "fit_checkpoint",
            "fit_collectives", "link_from_fits", "sizes_for", "MODES"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -151,7 +151,7 @@ def group_sizes(procs: int) -> list[int]:
 def _steps(sizes: Sizes, procs: int) -> int:
     """How many progress steps one run has (one per measured item)."""
     return (len(sizes.matmul) * len(sizes.matmul_dtypes) + len(sizes.extra_shapes) * len(sizes.extra_dtypes)
-            + 1 + len(sizes.copy_bytes) + len(ELEMENTWISE)
+            + 2 + len(sizes.copy_bytes) + len(ELEMENTWISE)
             + len(group_sizes(procs)) * len(KINDS) * len(sizes.coll_bytes))
 
 
@@ -371,6 +371,13 @@ def _fit_framework_into(dev: dict, sources: dict, meas: dict, ctx: _Said) -> Non
         for k in fw["optimizer_s"]:
             sources[f"device.optimizer_overhead_s.{k}"] = (
                 f"{who}: torch.optim {k} step over the {fw['tensors']} tensors of that model, per tensor; {conc}")
+    ck = meas.get("checkpoint")
+    if ck:
+        dev["checkpoint_dispatch_s"] = fit_checkpoint(ck["selective_s"], ck["full_s"], ck["ops"])
+        sources["device.checkpoint_dispatch_s"] = (
+            f"{who}: forward + backward of an fx-traced 8 x (Linear, GELU, LayerNorm) model of width 8 "
+            f"({ck['ops']} ops) checkpointed whole, with torch's selective checkpoint dispatch mode "
+            f"({ck['selective_s'] * 1e3:.3g} ms) less without it ({ck['full_s'] * 1e3:.3g} ms), / (2 x ops); {conc}")
 
 
 def _fit_memory_into(dev: dict, sources: dict, meas: dict, ctx: _Said, host: str, date: str) -> None:
@@ -440,22 +447,31 @@ def _median(x: list[float]) -> float:
     return float(statistics.median(x))
 
 
-def _framework_overhead(reps: int) -> dict[str, Any]:
-    """Time a training step of a model too narrow to compute anything (width
-    8): fx-traced as autopar runs it, forward + backward, and each optimizer's
-    step. What is left is the framework's time per op and per tensor."""
+def _narrow_model() -> tuple[Any, Any, Any]:
+    """An fx-traced 8 x (Linear, GELU, LayerNorm) model of width 8 (too
+    narrow to compute anything: its time is the framework's) with an MSE
+    loss, and its input and target."""
     import torch
     import torch.nn as nn
 
-    from .graph import NO_DISPATCH
     from .trace import trace
 
     layers = []
     for _ in range(8):
         layers += [nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)]
-    model = nn.Sequential(*layers)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    g = trace(model, (x,), loss_fn=nn.functional.mse_loss, target=y)
+    return trace(nn.Sequential(*layers), (x,), loss_fn=nn.functional.mse_loss, target=y), x, y
+
+
+def _framework_overhead(reps: int) -> dict[str, Any]:
+    """Time a training step of a model too narrow to compute anything (width
+    8): fx-traced as autopar runs it, forward + backward, and each optimizer's
+    step. What is left is the framework's time per op and per tensor."""
+    import torch
+
+    from .graph import NO_DISPATCH
+
+    g, x, y = _narrow_model()
     gm = g.gm
     ops = sum(1 for n in g.nodes if n.kind not in NO_DISPATCH)
     costed = sum(1 for n in g.nodes if n.kind not in NO_DISPATCH and (n.flops or n.act_bytes))
@@ -472,6 +488,42 @@ def _framework_overhead(reps: int) -> dict[str, Any]:
         opt_s[name] = _median(t) / len(params)
     return {"step_s": _median(samples), "ops": ops, "costed_ops": costed, "tensors": len(params),
             "optimizer_s": opt_s}
+
+
+def _checkpoint_overhead(reps: int, device: Any, sync: Callable[[], None]) -> dict[str, Any]:
+    """Time forward + backward of a width-8 fx-traced model (too narrow to
+    compute anything) checkpointed whole, once with torch's selective
+    checkpoint dispatch mode (autopar's policy, as ``recompute=selective``
+    runs a layer) and once without it (``recompute=full``). The difference
+    is the dispatch mode's time over the ops of two passes (forward and
+    recompute)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from . import ops as op_registry
+    from .graph import NO_DISPATCH
+    from .runtime.regions import recompute_policy
+
+    g, x, y = _narrow_model()
+    gm = g.gm.to(device)
+    x, y = x.to(device), y.to(device)
+    ops = sum(1 for n in g.nodes if n.kind not in NO_DISPATCH)
+    policy = recompute_policy(op_registry.save_ops())
+
+    def run(selective: bool) -> Callable[[], None]:
+        ctx = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} if selective else {}
+        return lambda: checkpoint(gm, x, y, use_reentrant=False, **ctx).backward()
+
+    sel, _ = _timed(run(True), reps, 0.02, sync)
+    full, _ = _timed(run(False), reps, 0.02, sync)
+    return {"selective_s": _median(sel), "full_s": _median(full), "ops": ops}
+
+
+def fit_checkpoint(selective_s: float, full_s: float, ops: int) -> float:
+    """Return ``checkpoint_dispatch_s``: the selective checkpoint's extra
+    time per op and pass (forward and recompute: two passes)."""
+    if ops < 1 or selective_s < 0 or full_s < 0:
+        raise ValueError("fit_checkpoint needs ops >= 1 and non-negative times")
+    return max(0.0, (selective_s - full_s) / (2 * ops))
 
 
 def fit_framework(step_s: float, ops: int, costed_ops: int, kernel_overhead_s: float) -> float:
@@ -580,6 +632,9 @@ def _measure_compute(res: dict, sizes: Sizes, device: Any, cuda: bool, sync: Cal
         dist.barrier()
         res["framework"] = _framework_overhead(sizes.reps)
         tick("framework overhead")
+    dist.barrier()
+    res["checkpoint"] = _checkpoint_overhead(sizes.reps, device, sync)
+    tick("selective checkpoint overhead")
 
 
 def _measure_memory(res: dict, sizes: Sizes, device: Any, sync: Callable[[], None],
@@ -693,6 +748,9 @@ def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         out["framework"] = {**fw, "step_s": _median([r["framework"]["step_s"] for r in per_rank]),
                             "optimizer_s": {k: _median([r["framework"]["optimizer_s"][k] for r in per_rank])
                                             for k in fw["optimizer_s"]}}
+    if "checkpoint" in per_rank[0]:
+        out["checkpoint"] = {**per_rank[0]["checkpoint"],
+                             **{k: _median([r["checkpoint"][k] for r in per_rank]) for k in ("selective_s", "full_s")}}
     coll: dict[tuple[str, int, int], float] = {}
     for r in per_rank:
         for c in r["collectives"]:

@@ -1439,6 +1439,10 @@ class CostModel:
                     acc.full[name] = local
             if transient is not None:
                 acc.transient = max(acc.transient, transient)
+            acc.ops += nd.kind not in NO_DISPATCH and nd.target != "contiguous"
+        if selective:
+            for acc in per_inst.values():
+                acc.refwd += self._checkpoint_dispatch(acc)
         out = self.graph.output
         if tp > 1 and out:
             t_out = output_time(sh.out.get(out, R), _numel(shapes.get(out)) * 4, self._tp_collective(tp, topo))
@@ -1447,6 +1451,20 @@ class CostModel:
         self.cache.hold(sh)
         self.cache.node_sums[key] = (shapes, (outside, per_inst))
         return outside, per_inst
+
+    def _checkpoint_dispatch(self, layer: _Sums) -> float:
+        """Host time selective recompute's dispatch mode adds to one layer
+        instance per microbatch: ``device.checkpoint_dispatch_s`` per op, in
+        the forward and again in the recompute (views count; ``contiguous``
+        does not: it dispatches nothing when its input already is, as CUDA's
+        attention output transposed back is, and ``torch.export`` drops it). It adds to the kernels' time
+        rather than hiding behind it, on a GPU too: on an H200 a 350M GPT
+        (26 ops per layer, 0.7 ms of kernels per layer forward) ran 73 ms
+        slower per step with selective recompute than without, about the
+        dispatch mode's whole host time (24 layers x 2 passes x 26 ops x
+        43 us = 54 ms) and far more than what exceeds the kernels
+        (``benchmarks/results/fidelity_gpu-gpu-nvidia-h200.json``)."""
+        return 2 * layer.ops * self.cluster.device.checkpoint_dispatch_s
 
     def _node_times(self, tp: int, sh: AxisSharding, shapes: dict, topo: MeshTopology,
                     local_batch: float) -> list[tuple]:
@@ -1747,9 +1765,10 @@ class LayerFloor:
 
 
 class _Sums:
-    __slots__ = ("fwd", "refwd", "comm", "saved", "full", "transient")
+    __slots__ = ("fwd", "refwd", "comm", "saved", "full", "transient", "ops")
 
     def __init__(self) -> None:
+        self.ops = 0                         # ops dispatched (views included, contiguous not)
         self.fwd = 0.0
         self.refwd = 0.0                     # selective recompute: forward time run again
         self.comm = 0.0

@@ -28,6 +28,14 @@ class DeviceSpec:
     step (a loop over the tensors). On a GPU that host time overlaps the
     kernels, so GPU presets leave both at 0.
 
+    ``checkpoint_dispatch_s`` is the host time per traced op that runs under
+    selective recompute: torch's selective activation checkpointing routes
+    every op of a checkpointed layer through a Python dispatch mode, in the
+    forward and again in the recompute. It adds to the layer's time, on a
+    GPU too (measured: it is not hidden behind the kernels); it matters for
+    small layers, where a layer's kernels last about as long as its ops'
+    dispatch.
+
     ``comm_overlap`` is the fraction of compute time that communication
     launched alongside it (gradient buckets during backward, prefetched
     ZeRO-3 gathers) can hide behind: 1 where collectives run on their own
@@ -54,6 +62,7 @@ class DeviceSpec:
     optimizer_overhead_s: dict[str, float] = field(default_factory=dict)
     comm_overlap: float = 1.0
     comm_compute_share: float = 0.0
+    checkpoint_dispatch_s: float = 0.0
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
@@ -61,7 +70,7 @@ class DeviceSpec:
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
                      self.kernel_overhead_s, self.dispatch_overhead_s,
                      tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap,
-                     self.comm_compute_share))
+                     self.comm_compute_share, self.checkpoint_dispatch_s))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -175,6 +184,7 @@ class ClusterSpec:
                 "optimizer_overhead_s": dict(self.device.optimizer_overhead_s),
                 "comm_overlap": self.device.comm_overlap,
                 "comm_compute_share": self.device.comm_compute_share,
+                "checkpoint_dispatch_s": self.device.checkpoint_dispatch_s,
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -210,6 +220,7 @@ class ClusterSpec:
             optimizer_overhead_s={k: float(v) for k, v in sorted(dev.get("optimizer_overhead_s", {}).items())},
             comm_overlap=float(dev.get("comm_overlap", 1.0)),
             comm_compute_share=float(dev.get("comm_compute_share", 0.0)),
+            checkpoint_dispatch_s=float(dev.get("checkpoint_dispatch_s", 0.0)),
         )
         return cls(
             name=d["name"],

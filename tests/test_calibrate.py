@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import autopar
@@ -205,3 +206,19 @@ def test_framework_measurement_lands_in_the_cluster(tmp_path):
     assert spec.device.optimizer_overhead_s["adamw"] == 1e-4
     assert spec.device.optimizer_overhead_s["sgd_momentum"] > 0          # kept from the preset
     assert "device.dispatch_overhead_s" in spec.sources
+
+
+def test_selective_checkpoint_overhead_is_measured_fitted_and_lands_in_the_cluster():
+    # the fit: the dispatch mode's extra time over two passes of every op
+    assert cal.fit_checkpoint(5e-3, 3e-3, 25) == pytest.approx(2e-3 / 50)
+    assert cal.fit_checkpoint(1e-3, 2e-3, 25) == 0.0       # noise never gives a negative overhead
+    with pytest.raises(ValueError):
+        cal.fit_checkpoint(1e-3, 1e-3, 0)
+    # the measurement runs torch's selective checkpoint on this machine: it costs something
+    ck = cal._checkpoint_overhead(3, torch.device("cpu"), lambda: None)
+    assert ck["ops"] > 20 and ck["selective_s"] > ck["full_s"] > 0
+    meas = _synthetic()
+    meas["checkpoint"] = {"selective_s": 5e-3, "full_s": 3e-3, "ops": 25}
+    spec = cost_models.load_cluster(cal.build_cluster(meas, "cpu", host="h", date="d"))
+    assert spec.device.checkpoint_dispatch_s == pytest.approx(4e-5)
+    assert spec.sources["device.checkpoint_dispatch_s"].startswith("measured by autopar calibrate on h d")
