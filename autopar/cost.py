@@ -67,7 +67,7 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 
 from . import ops
 from .errors import StrategyError
-from .graph import NO_DISPATCH, Graph, Node
+from .graph import NO_DISPATCH, Graph, Node, checkpoint_dispatches
 from .sharding import AxisSharding, backward_reads, batch_dims, depth_placement, needs_grad, numel as _numel, \
     row_placement, instances, scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
@@ -1439,7 +1439,7 @@ class CostModel:
                     acc.full[name] = local
             if transient is not None:
                 acc.transient = max(acc.transient, transient)
-            acc.ops += nd.kind not in NO_DISPATCH and nd.target != "contiguous"
+            acc.ops += checkpoint_dispatches(nd.kind, nd.target)
         if selective:
             for acc in per_inst.values():
                 acc.refwd += self._checkpoint_dispatch(acc)
@@ -1455,11 +1455,10 @@ class CostModel:
     def _checkpoint_dispatch(self, layer: _Sums) -> float:
         """Host time selective recompute's dispatch mode adds to one layer
         instance per microbatch: ``device.checkpoint_dispatch_s`` per op, in
-        the forward and again in the recompute (views count; ``contiguous``
-        does not: it dispatches nothing when its input already is, as CUDA's
-        attention output transposed back is, and ``torch.export`` drops it). It adds to the kernels' time
-        rather than hiding behind it, on a GPU too: on an H200 a 350M GPT
-        (26 ops per layer, 0.7 ms of kernels per layer forward) ran 73 ms
+        the forward and again in the recompute (the ops
+        :func:`~autopar.graph.checkpoint_dispatches`). It adds to the
+        kernels' time rather than hiding behind it, on a GPU too: on an
+        H200 a 350M GPT (26 ops per layer, 0.7 ms of kernels per layer forward) ran 73 ms
         slower per step with selective recompute than without, about the
         dispatch mode's whole host time (24 layers x 2 passes x 26 ops x
         43 us = 54 ms) and far more than what exceeds the kernels
@@ -1768,7 +1767,7 @@ class _Sums:
     __slots__ = ("fwd", "refwd", "comm", "saved", "full", "transient", "ops")
 
     def __init__(self) -> None:
-        self.ops = 0                         # ops dispatched (views included, contiguous not)
+        self.ops = 0                         # ops through selective recompute's dispatch mode
         self.fwd = 0.0
         self.refwd = 0.0                     # selective recompute: forward time run again
         self.comm = 0.0

@@ -25,6 +25,15 @@ STATE_KINDS = frozenset({"param", "buffer"})
 NO_DISPATCH = STATE_KINDS | {"input", "output", "shape", "constant"}
 
 
+def checkpoint_dispatches(kind: str, target: str) -> bool:
+    """Whether an op of ``kind`` / ``target`` goes through selective
+    recompute's dispatch mode: every op that dispatches (views included)
+    but ``contiguous``, which dispatches nothing when its input already is
+    (CUDA's attention output transposed back) and which ``torch.export``
+    drops."""
+    return kind not in NO_DISPATCH and target != "contiguous"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Shape and dtype of one tensor value (global, unsharded)."""

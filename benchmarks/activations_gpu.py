@@ -133,8 +133,8 @@ def main(cases: list[str]) -> dict:
         if "error" in rec:
             rows.append([key, "-", "-", "-", "-", rec["error"][:60]])
         else:
-            rows.append([key, f"{rec['measured_layer_bytes'] / 2**20:.0f}", f"{rec['predicted_layer_bytes'] / 2**20:.0f}",
-                         f"{rec['measured_layer_sbh']:.2f}", f"{rec['predicted_layer_sbh']:.2f}",
+            rows.append([key, f"{rec['measured_layer_bytes'] / 2**20:.0f}",
+                         f"{rec['predicted_layer_bytes'] / 2**20:.0f}", f"{rec['measured_layer_sbh']:.2f}", f"{rec['predicted_layer_sbh']:.2f}",
                          f"{rec['layer_error']:+.1%}"])
     gemms = gemm_rates()
     for g in gemms:
