@@ -146,6 +146,21 @@ def test_search_modes_and_never_worse_than_grid():
         Planner(g, "cpu", devices=4, global_batch=8, mode="simulated_annealing")
 
 
+def test_copies_tried_with_the_megatron_placements_too():
+    """6.7B on 64 A100 (plan_quality's case): the ILP's placements for one copy cut the
+    tensor-parallel communication that copies would hide, so the best multi-copy plan keeps
+    the Megatron placements; the search found dp=32,tp=2 (8.436 s) where the grid has
+    dp=16,tp=4 with copies=4 and sequence parallelism (8.427 s) when it tried copies only
+    with the ILP's placements, on the 3 fastest flat configurations."""
+    g = graph("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200")
+    ev = planner_for(g, "dgx-a100-80g", "adamw", None, devices=64, global_batch=1024, mode="ilp")
+    best = search_grid(ev, pipeline=False)
+    grid = ev.evaluate(ParallelConfig(dp=16, tp=4, microbatches=4, copies=4, sequence_parallel=True, zero=0),
+                       MANUAL)
+    assert grid.fits and best.best.step_time_s <= grid.step_time_s * (1 + 1e-9)
+    assert best.best_config.copies > 1 and best.best_sharder.mode == "manual"
+
+
 def test_plan_search_mode_names():
     for mode in ("dynamic_programming", "recursive_programming", "grid"):
         p = autopar.plan(GPT, cluster="cpu", devices=4, global_batch=8, search_mode=mode)
