@@ -31,7 +31,7 @@ def _data(spec: str):
         classes = z.config.get("classes", 4)
         y = torch.randint(0, classes, (8,), generator=g)
     else:
-        vocab = z.config["vocab"]
+        vocab = z.config["vocab"] if "vocab" in z.config else z.config["vocab_size"]    # zoo / Hugging Face
         x = torch.randint(0, vocab, x0.shape, generator=g)
         y = torch.randint(0, vocab, x0.shape, generator=g)
     return z, x, y

@@ -4,7 +4,8 @@ against one process.
 
 Every training scenario runs in ONE spawn of 4 gloo processes (the suite has a
 time budget): the zoo GPT (fx, fused causal attention, a tied-free head) and
-the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) on a 2 x 2 grid, GPT
+the zoo Llama (RoPE tables, GQA, SwiGLU, two microbatches) and Hugging Face's
+GPT-2 (traced by torch.export) on a 2 x 2 grid, GPT
 with its gradients clipped to a global norm (the norm equal to one process's), then
 saved as a checkpoint that resumes under dp=2,tp=2 with ZeRO-1; fp32, every step's loss and the final
 weights within rel 1e-4 of one process, and every trainable weight of two
@@ -36,8 +37,11 @@ GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64"
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: one run per model (the suite's time budget): Llama with two microbatches (each split over the rows),
 #: GPT with its gradients clipped to a global norm (each shard and each replica counted once)
-CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",)}
-CLIP = {GPT: 0.5, LLAMA: None}
+#: Hugging Face's GPT-2 goes through torch.export (tied embedding and head, Conv1D weights stored
+#: transposed, learned positions): the grid on an export-traced model
+HF_GPT2 = "hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=16"
+CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",), HF_GPT2: ("tp=4,tp_mode=2d",)}
+CLIP = {GPT: 0.5, LLAMA: None, HF_GPT2: None}
 
 
 # ----------------------------------------------------------------------------- fast, one process
@@ -207,7 +211,7 @@ def _case(spec):
     import autopar.zoo as zoo
     z = zoo.build(spec, device="cpu", batch=4, seed=0)
     g = torch.Generator().manual_seed(1)
-    vocab = z.config["vocab"]
+    vocab = z.config["vocab"] if "vocab" in z.config else z.config["vocab_size"]
     x = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
     y = torch.randint(0, vocab, z.example_inputs[0].shape, generator=g)
     return z.model, x, y, z.loss_fn
@@ -339,7 +343,7 @@ def test_checkpoint_of_the_grid_resumes_under_1d(results):
         assert resumed == pytest.approx(going_on, rel=1e-5)
 
 
-@pytest.mark.parametrize("spec", list(CASES), ids=["gpt", "llama"])
+@pytest.mark.parametrize("spec", list(CASES), ids=["gpt", "llama", "hf-gpt2"])
 def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
     for r in results:
         for strategy in CASES[spec]:
