@@ -15,7 +15,7 @@ In the same spawn, timm's ViT front (a class token expanded to
 size is the rows' local batch at run time, which the program must widen to
 the whole batch its placements assume.
 
-The 3d cube (2 x 2 x 2) trains GPT and Llama in one spawn of 8 processes, run
+The 3d cube (2 x 2 x 2) trains GPT, Llama and Hugging Face's GPT-2 in one spawn of 8 processes, run
 when asked (``make test-spawn8``: beyond the suite's time budget); its placements (an
 eighth of every matrix per rank) are checked here without processes.
 """
@@ -108,6 +108,19 @@ def test_search_tries_grids_only_when_asked():
     assert with_2d.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
     with pytest.raises(StrategyError, match="'4d' is not a layout the search tries"):
         autopar.plan(GPT, cluster="dgx-h100", devices=8, global_batch=8, tp_modes=("1d", "4d"))
+
+
+def test_search_takes_a_grid_on_an_export_traced_model():
+    """The same choice on Hugging Face's GPT-2 at that width (traced by torch.export; 4 layers: an
+    export of 24 costs seconds): an automatic plan on two tensor axes of an export-traced model,
+    which the 4-process run above trains like one process."""
+    from autopar.api import as_graph
+    m = as_graph("hf-gpt2:n_layer=4,n_embd=2048,n_head=16,vocab_size=51200,seq=2048,n_positions=2048")
+    kw = dict(cluster="dgx-a100-80g", devices=16, global_batch=32, search_mode="grid")
+    with_2d = autopar.plan(m, tp_modes=("1d", "2d"), **kw)
+    assert with_2d.config.tp_mode == "2d", with_2d.strategy
+    default = autopar.plan(m, **kw)
+    assert with_2d.data["predicted"]["step_time_s"] < default.data["predicted"]["step_time_s"]
 
 
 def test_grids_in_pipelines_are_costed_per_stage_and_searched():
@@ -365,7 +378,7 @@ def test_2d_widens_a_batch_size_read_off_a_grid_split_value(results):
 # ----------------------------------------------------------------------------- 8 processes: the 3d cube
 #: tp_mode=3d on a 2 x 2 x 2 cube: the samples split over depth x rows (4), the hidden dims over the
 #: columns, every trainable matrix over all three (an eighth on each rank); GPT with its gradients clipped
-CUBE = {GPT: "tp=8,tp_mode=3d", LLAMA: "tp=8,tp_mode=3d"}
+CUBE = {GPT: "tp=8,tp_mode=3d", LLAMA: "tp=8,tp_mode=3d", HF_GPT2: "tp=8,tp_mode=3d"}
 
 
 #: a 2 x 2 grid in each of two pipeline stages (8 processes): a quarter of every matrix of its stage
@@ -414,7 +427,7 @@ def test_checkpoint_of_the_pipelined_grid_resumes_under_1d(cube_results):
 
 
 @spawn8
-@pytest.mark.parametrize("spec", list(CUBE), ids=["gpt", "llama"])
+@pytest.mark.parametrize("spec", list(CUBE), ids=["gpt", "llama", "hf-gpt2"])
 @pytest.mark.parametrize("run", ["3d", "pipeline", "zero3"])
 def test_8_processes_train_like_one_process_on_their_share_of_each_matrix(cube_results, spec, run):
     """The cube (an eighth of every matrix), a 2 x 2 grid in each of two pipeline stages (a
