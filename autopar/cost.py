@@ -68,8 +68,8 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node, checkpoint_dispatches
-from .sharding import AxisSharding, backward_reads, batch_dims, depth_placement, needs_grad, numel as _numel, \
-    row_placement, instances, scaled_shapes, selective_keeps, track_batch
+from .sharding import AxisSharding, attention_output_aliases, backward_reads, batch_dims, depth_placement, \
+    needs_grad, numel as _numel, row_placement, instances, scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
@@ -257,6 +257,8 @@ class CostModel:
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
         self._reads = backward_reads(graph)
+        # the attention output in its own storage (a sequence-major fused attention): saved once
+        self._aliases = attention_output_aliases(graph) if self.cluster.device.attention_seq_major else {}
         self._keeps_memo: dict[int, tuple[AxisSharding, frozenset[str]]] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
         self._p2p: dict[tuple, float] = {}      # (mesh shape, bytes) -> send_recv seconds
@@ -1636,7 +1638,11 @@ class CostModel:
             if st is not None and st.split and want == R and is_shard(have) and self.grad.get(i, False):
                 want = have     # the sequence-parallel entry: the shard is kept, gathered again in backward
             local = _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(want) else 1)
-            out.append((i if want == have else f"{i}@{want}", local))
+            if want != have:
+                i = f"{i}@{want}"
+            elif i in self._aliases and is_shard(sh.out.get(self._aliases[i], R)) == is_shard(have):
+                i = self._aliases[i]      # the attention's own output, split alike: one tensor
+            out.append((i, local))
         return out
 
     def _layer_inputs(self, sh: AxisSharding, shapes: dict, tp: int) -> float:

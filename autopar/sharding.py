@@ -480,6 +480,42 @@ def _backward_reads(graph: Graph, nd: Node) -> list[str]:
     return [i for i in names if i in graph and graph[i].out is not None and graph[i].out.is_float]
 
 
+#: view ops that return their input's storage when it is already laid out as they need
+_NO_COPY_VIEWS = frozenset({"contiguous", "view", "reshape", "_unsafe_view", "flatten", "view_as", "alias",
+                            "detach"})
+
+
+def attention_output_aliases(graph: Graph) -> dict[str, str]:
+    """The values that are a fused attention's output in its own storage on
+    a device whose attention writes sequence-major
+    (``DeviceSpec.attention_seq_major``): the attention's heads moved back
+    behind the sequence (a transpose of dims 1 and 2 of its 4-dim output,
+    after views that keep its shape, as torch.export writes them) and the
+    ``contiguous`` / ``view`` / ``reshape`` after it, each mapped to the
+    attention node. Memoised on the graph."""
+    def views(name: str) -> list[Node]:
+        return [u for u in map(graph.__getitem__, graph.consumers(name))
+                if u.kind == "view" and u.target in _NO_COPY_VIEWS]
+
+    def build() -> dict[str, str]:
+        out: dict[str, str] = {}
+        for nd in graph.nodes:
+            if nd.kind != "sdpa" or nd.out is None or len(nd.out.shape) != 4:
+                continue
+            before = [nd] + [u for u in views(nd.name) if u.out is not None and u.out.shape == nd.out.shape]
+            todo = [u for b in before for u in map(graph.__getitem__, graph.consumers(b.name))
+                    if u.kind == "transpose" and list(u.attrs.get("perm", ())) == [0, 2, 1, 3]]
+            if todo:
+                out.update((b.name, nd.name) for b in before[1:])
+            while todo:
+                u = todo.pop()
+                out[u.name] = nd.name
+                todo += views(u.name)
+        return out
+
+    return graph.memo(("attention_output_aliases",), build)
+
+
 def _operands_read(graph: Graph, nd: Node) -> list[str]:
     """The inputs a nonlinear elementwise op's backward reads, as autograd
     saves them (:attr:`autopar.ops.OpInfo.operands`): a product's operand only

@@ -24,10 +24,12 @@ or figure), autopar's prediction of the same quantity, and their ratio
   GPT has neither (``scaled_dot_product_attention``, no dropout), so the
   comparison uses the paper's own per-tensor accounting (its Section 4.1)
   for that model: without the two dropout masks (-2 sbh) and the attention
-  core (-5as^2b), with the attention output ``O`` that fused attention keeps
-  for its backward besides the projection's input, which the GPT's
-  ``.contiguous()`` copies (+2 sbh, 2 sbh/t when split). Its 34 sbh become
-  34 sbh, ``10 + 24/t`` becomes ``8 + 26/t``, ``34/t`` stays; selective
+  core (-5as^2b); the attention output ``O`` that fused attention keeps
+  for its backward is the projection's input (the GPT's
+  ``.transpose(1, 2).contiguous()`` copies nothing on a GPU, whose fused
+  attention writes its output sequence-major: ``attention_seq_major`` in the
+  presets, measured on an H200). Its 34 sbh become 32 sbh, ``10 + 24/t``
+  becomes ``8 + 24/t``, ``34/t`` becomes ``32/t``; selective
   recompute (the paper's: the attention core only) then saves nothing more
   than sequence parallel; full recompute keeps the layer input, 2 sbh, or
   2 sbh/t when sequence parallel splits it. (Fused attention's float32 row
@@ -39,10 +41,11 @@ or figure), autopar's prediction of the same quantity, and their ratio
   sequences per dp rank), 400 teraFLOP/s (41%); Section 3.3.2 says it trained
   without activation checkpointing. On ``dgx-h100`` with sequence parallel and
   the optimizer state sharded over dp (as its FSDP does). What the model keeps
-  per layer and microbatch at t = 8 with sequence parallel is 44.5 sbh/t
+  per layer and microbatch at t = 8 with sequence parallel is 42.5 sbh/t
   bytes (bf16), tensor by tensor what autograd saves for the zoo Llama as
   written, in the Hugging Face manner: the two norms' inputs and those of the
-  qkv, output and first MLP linears, q, the attention output, and k and v
+  qkv and first MLP linears, q, the attention output (the output linear's
+  input: the same storage on a GPU), and k and v
   *expanded to every query head* before attention (``repeat_kv``), 2 sbh/t
   each (unexpanded grouped-query k and v would be 2/16); RoPE's constant
   tables (1/2); the unfused SwiGLU's gate, SiLU, up projection and product
@@ -121,9 +124,9 @@ LLAMA_RUNS = [
 # Korthikanti et al. 2022 Table 2 at t = 8: (setting, strategy, their formula, sbh coefficient for the zoo GPT, note)
 T = 8
 ACTIVATION = [
-    ("tensor parallel", "", "sbh(10 + 24/t + 5as/(ht))", 8 + 26 / T, ""),
-    ("tensor + sequence parallel", ",sp=true", "sbh(34/t + 5as/(ht))", 34 / T, ""),
-    ("selective recompute + sequence parallel", ",sp=true,recompute=selective", "sbh 34/t", 34 / T,
+    ("tensor parallel", "", "sbh(10 + 24/t + 5as/(ht))", 8 + 24 / T, ""),
+    ("tensor + sequence parallel", ",sp=true", "sbh(34/t + 5as/(ht))", 32 / T, ""),
+    ("selective recompute + sequence parallel", ",sp=true,recompute=selective", "sbh 34/t", 32 / T,
      "autopar's selective keeps the outputs of the weight matmuls and attention that a backward of the layer "
      "needs (q, k, v, attention, the first MLP linear: 18/t sbh with the layer input) and runs the rest again, "
      "the row-parallel GEMMs included; Megatron's recomputes only the attention core, which fused attention "
@@ -168,8 +171,9 @@ NOTES = [
     "the hidden-split residual stream keeps 1/t of Megatron's checkpoint.",
     "Llama 3 405B: no row is within 10% (430 TFLOP/s per GPU on 8192 H100 and 400 on 16,384, Table 4; the "
     "rows compared 8192 GPUs with the 16,384-GPU number before). Without recompute the activations do not fit "
-    "80 GB: the zoo Llama keeps 44.5 sbh/t bytes per layer and microbatch (48.75 before products kept only "
-    "what autograd keeps: RoPE's q and rotate_half(q) were counted), of which k and v expanded to every head "
+    "80 GB: the zoo Llama keeps 42.5 sbh/t bytes per layer and microbatch (48.75 before products kept only "
+    "what autograd keeps: RoPE's q and rotate_half(q) were counted; 44.5 before the attention output and the "
+    "output linear's input were one tensor on a GPU), of which k and v expanded to every head "
     "(repeat_kv, 4 sbh/t) and the unfused SwiGLU's four 3.25h-wide tensors (26 sbh/t); 1F1B holds 16 "
     "microbatches on the first stage, interleaved 47 half-stage chunks, as Megatron's warm-up. A "
     "Megatron-style layer (34.25 sbh/t) would still not fit 1F1B's 16 microbatches (module docstring). "

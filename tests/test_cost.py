@@ -482,3 +482,34 @@ def test_selective_recompute_pays_its_dispatch_mode_on_every_op_of_its_layers():
         assert sac.memory == base.memory
         for other in ("recompute=full", "recompute=none"):
             assert run(other, 1e-4).step_time_s == pytest.approx(run(other, 0.0).step_time_s)
+
+
+@pytest.mark.parametrize("spec,tp_share", [(GPT, 2), ("hf-gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=64,seq=16", 1)],
+                         ids=["gpt", "hf-gpt2"])
+def test_sequence_major_attention_output_is_saved_once(spec, tp_share):
+    """On a device whose fused attention writes its output [batch, seq, heads, head dim]
+    (``device.attention_seq_major``: CUDA's flash kernels, measured on an H200), the model's
+    ``y.transpose(1, 2).contiguous()`` copies nothing and the output projection saves the
+    attention's own output: one tensor of s x b x h per layer, not two (on the CPU the copy is
+    real). The zoo's fx graph and Hugging Face's torch.export one (a reshape before the transpose;
+    GPT-2's attention stays whole under tp=2, its fused q, k, v projection split after the
+    column-parallel GEMM: ``tp_share`` 1)."""
+    import dataclasses
+
+    import cost_models
+
+    def on(seq_major: bool):
+        c = cost_models.load_cluster("dgx-h100")
+        return dataclasses.replace(c, device=dataclasses.replace(c.device, attention_seq_major=seq_major))
+
+    g = graph(spec)
+    assert cost_models.load_cluster("dgx-h100").device.attention_seq_major
+    assert not cost_models.load_cluster("cpu").device.attention_seq_major
+    layers = sum(n.kind == "sdpa" for n in g.nodes)
+    assert layers == 2
+    sbh = 8 * 16 * 64 * 4      # batch 8, seq 16, hidden 64, fp32
+    for strategy, devices, share in (("precision=fp32", 1, 1), ("tp=2,precision=fp32", 2, tp_share)):
+        copy, alias = (autopar.evaluate(g, cluster=on(s), devices=devices, strategy=strategy, global_batch=8)
+                       for s in (False, True))
+        assert copy.memory["activations"] - alias.memory["activations"] == pytest.approx(layers * sbh / share)
+        assert copy.step_time_s == pytest.approx(alias.step_time_s)

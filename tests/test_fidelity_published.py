@@ -42,9 +42,10 @@ def test_activation_memory_where_the_runtime_keeps_more_than_megatron(activation
     assert activations["full recompute, Megatron's placements"].ratio == pytest.approx(1.0, rel=0.02)
     # selective keeps the layer input, q, k, v, attention and the first MLP linear, all split
     # (18 sbh / t), and runs the row-parallel matmuls again (it kept their partial outputs whole, 2 x 2 sbh
-    # more, before issue 17): less than Megatron's, which keeps all that no recompute keeps (34 sbh / t)
+    # more, before issue 17): less than Megatron's, which keeps all that no recompute keeps (32 sbh / t
+    # without the dropout masks, the attention output being the projection's input on a GPU)
     sel = activations["selective recompute + sequence parallel"]
-    assert sel.ratio == pytest.approx((18 / T) / (34 / T), rel=0.02)
+    assert sel.ratio == pytest.approx((18 / T) / (32 / T), rel=0.02)
     assert sel.predicted < activations["tensor + sequence parallel"].predicted
 
 
