@@ -371,13 +371,6 @@ def _fit_framework_into(dev: dict, sources: dict, meas: dict, ctx: _Said) -> Non
         for k in fw["optimizer_s"]:
             sources[f"device.optimizer_overhead_s.{k}"] = (
                 f"{who}: torch.optim {k} step over the {fw['tensors']} tensors of that model, per tensor; {conc}")
-    att = meas.get("attention")
-    if att:
-        dev["attention_seq_major"] = att["seq_major"]
-        sources["device.attention_seq_major"] = (
-            f"{who}: F.scaled_dot_product_attention ({att['kernel']}, {att['dtype']}) on [batch, heads, seq, "
-            f"head dim] inputs; its output transposed to [batch, seq, heads, head dim] "
-            f"{'is' if att['seq_major'] else 'is not'} contiguous")
     ck = meas.get("checkpoint")
     if ck:
         dev["checkpoint_dispatch_s"] = fit_checkpoint(ck["selective_s"], ck["full_s"], ck["ops"])
@@ -525,22 +518,6 @@ def _checkpoint_overhead(reps: int, device: Any, sync: Callable[[], None]) -> di
     return {"selective_s": _median(sel), "full_s": _median(full), "ops": ops}
 
 
-def _attention_layout(device: Any, cuda: bool) -> dict[str, Any]:
-    """Whether the device's fused attention writes its output sequence-major
-    (``DeviceSpec.attention_seq_major``): one ``F.scaled_dot_product_attention``
-    with gradients, in the dtype training computes in (bf16 on a GPU, fp32
-    here), and whether its output moved back to [batch, seq, heads, head
-    dim] is contiguous, so ``.contiguous()`` returns its own storage."""
-    import torch
-    import torch.nn.functional as F
-
-    dtype = torch.bfloat16 if cuda else torch.float32
-    q, k, v = (torch.randn(2, 4, 64, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return {"seq_major": bool(y.transpose(1, 2).is_contiguous()), "kernel": type(y.grad_fn).__name__,
-            "dtype": str(dtype).removeprefix("torch.")}
-
-
 def fit_checkpoint(selective_s: float, full_s: float, ops: int) -> float:
     """Return ``checkpoint_dispatch_s``: the selective checkpoint's extra
     time per op and pass (forward and recompute: two passes)."""
@@ -658,7 +635,6 @@ def _measure_compute(res: dict, sizes: Sizes, device: Any, cuda: bool, sync: Cal
     dist.barrier()
     res["checkpoint"] = _checkpoint_overhead(sizes.reps, device, sync)
     tick("selective checkpoint overhead")
-    res["attention"] = _attention_layout(device, cuda)
 
 
 def _measure_memory(res: dict, sizes: Sizes, device: Any, sync: Callable[[], None],
@@ -772,8 +748,6 @@ def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         out["framework"] = {**fw, "step_s": _median([r["framework"]["step_s"] for r in per_rank]),
                             "optimizer_s": {k: _median([r["framework"]["optimizer_s"][k] for r in per_rank])
                                             for k in fw["optimizer_s"]}}
-    if "attention" in per_rank[0]:
-        out["attention"] = per_rank[0]["attention"]
     if "checkpoint" in per_rank[0]:
         out["checkpoint"] = {**per_rank[0]["checkpoint"],
                              **{k: _median([r["checkpoint"][k] for r in per_rank]) for k in ("selective_s", "full_s")}}

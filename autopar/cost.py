@@ -257,8 +257,7 @@ class CostModel:
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
         self._reads = backward_reads(graph)
-        # the attention output in its own storage (a sequence-major fused attention): saved once
-        self._aliases = attention_output_aliases(graph) if self.cluster.device.attention_seq_major else {}
+        self._aliases = attention_output_aliases(graph)    # the attention output in its own storage: saved once
         self._keeps_memo: dict[int, tuple[AxisSharding, frozenset[str]]] = {}
         self._topologies: dict[tuple[int, ...], MeshTopology] = {}
         self._p2p: dict[tuple, float] = {}      # (mesh shape, bytes) -> send_recv seconds

@@ -483,16 +483,40 @@ def _backward_reads(graph: Graph, nd: Node) -> list[str]:
 #: view ops that return their input's storage when it is already laid out as they need
 _NO_COPY_VIEWS = frozenset({"contiguous", "view", "reshape", "_unsafe_view", "flatten", "view_as", "alias",
                             "detach"})
+#: ops whose output takes the memory layout of their first input of the same shape
+_LAYOUT_KEEPING = frozenset({"elementwise", "cat"})
+
+
+def _sequence_major(graph: Graph, name: str) -> bool:
+    """Whether the 4-dim value ``name`` ([batch, heads, seq, head dim]) lies
+    in memory sequence-major, as [batch, seq, heads, head dim]: it is a
+    transpose of dims 1 and 2, reached back through ops that keep their
+    input's layout (elementwise ops such as RoPE's, ``cat``) and views that
+    keep its shape; a ``contiguous``, ``clone`` or reshape into the 4 dims
+    lays it out heads-major."""
+    nd = graph[name]
+    while True:
+        if nd.kind == "transpose":
+            return list(nd.attrs.get("perm", ())) == [0, 2, 1, 3]
+        same = [graph[i] for i in nd.inputs if graph[i].out is not None and nd.out is not None
+                and graph[i].out.shape == nd.out.shape]
+        if not same or not (nd.kind in _LAYOUT_KEEPING or (nd.kind == "view" and nd.target in _NO_COPY_VIEWS
+                                                           and nd.target != "contiguous")):
+            return False
+        nd = same[0]
 
 
 def attention_output_aliases(graph: Graph) -> dict[str, str]:
-    """The values that are a fused attention's output in its own storage on
-    a device whose attention writes sequence-major
-    (``DeviceSpec.attention_seq_major``): the attention's heads moved back
-    behind the sequence (a transpose of dims 1 and 2 of its 4-dim output,
-    after views that keep its shape, as torch.export writes them) and the
-    ``contiguous`` / ``view`` / ``reshape`` after it, each mapped to the
-    attention node. Memoised on the graph."""
+    """The values that are an attention's output in its own storage: fused
+    attention (flash, cuDNN, memory-efficient on CUDA; flash on the CPU)
+    writes its output in its query's layout, so where the query is
+    sequence-major (:func:`_sequence_major`: the usual
+    ``q.view(B, T, heads, hd).transpose(1, 2)``) the heads moved back behind
+    the sequence (a transpose of dims 1 and 2, after views that keep the
+    output's shape, as torch.export writes them) and the ``contiguous`` /
+    ``view`` / ``reshape`` after it copy nothing. Each is mapped to the
+    attention node: the output projection's saved input and the attention's
+    saved output are one tensor. Memoised on the graph."""
     def views(name: str) -> list[Node]:
         return [u for u in map(graph.__getitem__, graph.consumers(name))
                 if u.kind == "view" and u.target in _NO_COPY_VIEWS]
@@ -500,7 +524,8 @@ def attention_output_aliases(graph: Graph) -> dict[str, str]:
     def build() -> dict[str, str]:
         out: dict[str, str] = {}
         for nd in graph.nodes:
-            if nd.kind != "sdpa" or nd.out is None or len(nd.out.shape) != 4:
+            if nd.kind != "sdpa" or nd.out is None or len(nd.out.shape) != 4 or \
+                    not _sequence_major(graph, nd.inputs[0]):
                 continue
             before = [nd] + [u for u in views(nd.name) if u.out is not None and u.out.shape == nd.out.shape]
             todo = [u for b in before for u in map(graph.__getitem__, graph.consumers(b.name))

@@ -25,10 +25,11 @@ or figure), autopar's prediction of the same quantity, and their ratio
   comparison uses the paper's own per-tensor accounting (its Section 4.1)
   for that model: without the two dropout masks (-2 sbh) and the attention
   core (-5as^2b); the attention output ``O`` that fused attention keeps
-  for its backward is the projection's input (the GPT's
-  ``.transpose(1, 2).contiguous()`` copies nothing on a GPU, whose fused
-  attention writes its output sequence-major: ``attention_seq_major`` in the
-  presets, measured on an H200). Its 34 sbh become 32 sbh, ``10 + 24/t``
+  for its backward is the projection's input (fused attention writes its
+  output in its query's layout, sequence-major here, so the GPT's
+  ``.transpose(1, 2).contiguous()`` copies nothing; measured on an H200 and
+  checked against autograd's saved storages on the CPU). Its 34 sbh become
+  32 sbh, ``10 + 24/t``
   becomes ``8 + 24/t``, ``34/t`` becomes ``32/t``; selective
   recompute (the paper's: the attention core only) then saves nothing more
   than sequence parallel; full recompute keeps the layer input, 2 sbh, or
@@ -45,7 +46,7 @@ or figure), autopar's prediction of the same quantity, and their ratio
   bytes (bf16), tensor by tensor what autograd saves for the zoo Llama as
   written, in the Hugging Face manner: the two norms' inputs and those of the
   qkv and first MLP linears, q, the attention output (the output linear's
-  input: the same storage on a GPU), and k and v
+  input: the same storage), and k and v
   *expanded to every query head* before attention (``repeat_kv``), 2 sbh/t
   each (unexpanded grouped-query k and v would be 2/16); RoPE's constant
   tables (1/2); the unfused SwiGLU's gate, SiLU, up projection and product
@@ -173,7 +174,7 @@ NOTES = [
     "rows compared 8192 GPUs with the 16,384-GPU number before). Without recompute the activations do not fit "
     "80 GB: the zoo Llama keeps 42.5 sbh/t bytes per layer and microbatch (48.75 before products kept only "
     "what autograd keeps: RoPE's q and rotate_half(q) were counted; 44.5 before the attention output and the "
-    "output linear's input were one tensor on a GPU), of which k and v expanded to every head "
+    "output linear's input were one tensor), of which k and v expanded to every head "
     "(repeat_kv, 4 sbh/t) and the unfused SwiGLU's four 3.25h-wide tensors (26 sbh/t); 1F1B holds 16 "
     "microbatches on the first stage, interleaved 47 half-stage chunks, as Megatron's warm-up. A "
     "Megatron-style layer (34.25 sbh/t) would still not fit 1F1B's 16 microbatches (module docstring). "

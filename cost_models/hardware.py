@@ -36,14 +36,6 @@ class DeviceSpec:
     small layers, where a layer's kernels last about as long as its ops'
     dispatch.
 
-    ``attention_seq_major`` says the device's fused attention writes its
-    output sequence-major ([batch, seq, heads, head dim] in memory, as
-    FlashAttention, cuDNN's and the memory-efficient CUDA kernels do), so
-    the ``out.transpose(1, 2).contiguous()`` that models write after it
-    copies nothing and the projection after it saves the attention's own
-    output; where it is False (PyTorch's CPU kernels write [batch, heads,
-    seq, head dim]) the copy is a tensor of its own.
-
     ``comm_overlap`` is the fraction of compute time that communication
     launched alongside it (gradient buckets during backward, prefetched
     ZeRO-3 gathers) can hide behind: 1 where collectives run on their own
@@ -71,7 +63,6 @@ class DeviceSpec:
     comm_overlap: float = 1.0
     comm_compute_share: float = 0.0
     checkpoint_dispatch_s: float = 0.0
-    attention_seq_major: bool = False
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
@@ -79,7 +70,7 @@ class DeviceSpec:
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
                      self.kernel_overhead_s, self.dispatch_overhead_s,
                      tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap,
-                     self.comm_compute_share, self.checkpoint_dispatch_s, self.attention_seq_major))
+                     self.comm_compute_share, self.checkpoint_dispatch_s))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -194,7 +185,6 @@ class ClusterSpec:
                 "comm_overlap": self.device.comm_overlap,
                 "comm_compute_share": self.device.comm_compute_share,
                 "checkpoint_dispatch_s": self.device.checkpoint_dispatch_s,
-                "attention_seq_major": self.device.attention_seq_major,
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -231,7 +221,6 @@ class ClusterSpec:
             comm_overlap=float(dev.get("comm_overlap", 1.0)),
             comm_compute_share=float(dev.get("comm_compute_share", 0.0)),
             checkpoint_dispatch_s=float(dev.get("checkpoint_dispatch_s", 0.0)),
-            attention_seq_major=bool(dev.get("attention_seq_major", False)),
         )
         return cls(
             name=d["name"],

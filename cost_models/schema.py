@@ -76,7 +76,6 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                 "kernel_overhead_s": _NON_NEGATIVE,
                 "dispatch_overhead_s": _NON_NEGATIVE,
                 "checkpoint_dispatch_s": _NON_NEGATIVE,
-                "attention_seq_major": {"type": "boolean"},
                 "optimizer_overhead_s": {"type": "object", "additionalProperties": _NON_NEGATIVE},
                 "comm_overlap": {"type": "number", "minimum": 0, "maximum": 1},
                 "comm_compute_share": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},

@@ -222,15 +222,3 @@ def test_selective_checkpoint_overhead_is_measured_fitted_and_lands_in_the_clust
     spec = cost_models.load_cluster(cal.build_cluster(meas, "cpu", host="h", date="d"))
     assert spec.device.checkpoint_dispatch_s == pytest.approx(4e-5)
     assert spec.sources["device.checkpoint_dispatch_s"].startswith("measured by autopar calibrate on h d")
-
-
-def test_attention_layout_is_checked_and_lands_in_the_cluster():
-    # the CPU's attention writes [batch, heads, seq, head dim]: the transposed output is a copy
-    att = cal._attention_layout(torch.device("cpu"), cuda=False)
-    assert att == {"seq_major": False, "kernel": att["kernel"], "dtype": "float32"} and att["kernel"]
-    for seq_major in (True, False):
-        meas = _synthetic()
-        meas["attention"] = {"seq_major": seq_major, "kernel": "FlashBackward", "dtype": "bfloat16"}
-        spec = cost_models.load_cluster(cal.build_cluster(meas, "cpu", host="h", date="d"))
-        assert spec.device.attention_seq_major is seq_major
-        assert "FlashBackward" in spec.sources["device.attention_seq_major"]
