@@ -355,7 +355,11 @@ def test_version_1_plans_still_load(gpt_plan, gpt_graph, tmp_path):
     """A plan file written at plan version 1 (tests/data, by the code before this format) reads, checks against
     its model, gives the same decisions, is written back as it was, and upgrades to this plan."""
     old = Plan.load(V1_PLAN)
-    assert old.version == 1 and old.strategy == gpt_plan.strategy and old.predicted == gpt_plan.predicted
+    # its predictions are the model's of its day: the step time still, the activations since count the
+    # attention output once (the output projection's input, in the same storage)
+    assert old.version == 1 and old.strategy == gpt_plan.strategy
+    assert old.predicted["step_time_s"] == gpt_plan.predicted["step_time_s"]
+    assert old.predicted["memory"]["activations"] > gpt_plan.predicted["memory"]["activations"]
     assert old.data["params"] == gpt_plan.data["params"] and "add_8" in old.data["ops"]
     old.check_graph(gpt_graph)
     a, b = sharding_from_plan(gpt_graph, old), sharding_from_plan(gpt_graph, gpt_plan)
@@ -367,6 +371,7 @@ def test_version_1_plans_still_load(gpt_plan, gpt_graph, tmp_path):
     cur = copy.deepcopy(gpt_plan.data)
     assert cur["cluster"]["spec"]["device"].pop("checkpoint_dispatch_s") > 0
     assert cur["cluster"]["spec"]["sources"].pop("device.checkpoint_dispatch_s")
+    cur["predicted"] = old.data["predicted"]          # an upgrade keeps the predictions as they were made
     assert new.version == 2 and {**new.data, "autopar_version": ""} == {**cur, "autopar_version": ""}
     assert new.to_json().replace(new.data["autopar_version"], "") == \
         Plan(cur).to_json().replace(gpt_plan.data["autopar_version"], "")
