@@ -30,13 +30,13 @@ import jsonschema
 
 from . import __version__, units
 from .errors import PlanError
-from .spec import FIELDS, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema
+from .spec import FIELDS, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks, shard_dim
 
 PLAN_VERSION = 2
 #: the versions :meth:`Plan.load` reads: 1 (ops keyed by fx node names, every layer written out) and 2
 PLAN_VERSIONS = (1, 2)
 
-_PLACEMENT = {"type": "string", "pattern": r"^(R|P|S\([0-9]+\))$"}
+_PLACEMENT = {"type": "string", "pattern": r"^(R|P|S\([0-9]+\)|S\([0-9]+,([2-9]|[1-9][0-9]+)\))$"}
 _PARAMS = {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}}
 _OPS = {
     "type": "object",
@@ -358,7 +358,10 @@ class Plan:
             jsonschema.validate(d, PLAN_SCHEMA if version == PLAN_VERSION else plan_schema(version))
         except jsonschema.ValidationError as e:
             path = "/".join(str(p) for p in e.absolute_path) or "<top>"
-            raise PlanError(f"{where}: invalid plan at '{path}': {e.message}") from None
+            why = e.message
+            if e.validator == "pattern" and e.schema is _PLACEMENT:
+                why = f"{e.instance!r} is not a placement (R, P, S(d), or S(d,k) with k >= 2 blocks)"
+            raise PlanError(f"{where}: invalid plan at '{path}': {why}") from None
         _check_consistent(d, where)
         return cls(expand(d) if version >= 2 else d)
 
@@ -569,15 +572,17 @@ class Plan:
 
 
 def _check_shard(what: str, place: str, shape: tuple[int, ...], n: int) -> None:
-    """A ``S(d)`` placement must name a dim of ``shape`` that ``n`` divides."""
+    """A ``S(d)`` placement must name a dim of ``shape`` that ``n`` divides (``S(d,k)``: ``k`` blocks of it)."""
     if not place.startswith("S("):
         return
-    d = int(place[2:-1])
+    d, k = shard_dim(place), shard_blocks(place)
     if d >= len(shape):
         raise PlanError(f"{what}: placement {place} splits dim {d}, but the tensor has {len(shape)} dims "
                         f"(shape {tuple(shape)})")
-    if n > 1 and shape[d] % n:
-        raise PlanError(f"{what}: placement {place} splits dim {d} of size {shape[d]}, which tp={n} does not divide")
+    if n > 1 and shape[d] % (n * k):
+        blocks = f"{k} blocks x " if k > 1 else ""
+        raise PlanError(f"{what}: placement {place} splits dim {d} of size {shape[d]}, which {blocks}tp={n} "
+                        f"does not divide")
 
 
 def _check_consistent(d: dict[str, Any], where: str) -> None:

@@ -19,7 +19,6 @@ allocated either way.
 """
 from __future__ import annotations
 
-
 import bisect
 import contextlib
 import dis
@@ -27,6 +26,7 @@ import hashlib
 import io
 import itertools
 import logging
+import math
 import operator
 import sys
 import warnings
@@ -918,6 +918,7 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
         nd.attrs = _attrs(fx_nodes[nd.name], nd, by_name)
         _cost_node(nd, by_name)
     _mark_norm_outputs(gm, by_name)
+    _mark_fused_splits(nodes, by_name)
     batch = 1
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
@@ -953,6 +954,72 @@ def _mark_norm_outputs(gm: fx.GraphModule, by_name: dict[str, Node]) -> None:
             by_name[name].attrs["norm_output"] = True
 
 
+def _equal_pieces(target: str, arg: Any, size: int) -> int | None:
+    """How many equal pieces ``split`` / ``split_with_sizes`` / ``chunk`` cut a
+    dim of ``size`` into (None when unequal or unknown)."""
+    if target == "chunk":
+        k = arg if isinstance(arg, int) else None
+        return k if k and k >= 2 and size % k == 0 else None
+    if isinstance(arg, int):
+        return size // arg if arg > 0 and size % arg == 0 and size // arg >= 2 else None
+    if isinstance(arg, (list, tuple)) and len(arg) >= 2 and all(isinstance(x, int) for x in arg) and \
+            len(set(arg)) == 1 and sum(arg) == size:
+        return len(arg)
+    return None
+
+
+def _mark_fused_splits(nodes: list[Node], by_name: dict[str, Node]) -> None:
+    """Mark the chains that let tensor parallelism split a fused projection
+    by its blocks: a ``linear`` / ``mm`` whose weight is a parameter, then
+    bias adds and views that keep the projected dim whole, then a split of
+    that dim into equal pieces (q, k and v of GPT-2's ``c_attn``, nanoGPT's
+    ``qkv.split(n_embd, dim=2)``). Each node of the chain gets
+    ``attrs["blocks"] = (pieces, {input index: its dim}, output dim)``; the
+    sharding rules offer ``S(d,k)`` placements along it (each rank its
+    chunk of every piece), and the split hands out plain shards."""
+    readers: dict[str, int] = {}
+    for nd in nodes:
+        for i in nd.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    for sp in nodes:
+        k = sp.attrs.get("pieces")
+        if sp.kind != "split" or not k or not sp.inputs:
+            continue
+        d = sp.attrs["dim"] % len(by_name[sp.inputs[0]].out.shape)
+        chain = [(sp, {0: d}, None)]
+        cur, dim = by_name[sp.inputs[0]], d
+        while cur.out is not None and readers.get(cur.name) == 1:
+            shape = cur.out.shape
+            ins = [by_name[i] for i in cur.inputs]
+            if cur.kind == "view" and cur.target in ("view", "reshape", "_unsafe_view") and ins[0].out is not None:
+                src = ins[0].out.shape
+                prod_before = math.prod(shape[:dim])
+                di = next((j for j in range(len(src)) if src[j] == shape[dim] and math.prod(src[:j]) == prod_before),
+                          None)
+                if di is None:
+                    break
+                chain.append((cur, {0: di}, dim))
+                cur, dim = ins[0], di
+            elif cur.kind == "elementwise" and cur.target in ("add", "add_", "iadd") and len(ins) == 2 and \
+                    dim == len(shape) - 1:
+                bias = [j for j, x in enumerate(ins) if x.kind == "param" and x.out is not None
+                        and x.out.shape == (shape[dim],)]
+                if len(bias) != 1:
+                    break
+                other = 1 - bias[0]
+                chain.append((cur, {other: dim, bias[0]: 0}, dim))
+                cur = ins[other]
+            elif cur.kind in ("linear", "matmul") and cur.target in ("linear", "mm", "matmul") and \
+                    dim == len(shape) - 1 and len(ins) == 2 and ins[1].kind == "param":
+                wdim = 0 if cur.target == "linear" else 1
+                chain.append((cur, {1: wdim}, dim))
+                for node, ins_d, out_d in chain:
+                    node.attrs["blocks"] = (k, ins_d, out_d)
+                break
+            else:
+                break
+
+
 def _arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
     """Argument ``i`` (counting the tensor for methods too) or keyword ``name``."""
     if name in n.kwargs:
@@ -980,6 +1047,12 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             # split(x, sizes, dim), chunk(x, n, dim); unbind(x, dim) and cat(tensors, dim)
             unbind = _target_name(n) == "unbind"
             a["dim"] = int(_arg(n, 2 if k == "split" and not unbind else 1, "dim", 0))
+            if k == "split" and x is not None and t in ("split", "split_with_sizes", "chunk"):
+                pieces = _equal_pieces(t, _arg(n, 1, "split_size_or_sections" if t == "split" else
+                                               "split_sizes" if t == "split_with_sizes" else "chunks"),
+                                       x[a["dim"] % nd])
+                if pieces:
+                    a["pieces"] = pieces
         elif k == "cross_entropy" and t == "cross_entropy_loss":
             # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
             a["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported")

@@ -49,8 +49,26 @@ def _sgd(ps):
     return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 
 
+def _nanogpt() -> nn.Module:
+    """nanoGPT as its author writes it (torch.export; a fused c_attn split into q, k, v)."""
+    from benchmarks.real_models import NanoGPT
+    torch.manual_seed(0)
+    return NanoGPT(n_layer=2)
+
+
+def _nanogpt_batch(i: int):
+    from benchmarks.real_models import SEQ, VOCAB
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, VOCAB, (4, SEQ), generator=g), torch.randint(0, VOCAB, (4, SEQ), generator=g)
+
+
+def _lm_loss(out, target):
+    from benchmarks.real_models import lm_loss
+    return lm_loss(out, target)
+
+
 CASES = {"mlp": (_mlp, _mlp_batch, _loss, _adamw), "mlp_sgd": (_mlp, _mlp_batch, _loss, _sgd),
-         "gpt": (None, _gpt_batch, None, _sgd)}
+         "gpt": (None, _gpt_batch, None, _sgd), "nanogpt": (_nanogpt, _nanogpt_batch, _lm_loss, _sgd)}
 
 
 def _case(kind):
@@ -115,6 +133,10 @@ def _world4(rank, world, d):
     out = {"mlp": _save(*_parallel("mlp", "dp=4,zero=1"), f"{d}/mlp")}
     out["gpt"] = _save(*_parallel("gpt", "dp=2,tp=2,zero=1"), f"{d}/gpt")
     out["gpt_resumed"] = _resume(*_parallel("gpt", "pp=2,dp=2,zero=1"), f"{d}/gpt")
+    # nanoGPT's fused q, k, v projection split by blocks over tp (each rank its heads of q, k and v)
+    pm, batch = _parallel("nanogpt", "dp=2,tp=2")
+    out["nanogpt_blocks"] = sorted({p for n, p in pm.param_placement.items() if "c_attn" in n})
+    out["nanogpt"] = _save(pm, batch, f"{d}/nanogpt")
     return out
 
 
@@ -164,6 +186,8 @@ def _world2(rank, world, d):
     pm.save_checkpoint(f"{d}/dp")
     zero3.load_checkpoint(f"{d}/dp")
     out["zero3_loaded"] = _train(zero3, batch, range(K + M, K + M + 1))
+    # nanoGPT saved under dp=2,tp=2 with its fused projection split by blocks, resumed without tp
+    out["nanogpt_resumed"] = _resume(*_parallel("nanogpt", "dp=2"), f"{d}/nanogpt")
     out["errors"] = _errors(pm, {
         "missing": lambda pm: pm.load_checkpoint(f"{d}/nothing"),
         "other model": lambda pm: pm.load_checkpoint(f"{d}/gpt"),
@@ -200,6 +224,28 @@ def test_dp_tp_resumes_as_pipeline_with_tied_weights(runs):
     ref = _reference("gpt", K + M)
     for r in w4:
         assert _close(r["gpt"][0], ref[:K]) and _close(r["gpt_resumed"], ref[K:]), (r["gpt"][0], r["gpt_resumed"], ref)
+
+
+def test_blocked_tp_shards_resume_without_tp(runs):
+    """nanoGPT's c_attn (weight and bias) held as S(0,3) under tp=2 (each rank its chunk of q, of k
+    and of v: head-parallel attention), checkpointed with its momentum, resumed under dp=2 without
+    tp: the uninterrupted single-process trajectory, and whole weights equal to one process's."""
+    d, w4, w2 = runs
+    ref = _reference("nanogpt", K + M)
+    assert w4[0]["nanogpt_blocks"] == ["S(0,3)"]
+    for r in w4:
+        assert _close(r["nanogpt"][0], ref[:K]), (r["nanogpt"][0], ref)
+    for r in w2:
+        assert _close(r["nanogpt_resumed"], ref[K:]), (r["nanogpt_resumed"], ref)
+    model, batch, loss_fn, opt = _case("nanogpt")
+    optim = opt(list(model.parameters()))
+    for i in range(K):
+        optim.zero_grad()
+        loss_fn(model(batch(i)[0]), batch(i)[1]).backward()
+        optim.step()
+    full = w4[0]["nanogpt"][1]
+    for k, v in model.state_dict().items():
+        assert torch.allclose(full[k], v, rtol=1e-4, atol=1e-6), k
 
 
 def test_zero3_resumes_as_dp_and_back(runs):

@@ -36,6 +36,8 @@ import autopar
 from autopar import ops
 from autopar.errors import AutoparError
 from autopar.graph import Graph, Node
+from autopar.compile.rewrite import _local_pieces
+from autopar.spec import local_chunk, shard_blocks, unblock
 from autopar.strategies import P, R, S, is_shard, shard_dim
 from autopar.strategies.rules import Ctx, Strategy, candidates
 from autopar.trace import KINDS, op_family
@@ -356,12 +358,12 @@ def _local(v: Any, p: str, n: int, parts: Any) -> list[Any]:
         return [v] * n
     if p == P:
         return [parts[r] if isinstance(v, torch.Tensor) else tuple(x[r] for x in parts) for r in range(n)]
-    d = shard_dim(p)
+    d, k = shard_dim(p), shard_blocks(p)
 
     def chunk(t: torch.Tensor, r: int) -> torch.Tensor:
-        if t.dim() <= d or t.shape[d] % n:
+        if t.dim() <= d or t.shape[d] % (n * k):
             raise AssertionError(f"{p} of a tensor of shape {tuple(t.shape)} on {n} ranks")
-        return t.chunk(n, d)[r]
+        return local_chunk(t, d, n, r, k)       # S(d,k): the rank's chunk of every block
     return [_each(v, lambda t, r=r: chunk(t, r)) for r in range(n)]
 
 
@@ -377,7 +379,7 @@ def _assemble(outs: list[Any], p: str) -> Any:
         return outs[0]
     if p == P:
         return sum(outs[1:], outs[0])
-    return torch.cat(outs, shard_dim(p))
+    return unblock(torch.cat(outs, shard_dim(p)), shard_dim(p), len(outs), shard_blocks(p))
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -393,10 +395,12 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _call(fnode: fx.Node, nd: Node, tensor_args: list[Any], values: dict[str, Any],
-          local_shape: tuple[int, ...] | None = None) -> Any:
+          local_shape: tuple[int, ...] | None = None, pieces_over: int = 1) -> Any:
     """Run ``fnode``'s op with its tensor inputs (``nd.inputs`` order) replaced by
     ``tensor_args`` and its other node arguments (sizes) by their recorded values;
-    ``local_shape`` replaces the shape argument of the ops that have one, as the compiler does."""
+    ``local_shape`` replaces the shape argument of the ops that have one, as the compiler does;
+    ``pieces_over``: a split into equal pieces of a dim blocked over that many ranks (``S(d,k)``)
+    cuts the local pieces, as the compiler does."""
     it = iter(zip(nd.inputs, tensor_args))
     pending = [next(it, None)]
 
@@ -417,6 +421,8 @@ def _call(fnode: fx.Node, nd: Node, tensor_args: list[Any], values: dict[str, An
     info = ops.op_info(nd.target)
     if local_shape is not None and info is not None and info.shape_arg is not None:
         args, kwargs = args[:info.shape_arg] + (tuple(local_shape),), {}
+    if pieces_over > 1:
+        args = _local_pieces(fnode, args, pieces_over)
     if fnode.op == "call_method":
         return getattr(args[0], fnode.target)(*args[1:], **kwargs)
     return fnode.target(*args, **kwargs)
@@ -478,7 +484,8 @@ def _check(fnode: fx.Node, nd: Node, in_kinds: list[str], st: Strategy, n: int,
             shape = list(nd.out.shape)
             if is_shard(st.out):
                 shape[shard_dim(st.out)] //= n
-        outs = [_call(fnode, nd, locals_[r], values, shape) for r in range(n)]
+        pieces = n if nd.kind == "split" and st.name == "blocks" else 1
+        outs = [_call(fnode, nd, locals_[r], values, shape, pieces) for r in range(n)]
     if st.scale != 1.0:
         outs = [_each(o, lambda t: t * st.scale) for o in outs]
     got = _assemble(outs, st.out)

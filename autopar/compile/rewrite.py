@@ -42,7 +42,7 @@ from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
 from ..sharding import AxisSharding, needs_grad, selective_keeps
-from ..spec.placement import P, R
+from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import transition_steps
 from .fx_utils import get_attr
@@ -202,6 +202,18 @@ class Axis:
         return self.sh.strategy.get(name) if self.sh.n > 1 else None
 
 
+def _local_pieces(fnode: fx.Node, args: tuple, n: int) -> tuple:
+    """The arguments of a split into equal pieces of a dim sharded ``n`` ways
+    by blocks (``S(d,k)``: each rank holds its chunk of every piece): the
+    piece sizes divided by ``n`` (``chunk`` cuts by count: unchanged)."""
+    target = fnode.target if isinstance(fnode.target, str) else getattr(fnode.target, "__name__", "")
+    if "chunk" in str(target) or len(args) < 2:
+        return args
+    size = args[1]
+    local = size // n if isinstance(size, int) else [s // n for s in size]
+    return (args[0], local, *args[2:])
+
+
 def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, ...]:
     if is_shard(placement):
         d = shard_dim(placement)
@@ -326,7 +338,7 @@ class _Rewriter:
         for ax, placement in zip(self.axes, self.placement):
             p = ax.out(fnode.name)
             if is_shard(p) and isinstance(t, torch.Tensor):
-                local = local.chunk(ax.n, dim=shard_dim(p))[ax.rank]
+                local = local_chunk(local, shard_dim(p), ax.n, ax.rank, shard_blocks(p))
             placement[fnode.target] = p
         if isinstance(t, nn.Parameter):
             local = nn.Parameter(local.clone().contiguous(), requires_grad=t.requires_grad)
@@ -368,6 +380,9 @@ class _Rewriter:
         args = fx.map_arg(fnode.args, lambda a: remap.get(a.name, env[a.name]))
         kwargs = fx.map_arg(fnode.kwargs, lambda a: remap.get(a.name, env[a.name]))
         op, target = fnode.op, fnode.target
+        if nd is not None and nd.kind == "split" and any(st is not None and st.name == "blocks" for st in sts):
+            args = _local_pieces(fnode, args, math.prod(ax.n for ax, st in zip(self.axes, sts)
+                                                         if st is not None and st.name == "blocks"))
         info = ops.op_info(target if op == "call_function" else str(target)) \
             if op in ("call_function", "call_method") and nd is not None and nd.out is not None else None
         if info is not None and info.shape_arg is not None:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from ..spec import is_shard, shard_dim
+from ..spec import is_shard, local_chunk, shard_blocks, shard_dim, unblock
 from . import collectives as C
 from .collectives import _all_gather_single
 from .regions import full_tensor
@@ -102,10 +102,10 @@ def _on_rank0(fn: Callable[[], None], what: str) -> None:
 
 
 # ----------------------------------------------------------------------------- this rank's tensors
-#: how a tensor is split over the tensor axes: (dim, axis size, this rank's coordinate, group) per
+#: how a tensor is split over the tensor axes: (dim, axis size, this rank's coordinate, group, blocks) per
 #: axis that splits it (the tp axis; with a tp_mode grid also its rows, and a 3d cube's depth), innermost
 #: first; empty: whole
-Split = tuple[tuple[int, int, int, Any], ...]
+Split = tuple[tuple[int, int, int, Any, int], ...]
 
 
 def _held(pm) -> list[tuple[str, torch.Tensor, list[str], Split]]:
@@ -122,36 +122,35 @@ def _held(pm) -> list[tuple[str, torch.Tensor, list[str], Split]]:
     for name, t in pm._local_tensors().items():
         keys = pm.state_names.keys_of(name)
         if keys:
-            split: list[tuple[int, int, int, Any]] = []
+            split: list[tuple[int, int, int, Any, int]] = []
             p, r = pm.param_placement.get(name, "R"), rows.get(name, "R")
             if is_shard(p) and tp > 1:
-                split.append((shard_dim(p), tp, pm.tp_rank, pm.tp_group))
+                split.append((shard_dim(p), tp, pm.tp_rank, pm.tp_group, shard_blocks(p)))
             if is_shard(r) and row_n > 1:
-                split.append((shard_dim(r), row_n, row_rank, pm.row_group))
+                split.append((shard_dim(r), row_n, row_rank, pm.row_group, 1))
             dep = depth.get(name, "R")
             if is_shard(dep) and depth_n > 1:
-                split.append((shard_dim(dep), depth_n, depth_rank, pm.depth_group))
+                split.append((shard_dim(dep), depth_n, depth_rank, pm.depth_group, 1))
             out.append((name, t, keys, tuple(split)))
     return out
 
 
 def _logical_shape(pm, t: torch.Tensor, split: Split) -> tuple[int, ...]:
     shape = list(t.shape)         # an FSDP2 DTensor's shape is the (tp-local) unsharded one
-    for d, n, _, _ in split:
+    for d, n, _, _, _ in split:
         shape[d] *= n
     return tuple(shape)
 
 
 def _tp_local(pm, full: torch.Tensor, split: Split) -> torch.Tensor:
-    for d, n, r, _ in reversed(split):     # the rows' chunk of the whole, then the columns' of that
-        c = full.shape[d] // n
-        full = full.narrow(d, r * c, c)
+    for d, n, r, _, blocks in reversed(split):     # the rows' chunk of the whole, then the columns' of that
+        full = local_chunk(full, d, n, r, blocks)
     return full
 
 
 def _tp_whole(v: torch.Tensor, split: Split) -> torch.Tensor:
-    for d, _, _, group in split:
-        v = C.all_gather(v.contiguous(), d, group)
+    for d, n, _, group, blocks in split:
+        v = unblock(C.all_gather(v.contiguous(), d, group), d, n, blocks)
     return v
 
 

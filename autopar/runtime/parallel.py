@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ..errors import DistributedError, NonFiniteLossError, StrategyError, UnsupportedError
 from ..pipeline.schedule import Timeline
-from ..spec import ParallelConfig, is_shard, shard_dim
+from ..spec import ParallelConfig, is_shard, shard_blocks, shard_dim, unblock
 from . import checkpoint
 from . import collectives as C
 from . import regather
@@ -452,7 +452,8 @@ class ParallelModule(nn.Module):
             if full.is_floating_point() and full.dtype != torch.float32:
                 full = full.float()    # bf16/fp16 weights (rounded copies of the fp32 master)
             if is_shard(p) and self.config.tp > 1:
-                full = C.all_gather(full, shard_dim(p), self.tp_group)
+                full = unblock(C.all_gather(full, shard_dim(p), self.tp_group), shard_dim(p), self.config.tp_grid[-1],
+                               shard_blocks(p))
             row = self.row_placement.get(name, "R")
             if is_shard(row):            # tp_mode=2d: the grid's rows hold the column shard split again
                 full = C.all_gather(full, shard_dim(row), self.row_group)

@@ -38,7 +38,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..errors import CompileError
-from ..spec.placement import P, R, shard_dim, valid
+from ..spec.placement import P, R, shard_blocks, shard_dim, valid
 
 INF = float("inf")
 
@@ -77,7 +77,12 @@ class Step:
 
 
 def feasible(have: str, want: str) -> bool:
-    """Whether a ``have`` value can be redistributed to ``want`` (never into a partial sum)."""
+    """Whether a ``have`` value can be redistributed to ``want``: never into a
+    partial sum, and never into or out of a blocked shard ``S(d,k)``, which
+    only a fused projection's weights and outputs take, on the way to the
+    split that hands each rank its chunk of every block."""
+    if have != want and (shard_blocks(have) > 1 or shard_blocks(want) > 1):
+        return False
     return want != P or have == P
 
 
@@ -92,8 +97,11 @@ def transition_steps(have: str, want: str, grad: bool = False, into_split: bool 
     for ``want == P`` from anything but ``P``."""
     for p in (have, want):
         if not valid(p):
-            raise CompileError(f"invalid placement {p!r}; valid: R, P, S(d) with d >= 0")
+            raise CompileError(f"invalid placement {p!r}; valid: R, P, S(d) with d >= 0, S(d,k) with k >= 2")
     if not feasible(have, want):
+        if want != P:
+            raise CompileError(f"cannot turn a {have} value into {want}: a blocked shard S(d,k) is only "
+                               f"read as it is")
         raise CompileError(f"cannot turn a {have} value into a partial sum (P): only a P value can be "
                            f"read as P; valid targets from {have}: R or S(d)")
     reduce_grad = grad and into_split and want == R

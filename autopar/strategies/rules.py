@@ -529,7 +529,36 @@ def candidates(ctx: Ctx) -> list[Strategy]:
                 warnings.warn(f"autopar: no sharding rule for op {ctx.node.target!r} (node {ctx.node.name}, "
                               f"kind {ctx.node.kind}); it runs replicated", stacklevel=3)
         return _replicated(ctx)
-    return rule(ctx)
+    out = rule(ctx)
+    blocks = ctx.node.attrs.get("blocks")
+    # the blocked ones first: they cost what their plain twins cost here, and a greedy walk takes
+    # the first of equals (the split at the end of the chain can only hand out blocked shards)
+    return out[:1] + _blocked(ctx, out, *blocks) + out[1:] if blocks and ctx.n > 1 else out
+
+
+def _blocked(ctx: Ctx, cands: list[Strategy], k: int, ins_d: dict[int, int], out_d: int | None) -> list[Strategy]:
+    """The ``S(d,k)`` strategies of a node on a fused projection's chain
+    (``attrs["blocks"]``, marked at trace time): the projection, its bias add
+    and views take the projected dim as ``k`` blocks each sharded (each rank
+    its chunk of every block) where they would shard it plainly; the split
+    into the ``k`` pieces then hands each piece out as a plain shard."""
+    def fits(shape: Shape | None, d: int) -> bool:
+        return shape is not None and 0 <= d < len(shape) and shape[d] % (k * ctx.n) == 0
+
+    if not all(fits(ctx.ins[i], d) for i, d in ins_d.items()):
+        return []
+    if out_d is None:     # the split into the pieces
+        d = ins_d[0]
+        return [Strategy("blocks", (S(d, k),), S(d), False)]
+    if not fits(ctx.out, out_d):
+        return []
+    out = []
+    for st in cands:
+        if st.out == S(out_d) and all(st.ins[i] == S(d) for i, d in ins_d.items()):
+            out.append(Strategy(f"{st.name}_blocks", tuple(S(ins_d[i], k) if i in ins_d else p
+                                                           for i, p in enumerate(st.ins)),
+                                S(out_d, k), st.split, st.comm, st.scale, st.kernel))
+    return out
 
 
 def rule_names() -> Sequence[str]:
