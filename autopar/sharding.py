@@ -99,8 +99,12 @@ def instances(graph: Graph) -> dict[str, list[Node]]:
 
 
 def pin_signature(nodes: list[Node], pins: dict[str, str]) -> tuple:
-    """The pins of a layer instance by position: instances pinned alike may share decisions."""
-    return tuple(pins.get(nd.name) for nd in nodes) if pins else ()
+    """The pins of a layer instance by position, its nodes' and those of what they read (a layer's
+    parameters are outside its instance in torch.export graphs): instances pinned alike may share
+    decisions."""
+    if not pins:
+        return ()
+    return tuple((pins.get(nd.name), tuple(pins.get(i) for i in nd.inputs)) for nd in nodes)
 
 
 CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
@@ -167,6 +171,15 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
         g, k = walk.position.get(name, (None, -1))
         if g is not None:
             signature[g] = signature.get(g, ()) + ((k, p),)
+        elif name in by_name and by_name[name].is_state:
+            # a parameter outside the instances (torch.export lists them apart): pinned for the
+            # instances that read it, at the reader's position
+            for c in graph.consumers(name):
+                gc, kc = walk.position.get(c, (None, -1))
+                if gc is not None:
+                    signature[gc] = tuple(sorted(signature.get(gc, ()) + (((kc, name in by_name[c].inputs
+                                                                             and by_name[c].inputs.index(name)), p),),
+                                                 key=repr))
 
     def external_placements(g: str) -> tuple:
         return tuple(map(res.out.get, walk.external[g]))

@@ -407,8 +407,9 @@ def main(quick: bool = False, cluster: str | None = None, suite: str = "default"
         notes.append("the zoo Llama's `F.rms_norm` runs on the CPU as torch's composite of elementwise ops, "
                      "which also keeps the normalized tensor for the weight's gradient; CUDA's fused kernel "
                      "keeps the input and its statistics, and the model counts that one: its runs here are "
-                     "predicted 2-9% under (Hugging Face's RMSNorm, written out in elementwise ops, is counted "
-                     "op by op). Products keep an operand only for another's gradient, as autograd does: "
+                     "predicted 2-18% under, 1 sbh per norm (Hugging Face's RMSNorm, written out in elementwise "
+                     "ops, is counted op by op; the attention output, counted twice until the projection's input "
+                     "was known to be the same storage, hid part of it: the zoo GPT is now within 1%). Products keep an operand only for another's gradient, as autograd does: "
                      "RoPE's rotations kept nothing of q and k (they were counted before, which hid this)")
     if suite == "hf":
         notes.append("the models are `transformers` classes built by the zoo (`hf-gpt2`, `hf-llama`), traced "

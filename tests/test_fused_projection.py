@@ -28,9 +28,10 @@ pytest.importorskip("transformers")
 
 HF_GPT2 = "hf-gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=64,seq=16"
 #: GPT-2 at width 2048 (16 heads, 2 layers) on 4 H100: wide enough that the per-op search splits
-#: attention over the heads (at GPT-2 124M's 768 it keeps q, k, v whole and splits the batch)
+#: attention over the heads at one sample per GPU (with more samples, or at GPT-2 124M's width 768, it
+#: keeps q, k and v whole and splits the batch over the tensor axis, storing the weights sharded)
 WIDE = "hf-gpt2:n_layer=2,n_embd=2048,n_head=16,vocab_size=50257,seq=1024"
-ON_4 = dict(cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4")
+ON_4 = dict(cluster="dgx-h100", devices=4, global_batch=4, strategy="tp=4")
 _graphs: dict = {}
 
 

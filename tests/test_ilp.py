@@ -397,3 +397,26 @@ def test_cli_plan_json_in_a_fresh_process_is_only_json():
     assert "HiGHS" not in r.stdout + r.stderr and "Copyright" not in r.stdout + r.stderr
     d = json.loads(r.stdout)
     assert d["search"]["mode"] == "dynamic_programming"
+
+
+def test_export_traced_layers_share_their_parameters_decisions_and_take_pins():
+    """torch.export lists a layer's parameters apart from its ops (their nodes are in no
+    repeated-layer instance): the ILP shares them with the instance that reads them, so every
+    layer's weights are placed as the layer reads them (the last layer's stayed replicated while
+    its ops were copied from the first, which priced a gather per weight and made the ILP lose to
+    Megatron's placements on every export-traced model), and a pin on one layer's weight holds
+    (it failed: 'read by no strategy of its consumers')."""
+    g = graph("hf-gpt2:n_layer=2,n_embd=2048,n_head=16,vocab_size=50257,seq=1024")
+    planner = planner_for(g, "dgx-h100", "adamw", None, devices=4, global_batch=8, mode="ilp")
+    sh, _ = planner.sharding(ParallelConfig(tp=4), ILP)
+    weights = [nd.name for nd in g.nodes if nd.kind == "param" and "h_1" in nd.name and nd.out is not None
+               and len(nd.out.shape) == 2]
+    assert weights and all(sh.out[w] == sh.out[w.replace("h_1", "h_0")] for w in weights)
+    assert planner.evaluate(ParallelConfig(tp=4), ILP).step_time_s <= \
+        planner.evaluate(ParallelConfig(tp=4), MANUAL).step_time_s * (1 + 1e-9)
+    for pins in ({"transformer.h.1.mlp.c_fc.weight": "S(1)"},
+                 {f"transformer.h.{i}.attn.c_attn.weight": "S(1)" for i in range(2)}):
+        plan = autopar.plan(g, cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4", search_mode="ilp",
+                            shardings=pins)
+        for name, p in pins.items():
+            assert plan.data["params"][f"model.{name}"][1] == p, (name, plan.data["params"][f"model.{name}"])

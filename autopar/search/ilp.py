@@ -395,6 +395,13 @@ class _Problem:
                 for i in shared:
                     for a, b in zip(inst[i], template):
                         self.key[a.name] = b.name
+                        # a parameter read only by this instance but listed outside it (torch.export
+                        # keeps the parameters apart from the layers' ops) shares its decision too
+                        for ia, ib in zip(a.inputs, b.inputs):
+                            pa = g[ia]
+                            if ia != ib and pa.is_state and pa.group is None and g[ib].is_state and \
+                                    all(g[c].group == i for c in g.consumers(ia)):
+                                self.key[ia] = ib
                 same = set(shared)
                 for a, b, c in zip(grp.instances, grp.instances[1:], grp.instances[2:]):
                     # c costs what b costs when both read from an instance with the same decisions
