@@ -187,7 +187,13 @@ def _world2(rank, world, d):
     zero3.load_checkpoint(f"{d}/dp")
     out["zero3_loaded"] = _train(zero3, batch, range(K + M, K + M + 1))
     # nanoGPT saved under dp=2,tp=2 with its fused projection split by blocks, resumed without tp
-    out["nanogpt_resumed"] = _resume(*_parallel("nanogpt", "dp=2"), f"{d}/nanogpt")
+    nano, nano_batch = _parallel("nanogpt", "dp=2")
+    out["nanogpt_resumed"] = _resume(nano, nano_batch, f"{d}/nanogpt")
+    # and back: tp=2 cuts the blocked shards out of what plain dp wrote
+    nano.save_checkpoint(f"{d}/nanogpt-dp")
+    nano, nano_batch = _parallel("nanogpt", "tp=2")
+    nano.load_checkpoint(f"{d}/nanogpt-dp")
+    out["nanogpt_tp_loaded"] = _train(nano, nano_batch, range(K + M, K + M + 1))
     out["errors"] = _errors(pm, {
         "missing": lambda pm: pm.load_checkpoint(f"{d}/nothing"),
         "other model": lambda pm: pm.load_checkpoint(f"{d}/gpt"),
@@ -229,14 +235,16 @@ def test_dp_tp_resumes_as_pipeline_with_tied_weights(runs):
 def test_blocked_tp_shards_resume_without_tp(runs):
     """nanoGPT's c_attn (weight and bias) held as S(0,3) under tp=2 (each rank its chunk of q, of k
     and of v: head-parallel attention), checkpointed with its momentum, resumed under dp=2 without
-    tp: the uninterrupted single-process trajectory, and whole weights equal to one process's."""
+    tp, and that saved again and loaded under tp=2 (the blocked shards cut out of whole tensors):
+    the uninterrupted single-process trajectory, and whole weights equal to one process's."""
     d, w4, w2 = runs
-    ref = _reference("nanogpt", K + M)
+    ref = _reference("nanogpt", K + M + 1)
     assert w4[0]["nanogpt_blocks"] == ["S(0,3)"]
     for r in w4:
         assert _close(r["nanogpt"][0], ref[:K]), (r["nanogpt"][0], ref)
     for r in w2:
-        assert _close(r["nanogpt_resumed"], ref[K:]), (r["nanogpt_resumed"], ref)
+        assert _close(r["nanogpt_resumed"], ref[K:K + M]), (r["nanogpt_resumed"], ref)
+        assert _close(r["nanogpt_tp_loaded"], ref[K + M:]), (r["nanogpt_tp_loaded"], ref)
     model, batch, loss_fn, opt = _case("nanogpt")
     optim = opt(list(model.parameters()))
     for i in range(K):
