@@ -167,19 +167,20 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
     # the pins of each instance by position (instances pinned alike may share decisions),
     # from the pins alone: O(pins), not O(nodes)
     signature: dict[str, tuple] = {}
+    read_pins: dict[str, list[tuple]] = {}
     for name, p in sorted(pins.items(), key=lambda kv: walk.position.get(kv[0], (None, -1))[1]):
         g, k = walk.position.get(name, (None, -1))
         if g is not None:
             signature[g] = signature.get(g, ()) + ((k, p),)
         elif name in by_name and by_name[name].is_state:
             # a parameter outside the instances (torch.export lists them apart): pinned for the
-            # instances that read it, at the reader's position
+            # instances that read it, at the reader's position and input slot
             for c in graph.consumers(name):
                 gc, kc = walk.position.get(c, (None, -1))
                 if gc is not None:
-                    signature[gc] = tuple(sorted(signature.get(gc, ()) + (((kc, name in by_name[c].inputs
-                                                                             and by_name[c].inputs.index(name)), p),),
-                                                 key=repr))
+                    read_pins.setdefault(gc, []).append(((kc, by_name[c].inputs.index(name)), p))
+    for g, entries in read_pins.items():
+        signature[g] = signature.get(g, ()) + tuple(sorted(entries))
 
     def external_placements(g: str) -> tuple:
         return tuple(map(res.out.get, walk.external[g]))
@@ -500,6 +501,12 @@ _NO_COPY_VIEWS = frozenset({"contiguous", "view", "reshape", "_unsafe_view", "fl
 _LAYOUT_KEEPING = frozenset({"elementwise", "cat"})
 
 
+def _swaps_heads(nd: Node) -> bool:
+    """Whether ``nd`` is a transpose of dims 1 and 2 of a 4-dim value
+    ([batch, heads, seq, head dim] <-> [batch, seq, heads, head dim])."""
+    return nd.kind == "transpose" and list(nd.attrs.get("perm", ())) == [0, 2, 1, 3]
+
+
 def _sequence_major(graph: Graph, name: str) -> bool:
     """Whether the 4-dim value ``name`` ([batch, heads, seq, head dim]) lies
     in memory sequence-major, as [batch, seq, heads, head dim]: it is a
@@ -510,7 +517,7 @@ def _sequence_major(graph: Graph, name: str) -> bool:
     nd = graph[name]
     while True:
         if nd.kind == "transpose":
-            return list(nd.attrs.get("perm", ())) == [0, 2, 1, 3]
+            return _swaps_heads(nd)
         same = [graph[i] for i in nd.inputs if graph[i].out is not None and nd.out is not None
                 and graph[i].out.shape == nd.out.shape]
         if not same or not (nd.kind in _LAYOUT_KEEPING or (nd.kind == "view" and nd.target in _NO_COPY_VIEWS
@@ -541,8 +548,7 @@ def attention_output_aliases(graph: Graph) -> dict[str, str]:
                     not _sequence_major(graph, nd.inputs[0]):
                 continue
             before = [nd] + [u for u in views(nd.name) if u.out is not None and u.out.shape == nd.out.shape]
-            todo = [u for b in before for u in map(graph.__getitem__, graph.consumers(b.name))
-                    if u.kind == "transpose" and list(u.attrs.get("perm", ())) == [0, 2, 1, 3]]
+            todo = [u for b in before for u in map(graph.__getitem__, graph.consumers(b.name)) if _swaps_heads(u)]
             if todo:
                 out.update((b.name, nd.name) for b in before[1:])
             while todo:

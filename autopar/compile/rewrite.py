@@ -206,8 +206,7 @@ def _local_pieces(fnode: fx.Node, args: tuple, n: int) -> tuple:
     """The arguments of a split into equal pieces of a dim sharded ``n`` ways
     by blocks (``S(d,k)``: each rank holds its chunk of every piece): the
     piece sizes divided by ``n`` (``chunk`` cuts by count: unchanged)."""
-    target = fnode.target if isinstance(fnode.target, str) else getattr(fnode.target, "__name__", "")
-    if "chunk" in str(target) or len(args) < 2:
+    if "chunk" in str(getattr(fnode.target, "__name__", fnode.target)) or len(args) < 2:
         return args
     size = args[1]
     local = size // n if isinstance(size, int) else [s // n for s in size]
@@ -380,9 +379,9 @@ class _Rewriter:
         args = fx.map_arg(fnode.args, lambda a: remap.get(a.name, env[a.name]))
         kwargs = fx.map_arg(fnode.kwargs, lambda a: remap.get(a.name, env[a.name]))
         op, target = fnode.op, fnode.target
-        if nd is not None and nd.kind == "split" and any(st is not None and st.name == "blocks" for st in sts):
-            args = _local_pieces(fnode, args, math.prod(ax.n for ax, st in zip(self.axes, sts)
-                                                         if st is not None and st.name == "blocks"))
+        blocked = [ax.n for ax, st in zip(self.axes, sts) if st is not None and st.name == "blocks"]
+        if blocked and nd is not None and nd.kind == "split":
+            args = _local_pieces(fnode, args, math.prod(blocked))
         info = ops.op_info(target if op == "call_function" else str(target)) \
             if op in ("call_function", "call_method") and nd is not None and nd.out is not None else None
         if info is not None and info.shape_arg is not None:
