@@ -209,6 +209,20 @@ MORE_HF: dict[str, Callable[[], Case]] = {
                         new_decoder_architecture=True, num_kv_heads=2),
 }
 
+def hf_opt_untied_relu() -> Case:
+    """OPT with one ReLU tie moved off zero. The seeded OPT has one MLP
+    pre-activation at -4.5e-9 (layer 3, ``fc1`` unit 42, sample 1, position
+    1): fp32 rounding of the tensor-parallel sums puts it on either side of
+    zero, so one position's gradient takes the other ReLU branch and the
+    weights part by up to 1.3e-4 after three steps (the loss stays within
+    3e-6). With that unit's bias 1e-3 higher, every tensor-parallel family
+    equals one process: a tie, not a wrong result."""
+    c = MORE_HF["hf-opt"]()
+    with torch.no_grad():
+        c.model.model.decoder.layers[3].fc1.bias[42] += 1e-3
+    return c
+
+
 hf_gpt2 = _hf_lm("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN,
                  n_layer=LAYERS, n_head=HEADS, use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
                  bos_token_id=0, eos_token_id=0)
@@ -305,4 +319,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, "mlp": residual_mlp}
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, "hf-opt-untied-relu": hf_opt_untied_relu,
+                                        "mlp": residual_mlp}
