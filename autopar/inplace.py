@@ -105,10 +105,23 @@ def _is_tensor(n: fx.Node) -> bool:
     return hasattr(tm, "shape") or isinstance(n.meta.get("val"), torch.Tensor)
 
 
+def _is_view(n: fx.Node) -> bool:
+    """Whether ``n`` shares the storage of its first argument. Taking an item
+    of a tuple is a view only where the tuple holds views (``split``,
+    ``chunk``, ``unbind``): the outputs of ``topk``, ``sort`` or ``max(dim)``
+    are tensors of their own."""
+    if n.op not in ("call_method", "call_function") or _name(n) not in VIEWS or not n.args \
+            or not isinstance(n.args[0], fx.Node):
+        return False
+    if _name(n) in ("getitem", "__getitem__"):
+        src = n.args[0]
+        return _is_tensor(src) or _name(src) in VIEWS
+    return True
+
+
 def _base_of(t: fx.Node) -> fx.Node:
     """The node whose storage ``t`` views (``t`` itself when it is no view)."""
-    while t.op in ("call_method", "call_function") and _name(t) in VIEWS and t.args \
-            and isinstance(t.args[0], fx.Node):
+    while _is_view(t):
         t = t.args[0]
     return t
 
@@ -118,8 +131,7 @@ def _views_of(base: fx.Node) -> set[fx.Node]:
     out, todo = {base}, [base]
     while todo:
         for u in todo.pop().users:
-            if u not in out and u.op in ("call_method", "call_function") and _name(u) in VIEWS \
-                    and u.args and u.args[0] in out:
+            if u not in out and _is_view(u) and u.args[0] in out:
                 out.add(u)
                 todo.append(u)
     return out

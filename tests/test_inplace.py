@@ -130,3 +130,45 @@ def test_fill_and_zero_are_rewritten(frontend):
     assert not [nd.target for nd in g.nodes if nd.target.endswith("_")]
     if frontend == "fx":
         torch.testing.assert_close(g.gm(x), m(x))
+
+
+class TopkRenormalised(nn.Module):
+    """Mixtral's router (``transformers``): the top-k routing weights
+    renormalised in place, then read with their indices. The outputs of
+    ``topk`` are tensors of their own, not views of one storage: this was
+    refused as a mutated view."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x):
+        w = torch.softmax(self.gate(x), dim=-1)
+        w, idx = torch.topk(w, 2, dim=-1)
+        w /= w.sum(dim=-1, keepdim=True)
+        return (w * idx.float()).sum()
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_an_output_of_topk_written_in_place_is_no_view(frontend):
+    m, x = TopkRenormalised(), torch.randn(4, 8)
+    g = autopar.trace(m, (x,), frontend=frontend)
+    assert not [nd.target for nd in g.nodes if nd.target.endswith("_") or nd.target == "itruediv"]
+    if frontend == "fx":
+        torch.testing.assert_close(g.gm(x), m(x))
+
+
+class IndexedThenRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[:, :4].mul_(2.0)    # indexing a tensor is a view: this writes h, read below
+        return h.sum()
+
+
+def test_an_indexed_tensor_stays_a_view():
+    with pytest.raises(TraceError, match="view of .* reads afterwards"):
+        autopar.trace(IndexedThenRead(), (torch.randn(4, 8),), frontend="fx")
