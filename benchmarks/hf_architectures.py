@@ -11,7 +11,11 @@ and full recompute with tp. A cell passes as in the matrix: every step's
 loss on every rank within 1e-4 of one process, the gathered final weights
 equal, the weights really split.
 
-    python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3]
+    python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
+
+``--breadth``: twenty more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
+mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...)
+under tp, dp, pp and sequence parallelism on 2 processes (``hf_breadth``).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from rich.console import Console
 
 from . import matrix
 from .common import save
-from .real_models import MORE_HF
+from .real_models import BREADTH_HF, MORE_HF
 
 #: variants run beside the eight, each with why (kept out of the eight's count)
 VARIANTS = {"hf-opt-untied-relu": "OPT with the one MLP pre-activation that sits at -4.5e-9 in the seeded "
@@ -53,6 +57,53 @@ def run_model(name: str) -> dict:
         got = [r[(name, strategy)] for r in per_rank]
         cells[family] = matrix.check(family, strategy, ref, got)
     return {"model": name, "cells": cells, "s": time.perf_counter() - t0}
+
+
+#: the breadth run's families (:data:`benchmarks.real_models.BREADTH_HF`), on 2 processes
+BREADTH_FAMILIES = [("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2,microbatches=2"),
+                    ("sequence parallel", "tp=2,sequence_parallel=true")]
+
+
+def run_breadth(name: str) -> dict:
+    """The 2-process runs of ``name`` under every breadth family, each checked against one process."""
+    from autopar.runtime.launch import run_distributed
+
+    t0 = time.perf_counter()
+    per_rank = run_distributed(matrix.worker, 2, [(name, st) for _, st in BREADTH_FAMILIES], timeout=900)
+    ref = matrix.reference(name)
+    cells = {f: matrix.check(f, st, ref, [r[(name, st)] for r in per_rank]) for f, st in BREADTH_FAMILIES}
+    return {"model": name, "cells": cells, "s": time.perf_counter() - t0}
+
+
+def breadth(models: list[str] | None = None) -> dict:
+    """Twenty more decoders, four families each, on 2 processes (``hf_breadth``)."""
+    con = Console(stderr=True)
+    warnings.simplefilter("ignore")
+    rows = []
+    for name in models or list(BREADTH_HF):
+        r = run_breadth(name)
+        rows.append(r)
+        con.print(f"{name}: " + ", ".join(f"{f} {c}" for f, c in r["cells"].items()) + f" ({r['s']:.0f} s)")
+    cells = [c for r in rows for c in r["cells"].values()]
+    res = {
+        "title": "Twenty more Hugging Face decoders against one process",
+        "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
+                       "their config classes, traced through `torch.export`), each under four families on 2 gloo "
+                       "processes against one process (losses within 1e-4 at every step, final weights equal, "
+                       "weights split under tp). Strategies: " + "; ".join(f"{f} `{st}`" for f, st in BREADTH_FAMILIES)
+                       + ". What each adds: `benchmarks/real_models.py` (`BREADTH_HF`).",
+        "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}"},
+        "table": {"columns": ["model", *[f for f, _ in BREADTH_FAMILIES], "s"],
+                  "rows": [[r["model"], *[("yes" if r["cells"][f] == "ok" else r["cells"][f])
+                                          for f, _ in BREADTH_FAMILIES], round(r["s"])] for r in rows]},
+        "notes": ["Found by these runs: Mixtral's router renormalises its top-k weights in place "
+                  "(`routing_weights /= routing_weights.sum(...)`), and the in-place rewrite took the outputs of "
+                  "`topk` for views of one storage and refused the model; they are tensors of their own."],
+        "rows": rows, "params": {"models": [r["model"] for r in rows]},
+    }
+    path = save("hf_breadth", res)
+    con.print(f"wrote {path}")
+    return res
 
 
 def main(models: list[str] | None = None) -> dict:
@@ -93,6 +144,8 @@ def main(models: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", help="comma-separated names of MORE_HF (default: all)")
+    ap.add_argument("--models", help="comma-separated names of MORE_HF, or of BREADTH_HF with --breadth "
+                                      "(default: all)")
+    ap.add_argument("--breadth", action="store_true", help="the twenty more decoders on 2 processes")
     a = ap.parse_args()
-    main(a.models.split(",") if a.models else None)
+    (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

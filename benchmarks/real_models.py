@@ -209,6 +209,52 @@ MORE_HF: dict[str, Callable[[], Case]] = {
                         new_decoder_architecture=True, num_kv_heads=2),
 }
 
+_BREADTH = dict(_HF_COMMON, pad_token_id=0)
+_FFN = dict(intermediate_size=2 * HIDDEN)
+_GQA = dict(_FFN, num_key_value_heads=2)
+_NO_DROP = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+_MOE = dict(num_experts_per_tok=2)
+#: twenty more ``transformers`` decoders, breadth over depth (2 processes, 4 families each): what the
+#: planner and the compiler meet when a user brings whatever the Hub has. Each with what it adds:
+#: sparse mixture-of-experts routers (Mixtral, Qwen2-MoE, GPT-OSS), parallel attention and MLP with
+#: partial rotary (GPT-J, CodeGen, Phi), ALiBi (Bloom, MPT), multi-query attention (GPTBigCode),
+#: alternating local and global attention (GPT-Neo, Gemma 2 and 3), logit soft-capping (Gemma 2),
+#: non-parametric norms (OLMo), q and k norms over the whole projection (OLMo 2), a bias-free
+#: LayerNorm before parallel attention and MLP (Cohere), muP multipliers (Granite), a fused gate/up
+#: projection (GLM-4), layers without rotary positions (SmolLM3)
+BREADTH_HF: dict[str, Callable[[], Case]] = {
+    "hf-mixtral": _hf_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, **_MOE, **_GQA, **_BREADTH),
+    "hf-qwen2moe": _hf_lm("Qwen2MoeConfig", "Qwen2MoeForCausalLM", moe_intermediate_size=HIDDEN,
+                          shared_expert_intermediate_size=HIDDEN, num_experts=4, **_MOE, **_GQA, **_BREADTH),
+    "hf-gptoss": _hf_lm("GptOssConfig", "GptOssForCausalLM", intermediate_size=HIDDEN, num_key_value_heads=2,
+                        head_dim=HIDDEN // HEADS, num_local_experts=4, sliding_window=8, **_MOE, **_BREADTH),
+    "hf-gptj": _hf_lm("GPTJConfig", "GPTJForCausalLM", rotary_dim=4, **_NO_DROP, **_BREADTH),
+    "hf-codegen": _hf_lm("CodeGenConfig", "CodeGenForCausalLM", rotary_dim=4, n_ctx=SEQ, **_NO_DROP, **_BREADTH),
+    "hf-phi": _hf_lm("PhiConfig", "PhiForCausalLM", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                     **_FFN, **_BREADTH),
+    "hf-bloom": _hf_lm("BloomConfig", "BloomForCausalLM", hidden_dropout=0.0, attention_dropout=0.0, **_BREADTH),
+    "hf-mpt": _hf_lm("MptConfig", "MptForCausalLM", d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS,
+                     max_seq_len=SEQ, **_BREADTH),
+    "hf-bigcode": _hf_lm("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_positions=SEQ, multi_query=True,
+                         **_NO_DROP, **_BREADTH),
+    "hf-gptneo": _hf_lm("GPTNeoConfig", "GPTNeoForCausalLM", attention_types=[[["global", "local"], LAYERS // 2]],
+                        window_size=8, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0, **_BREADTH),
+    "hf-gemma2": _hf_lm("Gemma2Config", "Gemma2ForCausalLM", head_dim=HIDDEN // HEADS, sliding_window=8,
+                        **_GQA, **_BREADTH),
+    "hf-gemma3": _hf_lm("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=HIDDEN // HEADS, sliding_window=8,
+                        **_GQA, **_BREADTH),
+    "hf-olmo": _hf_lm("OlmoConfig", "OlmoForCausalLM", **_FFN, **_BREADTH),
+    "hf-olmo2": _hf_lm("Olmo2Config", "Olmo2ForCausalLM", **_FFN, **_BREADTH),
+    "hf-cohere": _hf_lm("CohereConfig", "CohereForCausalLM", **_FFN, **_BREADTH),
+    "hf-stablelm": _hf_lm("StableLmConfig", "StableLmForCausalLM", **_GQA, **_BREADTH),
+    "hf-starcoder2": _hf_lm("Starcoder2Config", "Starcoder2ForCausalLM", residual_dropout=0.0,
+                            embedding_dropout=0.0, **_GQA, **_BREADTH),
+    "hf-granite": _hf_lm("GraniteConfig", "GraniteForCausalLM", **_GQA, **_BREADTH),
+    "hf-glm4": _hf_lm("Glm4Config", "Glm4ForCausalLM", head_dim=HIDDEN // HEADS, **_GQA, **_BREADTH),
+    "hf-smollm3": _hf_lm("SmolLM3Config", "SmolLM3ForCausalLM", **_GQA, **_BREADTH),
+}
+
+
 def hf_opt_untied_relu() -> Case:
     """OPT with one ReLU tie moved off zero. The seeded OPT has one MLP
     pre-activation at -4.5e-9 (layer 3, ``fc1`` unit 42, sample 1, position
@@ -319,5 +365,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, "hf-opt-untied-relu": hf_opt_untied_relu,
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, "hf-opt-untied-relu": hf_opt_untied_relu,
                                         "mlp": residual_mlp}

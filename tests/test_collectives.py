@@ -125,6 +125,13 @@ def _check_collectives(ck: _Checks, rank: int, gname: str, group, members: list[
         out, g = run(chunk(full, i), lambda x: C.all_to_all(x, i, o, group), chunk(W, o))
         ck.close(f"{gname} all_to_all({i}->{o}) fwd", out, chunk(full, o))
         ck.close(f"{gname} all_to_all({i}->{o}) bwd", g, chunk(W, i))
+    # a channels-last activation (torchvision's ConvNeXt) into an all-to-all: was "Tensors must be contiguous"
+    cl, wcl = _full((4, 8, 4, 4), 3), _full((4, 8, 4, 4), 4)
+    for i, o in ((1, 0), (0, 1)):
+        out, g = run(chunk(cl, i).contiguous(memory_format=torch.channels_last),
+                     lambda x: C.all_to_all(x, i, o, group), chunk(wcl, o))
+        ck.close(f"{gname} channels-last all_to_all({i}->{o}) fwd", out, chunk(cl, o))
+        ck.close(f"{gname} channels-last all_to_all({i}->{o}) bwd", g, chunk(wcl, i))
     x = torch.ones(3)
     ck.equal(f"{gname} identity for group None", all(
         f(x) is x for f in (lambda t: C.all_reduce(t, None), lambda t: C.split(t, 0, None),

@@ -121,7 +121,9 @@ def _start_all_reduce(x: torch.Tensor, dim: int, group, async_op: bool = False) 
 def _start_all_to_all(x: torch.Tensor, in_dim: int, out_dim: int, group, async_op: bool = False) -> Pending:
     w = dist.get_world_size(group)
     _chunk_size(x, out_dim, w, "all_to_all")
-    send = torch.stack(x.chunk(w, out_dim))  # send[j]: my in_dim shard of rank j's out_dim chunk
+    # send[j]: my in_dim shard of rank j's out_dim chunk (stacking keeps a channels-last
+    # input's strides, and the collectives take dense buffers only)
+    send = torch.stack(x.chunk(w, out_dim)).contiguous()
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
     return Pending(work, lambda: _merge_leading(recv, in_dim))  # recv[i]: rank i's in_dim shard of my chunk
