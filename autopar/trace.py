@@ -1066,6 +1066,13 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                 a["reduction"] = "unsupported"
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
+        elif k == "pad" and x is not None:
+            # (left, right) pairs from the last dim backwards; an amount the program computes
+            # (timm's Swin pads to whole windows by `-H % window`) counts as padding
+            amounts = list(_arg(n, 1, "padding" if t.endswith(("1d", "2d", "3d")) else "pad", ()))
+            a["padded_dims"] = sorted(nd - 1 - i for i in range(len(amounts) // 2)
+                                      if not (isinstance(amounts[2 * i], int) and isinstance(amounts[2 * i + 1], int)
+                                              and amounts[2 * i] == amounts[2 * i + 1] == 0))
         elif k == "elementwise" and getattr(ops.op_info(t), "operands", "") == "quotient":
             # which side the one tensor of `x / 2` or `2 / x` is: autograd saves a divisor, not a dividend
             a["tensor_dividend"] = bool(n.args) and isinstance(n.args[0], fx.Node)

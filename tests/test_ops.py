@@ -74,6 +74,8 @@ OLD_KINDS = {
                     "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "bitwise_not", "maximum", "minimum",
                     "mish", "hardtanh", "elu", "rsub", "radd", "rmul", "lerp", "addcmul", "addcdiv",
                     "masked_fill_", "fill_", "copy_", "zeros_like", "ones_like", "full_like", "tril", "triu"),
+    "pad": ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+            "replication_pad1d", "replication_pad2d", "replication_pad3d"),
     "factory": ("arange", "zeros", "ones", "full", "empty", "randn", "rand", "tensor", "scalar_tensor",
                 "new_zeros", "new_ones", "new_empty", "new_full", "linspace", "eye"),
     "shape": ("size", "dim", "numel", "sym_size", "getattr", "len"),
@@ -237,7 +239,8 @@ class _Pointwise(nn.Module):
         s0, s1, s2, s3 = x.unbind(0)
         u, w = torch.split(x, [2, 2], dim=0)
         tri = torch.tril(x[0]) + torch.triu(x[1], 1)
-        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri
+        pads = (F.pad(x, (0, 0, 1, 2)), F.pad(x, (1, 1), mode="reflect"), F.pad(x, (0, 0, 0, x.shape[1] % 3)))
+        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads
 
 
 class _Matmuls(nn.Module):

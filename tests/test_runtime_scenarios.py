@@ -9,8 +9,12 @@ spawn instead of five keeps the suite inside its time budget):
 * keyword batches (model(**batch), labels in the batch) train and evaluate
   like one process (issue 18);
 * gradient clipping (max_grad_norm) gives one process's norms and losses under
-  tp replicas, ZeRO-1 shards, FSDP2 and weights tied across pipeline stages (issue 18).
+  tp replicas, ZeRO-1 shards, FSDP2 and weights tied across pipeline stages (issue 18);
+* windows padded by an amount computed from the shape (timm's Swin) train like
+  one process under dp x tp (the batch analysis lost the batch at the pad, and
+  the window view then took the whole batch's size).
 """
+import torch.nn.functional as F
 import warnings
 
 import pytest
@@ -139,7 +143,43 @@ def _clip(strategies):
     return want, got
 
 
-SCENARIOS = {"inplace": (_inplace, "dp=2,tp=2"), "nonfinite": (_nonfinite, "dp=2,tp=2"),
+class WindowPad(nn.Module):
+    """timm's Swin window partition: pad H and W up to whole windows by an
+    amount read off the shape, view the windows, attend within each, unpad."""
+
+    def __init__(self, c: int = 8, win: int = 4):
+        super().__init__()
+        self.win, self.proj, self.head = win, nn.Linear(c, c), nn.Linear(c, 4)
+
+    def forward(self, x):                               # x [B, H, W, C]
+        B, H, W, C = x.shape
+        w = self.win
+        x = F.pad(self.proj(x), (0, 0, 0, (w - W % w) % w, 0, (w - H % w) % w))
+        _, Hp, Wp, _ = x.shape
+        win = x.view(B, Hp // w, w, Wp // w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, C)
+        win = torch.softmax(win @ win.transpose(1, 2), dim=-1) @ win
+        x = win.view(B, Hp // w, Wp // w, w, w, C).permute(0, 1, 3, 2, 4, 5).reshape(B, Hp, Wp, C)
+        return self.head(x[:, :H, :W, :].mean(dim=(1, 2)))
+
+
+def _window_pad(strategy):
+    torch.manual_seed(0)
+    m, x, t = WindowPad(), torch.randn(8, 6, 6, 8), torch.randn(8, 4)
+    ref_m = WindowPad()
+    ref_m.load_state_dict(m.state_dict())
+    opt = _sgd(ref_m.parameters())
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = _mse(ref_m(x), t)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    pm = autopar.parallelize(m, (x,), loss_fn=_mse, example_target=t, optimizer=_sgd, strategy=strategy)
+    return want, [pm.train_step((x,), t) for _ in range(3)]
+
+
+SCENARIOS = {"window_pad": (_window_pad, "dp=2,tp=2"), "inplace": (_inplace, "dp=2,tp=2"), "nonfinite": (_nonfinite, "dp=2,tp=2"),
              "scheduler": (_scheduler, "dp=4,zero=1"), "keyword": (_keyword, "dp=2,tp=2"),
              "clip": (_clip, CLIP_STRATEGIES)}
 
@@ -194,3 +234,9 @@ def test_gradient_clipping_matches_one_process(results):
         for strategy, steps in got.items():
             assert [s[0] for s in steps] == pytest.approx([w[0] for w in want], rel=1e-4), strategy
             assert [s[1] for s in steps] == pytest.approx([w[1] for w in want], rel=1e-4), strategy
+
+
+def test_windows_padded_by_a_computed_amount_train_like_one_process(results):
+    for r in results:
+        want, got = r["window_pad"]
+        assert got == pytest.approx(want, rel=1e-5)

@@ -91,6 +91,9 @@ _kind("elementwise", (
     "copy_", "zeros_like", "ones_like", "full_like", _("tril", {"whole_dims": 2}),
     _("triu", {"whole_dims": 2})),
     doc="one output element per aligned input elements (broadcasting)")
+_kind("pad", ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+               "replication_pad1d", "replication_pad2d", "replication_pad3d"),
+      doc="padding of some trailing dims (F.pad; aten.constant_pad_nd and the reflection / replication pads)")
 _kind("factory", ("arange", "zeros", "ones", "full", "empty", "randn", "rand", "tensor", "scalar_tensor",
                   "new_zeros", "new_ones", "new_empty", "new_full", "linspace", "eye"),
       doc="new tensors from sizes alone")

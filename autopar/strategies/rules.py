@@ -256,6 +256,20 @@ def _softmax(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("pad")
+def _pad(ctx: Ctx) -> list[Strategy]:
+    """Padding works on each index of the dims it leaves alone: those split."""
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    padded = ctx.node.attrs.get("padded_dims")
+    if x is None or padded is None:
+        return out
+    for d in range(len(x)):
+        if d not in padded and ctx.div(x, d):
+            out.append(Strategy(f"dim{d}", (S(d),) + (R,) * (len(ctx.ins) - 1), S(d), True))
+    return out
+
+
 @ops.register_rule("pool")
 def _pool(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
