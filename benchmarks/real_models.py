@@ -255,6 +255,49 @@ BREADTH_HF: dict[str, Callable[[], Case]] = {
 }
 
 
+def _image_case(build: Callable[[], nn.Module], size: int = 32) -> Callable[[], Case]:
+    """A classifier built by ``build`` (seeded) on a batch of ``size`` x ``size`` images, 10 classes."""
+    def case() -> Case:
+        torch.manual_seed(0)
+        model = build()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(BATCH, 3, size, size, generator=g)
+        y = torch.randint(0, 10, (BATCH,), generator=g)
+        return Case(model, (x,), y, F.cross_entropy, 2)
+    return case
+
+
+def _timm(arch: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+        return timm.create_model(arch, pretrained=False, num_classes=10, drop_rate=0.0, drop_path_rate=0.0, **kw)
+    return build
+
+
+def _tv(cls: str, **kw: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision.models as M
+        return getattr(M, cls)(num_classes=10, **kw)
+    return build
+
+
+#: vision models beside the decoders (no batch statistics: their training is the chaotic kind at
+#: these sizes, see tv-resnet50), each with what it adds: windows padded to whole windows by an
+#: amount read off the shape (timm's Swin), channels-last activations (torchvision's ConvNeXt
+#: permutes for its LayerNorm), nn.MultiheadAttention (torchvision's ViT), shifted windows with a
+#: relative position bias (torchvision's Swin), layer scale (ConvNeXt)
+BREADTH_VISION: dict[str, Callable[[], Case]] = {
+    "timm-swin": _image_case(_timm("swin_tiny_patch4_window7_224", img_size=32, window_size=4, embed_dim=32,
+                                   depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8))),
+    "timm-convnext": _image_case(_timm("convnext_atto")),
+    "tv-convnext": _image_case(_tv("convnext_tiny", stochastic_depth_prob=0.0)),
+    "tv-swin": _image_case(_tv("SwinTransformer", patch_size=[4, 4], embed_dim=32, depths=[1, 1], num_heads=[2, 4],
+                               window_size=[4, 4], stochastic_depth_prob=0.0)),
+    "tv-vit": _image_case(_tv("VisionTransformer", image_size=32, patch_size=8, num_layers=2, num_heads=4,
+                              hidden_dim=64, mlp_dim=128)),
+}
+
+
 def hf_opt_untied_relu() -> Case:
     """OPT with one ReLU tie moved off zero. The seeded OPT has one MLP
     pre-activation at -4.5e-9 (layer 3, ``fc1`` unit 42, sample 1, position
@@ -365,5 +408,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, "hf-opt-untied-relu": hf_opt_untied_relu,
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **BREADTH_VISION, "hf-opt-untied-relu": hf_opt_untied_relu,
                                         "mlp": residual_mlp}
