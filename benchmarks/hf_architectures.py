@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from typing import Callable
 
 from rich.console import Console
 
@@ -77,15 +78,21 @@ def run_breadth(name: str) -> dict:
     return {"model": name, "cells": cells, "s": time.perf_counter() - t0}
 
 
+def _rows(names: list[str], run: Callable[[str], dict], con: Console) -> list[dict]:
+    """``run`` each model in turn, printing its cells as it ends."""
+    warnings.simplefilter("ignore")
+    rows = []
+    for name in names:
+        r = run(name)
+        rows.append(r)
+        con.print(f"{name}: " + ", ".join(f"{f} {c}" for f, c in r["cells"].items()) + f" ({r['s']:.0f} s)")
+    return rows
+
+
 def breadth(models: list[str] | None = None) -> dict:
     """Twenty more decoders, four families each, on 2 processes (``hf_breadth``)."""
     con = Console(stderr=True)
-    warnings.simplefilter("ignore")
-    rows = []
-    for name in models or [*BREADTH_HF, *BREADTH_VISION]:
-        r = run_breadth(name)
-        rows.append(r)
-        con.print(f"{name}: " + ", ".join(f"{f} {c}" for f, c in r["cells"].items()) + f" ({r['s']:.0f} s)")
+    rows = _rows(models or [*BREADTH_HF, *BREADTH_VISION], run_breadth, con)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
         "title": "Twenty more Hugging Face decoders and five vision models against one process",
@@ -119,13 +126,7 @@ def breadth(models: list[str] | None = None) -> dict:
 
 def main(models: list[str] | None = None) -> dict:
     con = Console(stderr=True)
-    warnings.simplefilter("ignore")
-    rows = []
-    for name in models or [*MORE_HF, *VARIANTS]:
-        r = run_model(name)
-        rows.append(r)
-        con.print(f"{name}: " + ", ".join(f"{f} {'ok' if c == 'ok' else c}" for f, c in r["cells"].items())
-                  + f" ({r['s']:.0f} s)")
+    rows = _rows(models or [*MORE_HF, *VARIANTS], run_model, con)
     cells = [c for r in rows if r["model"] not in VARIANTS for c in r["cells"].values()]
     res = {
         "title": "More Hugging Face architectures against one process",
