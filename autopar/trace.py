@@ -1067,12 +1067,7 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
         elif k == "pad" and x is not None:
-            # (left, right) pairs from the last dim backwards; an amount the program computes
-            # (timm's Swin pads to whole windows by `-H % window`) counts as padding
-            amounts = list(_arg(n, 1, "padding" if t.endswith(("1d", "2d", "3d")) else "pad", ()))
-            a["padded_dims"] = sorted(nd - 1 - i for i in range(len(amounts) // 2)
-                                      if not (isinstance(amounts[2 * i], int) and isinstance(amounts[2 * i + 1], int)
-                                              and amounts[2 * i] == amounts[2 * i + 1] == 0))
+            a["padded_dims"] = _padded_dims(n, t, nd)
         elif k == "elementwise" and getattr(ops.op_info(t), "operands", "") == "quotient":
             # which side the one tensor of `x / 2` or `2 / x` is: autograd saves a divisor, not a dividend
             a["tensor_dividend"] = bool(n.args) and isinstance(n.args[0], fx.Node)
@@ -1113,6 +1108,17 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
     except (TypeError, ValueError, IndexError, KeyError):
         pass  # unusual arguments: the rule falls back to replication
     return a
+
+
+def _padded_dims(n: fx.Node, t: str, nd: int) -> list[int]:
+    """The dims a pad of an ``nd``-dim tensor may pad: its (left, right)
+    pairs run from the last dim backwards, and an amount the program
+    computes (timm's Swin pads to whole windows by ``-H % window``) counts
+    as padding."""
+    amounts = list(_arg(n, 1, "padding" if t.endswith(("1d", "2d", "3d")) else "pad", ()))
+    return sorted(nd - 1 - i for i in range(len(amounts) // 2)
+                  if not (isinstance(amounts[2 * i], int) and isinstance(amounts[2 * i + 1], int)
+                          and amounts[2 * i] == amounts[2 * i + 1] == 0))
 
 
 def _index_map(n: fx.Node, t: str, nd: int, nout: int) -> dict[int, int] | None:
