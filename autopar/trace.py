@@ -1267,7 +1267,15 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
             continue
         seqs = {p: tuple(n.kind for n in instance_nodes.get(p, [])) for p in paths}
         first = seqs[paths[0]]
-        if not first or any(s != first for s in seqs.values()):
+        if first and any(s != first for s in seqs.values()):
+            # torch.export computes a size expression once and reuses it (Mixtral's experts
+            # view by `16 * batch` in every layer, computed in the first): the layers differ
+            # by those size nodes alone, and are one group without them
+            sized = {p: [n for n in instance_nodes.get(p, []) if n.kind != "shape"] for p in paths}
+            if all(tuple(n.kind for n in v) == tuple(n.kind for n in sized[paths[0]]) for v in sized.values()):
+                instance_nodes.update(sized)
+                first = tuple(n.kind for n in sized[paths[0]])
+        if not first or any(tuple(n.kind for n in instance_nodes.get(p, [])) != first for p in paths):
             continue
         nparams = sum(p.numel() for p in root.get_submodule(paths[0]).parameters())
         name = f"{parent}.*" if parent else "*"
