@@ -1193,7 +1193,7 @@ def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
             w = par[0] if par else (ins[1].out if len(ins) > 1 else None)
         kdim = w.shape[-1] if (w is not None and nd.target == "linear") else (w.shape[0] if w else 1)
         flops = 2.0 * out_numel * kdim
-    elif k == "matmul":
+    elif k in ("matmul", "grouped_mm"):     # grouped_mm: each row of x times its group's [K, N]
         a = ins[0].out if ins and ins[0].out else None
         flops = 2.0 * out_numel * (a.shape[-1] if a else 1)
     elif k == "sdpa":

@@ -46,6 +46,7 @@ from autopar.trace import KINDS, op_family
 OLD_KINDS = {
     "linear": ("linear", "addmm"),
     "matmul": ("matmul", "bmm", "mm", "baddbmm"),
+    "grouped_mm": ("grouped_mm_fallback", "_grouped_mm", "grouped_mm"),
     "sdpa": ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"),
     "embedding": ("embedding",),
@@ -80,7 +81,7 @@ OLD_KINDS = {
                 "new_zeros", "new_ones", "new_empty", "new_full", "linspace", "eye"),
     "shape": ("size", "dim", "numel", "sym_size", "getattr", "len"),
 }
-OLD_FAMILY = {"linear": "matmul", "matmul": "matmul", "sdpa": "matmul", "conv": "matmul"}
+OLD_FAMILY = {"linear": "matmul", "matmul": "matmul", "sdpa": "matmul", "conv": "matmul", "grouped_mm": "matmul"}
 OLD_NONLINEAR = {"gelu", "relu", "silu", "sigmoid", "tanh", "mul", "truediv", "div", "pow", "exp", "log",
                  "rsqrt", "sqrt", "softplus", "erf", "mish", "elu", "leaky_relu", "square", "reciprocal"}
 OLD_LINEAR_ADD = ("add", "sub", "iadd", "add_", "neg", "radd", "rsub")
@@ -93,7 +94,7 @@ def test_kinds_are_the_old_table():
     assert [list(v) for v in KINDS.values()] == [list(v) for v in OLD_KINDS.values()]  # order too
     for kind in list(OLD_KINDS) + ["item", "param", "input", "other", "no-such-kind"]:
         assert op_family(kind) == OLD_FAMILY.get(kind, "other"), kind
-    assert ops.matmul_kinds() == {"linear", "matmul", "sdpa", "conv"}
+    assert ops.matmul_kinds() == {"linear", "matmul", "sdpa", "conv", "grouped_mm"}
 
 
 def test_op_facts_are_the_old_sets():
@@ -111,7 +112,8 @@ OLD_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                 "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-                "_efficient_attention_forward")
+                "_efficient_attention_forward",
+                "_grouped_mm")   # added with the grouped_mm kind (mixtures of experts)
 OLD_SHAPE_ARG_OPS = {"view", "reshape", "expand", "_unsafe_view"}
 
 
@@ -243,6 +245,40 @@ class _Pointwise(nn.Module):
         return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads
 
 
+def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row s of x times the weight of its group: transformers' grouped_mm_fallback, as a loop."""
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[i]
+        start = end
+    return out
+
+
+# a custom op named as transformers registers its own (the op registry knows it by that name)
+torch.library.custom_op("autopar_test::grouped_mm_fallback", _grouped_mm_loop, mutates_args=(),
+                        schema="(Tensor input, Tensor weight, Tensor offs) -> Tensor")
+torch.library.register_fake("autopar_test::grouped_mm_fallback",
+                            lambda x, w, offs: x.new_empty(x.shape[0], w.shape[2]))
+
+
+def _grouped_mm_bwd(ctx, grad):
+    x, w = ctx.saved_tensors
+    gx, gw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for i, end in enumerate(ctx.offs.tolist()):
+        gx[start:end] = grad[start:end] @ w[i].T
+        gw[i] = x[start:end].T @ grad[start:end]
+        start = end
+    return gx, gw, None
+
+
+def _grouped_mm_ctx(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.offs = inputs[2]
+
+
+torch.library.register_autograd("autopar_test::grouped_mm_fallback", _grouped_mm_bwd, setup_context=_grouped_mm_ctx)
+
+
 class _Matmuls(nn.Module):
     """Functional linears with a bias, addmm / bmm / baddbmm / mm, broadcasting matmuls."""
 
@@ -250,12 +286,15 @@ class _Matmuls(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.randn(12, 8))
         self.b = nn.Parameter(torch.randn(12))
+        self.experts = nn.Parameter(torch.randn(3, 8, 12))     # a mixture of experts' [E, K, N]
 
     def forward(self, x, m, a):                    # x [4, 6, 8], m [8, 12], a [4, 8, 8]
         lin = F.linear(x, self.w, self.b)
         am = torch.addmm(self.b, x.view(24, 8), self.w.t())
+        offs = torch.tensor([6, 6, 24])                         # 6 rows to expert 0, none to 1, 18 to 2
+        grouped = torch.ops.autopar_test.grouped_mm_fallback(x.view(24, 8), self.experts, offs)
         return (lin, am, x @ m, torch.matmul(a, x.transpose(1, 2)), torch.bmm(a, a),
-                torch.baddbmm(a, a, a), torch.mm(x[0], m), torch.matmul(x, self.w.t()))
+                torch.baddbmm(a, a, a), torch.mm(x[0], m), torch.matmul(x, self.w.t()), grouped)
 
 
 class _Convs(nn.Module):

@@ -49,6 +49,11 @@ _kind("linear", ("linear", _("addmm", _SAVED)), "matmul",
       "x @ W^T with a weight: F.linear; aten.addmm(bias, x, W^T) from export")
 _kind("matmul", ("matmul", _("bmm", _SAVED), _("mm", _SAVED), _("baddbmm", _SAVED)), "matmul",
       "products of two activations (or a weight used as a plain matrix)")
+# transformers' grouped_mm_fallback is a custom op of its own namespace: selective recompute
+# (which keeps aten ops by packet) runs it again, so it is not listed as saved
+_kind("grouped_mm", ("grouped_mm_fallback", _("_grouped_mm", _SAVED), "grouped_mm"), "matmul",
+      "x[S, K] @ w[E, K, N] by groups of rows (mixture-of-experts layers: transformers' "
+      "grouped_mm_fallback, torch._grouped_mm)")
 _kind("sdpa", ("scaled_dot_product_attention", _("_scaled_dot_product_flash_attention", _SAVED),
                _("_scaled_dot_product_efficient_attention", _SAVED),
                _("_scaled_dot_product_flash_attention_for_cpu", _SAVED)), "matmul",

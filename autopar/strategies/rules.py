@@ -119,6 +119,25 @@ def _matmul(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("grouped_mm")
+def _grouped_mm(ctx: Ctx) -> list[Strategy]:
+    """grouped_mm(x[S, K], w[E, K, N], offs[E]): row s of x times the weight
+    of its group (the experts of a mixture-of-experts layer, rows sorted by
+    expert, ``offs`` their cumulative counts). The rows cannot be split (the
+    offsets count all of them); the weights' columns can (each rank its
+    columns of every expert) or the contraction (partial sums)."""
+    x, w = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    out = _replicated(ctx)
+    if x is None or w is None or len(x) != 2 or len(w) != 3:
+        return out
+    rest = (R,) * (len(ctx.ins) - 2)
+    if ctx.div(w, 2):
+        out.append(Strategy("colwise", (R, S(2)) + rest, S(1), True))
+    if ctx.div(x, 1) and ctx.div(w, 1):
+        out.append(Strategy("rowwise", (S(1), S(1)) + rest, P, True))
+    return out
+
+
 def _plus_product(ctx: Ctx) -> list[Strategy]:
     """baddbmm(c, a, b): the strategies of a @ b but the contraction split
     (whose partial sums would each add c), with c placed like the output
