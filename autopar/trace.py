@@ -973,7 +973,8 @@ def _mark_fused_splits(nodes: list[Node], by_name: dict[str, Node]) -> None:
     by its blocks: a ``linear`` / ``mm`` whose weight is a parameter, then
     bias adds and views that keep the projected dim whole, then a split of
     that dim into equal pieces (q, k and v of GPT-2's ``c_attn``, nanoGPT's
-    ``qkv.split(n_embd, dim=2)``). Each node of the chain gets
+    ``qkv.split(n_embd, dim=2)``; a mixture of experts' grouped gate / up
+    projection, ``chunk(2, -1)``). Each node of the chain gets
     ``attrs["blocks"] = (pieces, {input index: its dim}, output dim)``; the
     sharding rules offer ``S(d,k)`` placements along it (each rank its
     chunk of every piece), and the split hands out plain shards."""
@@ -1013,6 +1014,20 @@ def _mark_fused_splits(nodes: list[Node], by_name: dict[str, Node]) -> None:
                     dim == len(shape) - 1 and len(ins) == 2 and ins[1].kind == "param":
                 wdim = 0 if cur.target == "linear" else 1
                 chain.append((cur, {1: wdim}, dim))
+                for node, ins_d, out_d in chain:
+                    node.attrs["blocks"] = (k, ins_d, out_d)
+                break
+            elif cur.kind == "grouped_mm" and dim == len(shape) - 1 and len(ins) >= 2:
+                # a mixture of experts' fused gate / up: grouped_mm(x, w[E, K, N]) with w a
+                # parameter, or its transpose (transformers stores [E, N, K] and transposes)
+                w = ins[1]
+                if w.kind == "transpose" and readers.get(w.name) == 1 and w.inputs and \
+                        by_name[w.inputs[0]].kind == "param" and w.attrs.get("perm"):
+                    chain += [(cur, {1: 2}, dim), (w, {0: w.attrs["perm"][2]}, 2)]
+                elif w.kind == "param":
+                    chain.append((cur, {1: 2}, dim))
+                else:
+                    break
                 for node, ins_d, out_d in chain:
                     node.attrs["blocks"] = (k, ins_d, out_d)
                 break

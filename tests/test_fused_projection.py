@@ -114,3 +114,26 @@ def test_a_plan_with_blocked_placements_round_trips_and_is_checked(tmp_path):
     (tmp_path / "edited.json").write_text(json.dumps(d))
     with pytest.raises(PlanError, match="7 blocks x tp=4"):
         autopar.Plan.load(tmp_path / "edited.json").check_graph(g)
+
+
+def test_experts_are_split_megatron_style_under_tp():
+    """A mixture of experts (transformers' Mixtral: experts stored [E, N, K], transposed for
+    the grouped matmul, gate and up fused then ``chunk(2, -1)``) under ``tp=2``: every
+    expert's gate / up columns by blocks (each rank its columns of gate and of up), its down
+    projection's rows, one partial sum out, as Megatron splits a dense MLP. Before, the
+    grouped matmul had no rule (replicated, its FLOPs uncounted), and the greedy placed the
+    down weight over the experts' dim, which the grouped matmul only reads gathered."""
+    from autopar.search.planner import Sharder
+    from benchmarks.real_models import BREADTH_HF
+    c = BREADTH_HF["hf-mixtral"]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    mms = [nd for nd in g.nodes if nd.kind == "grouped_mm"]
+    assert len(mms) == 8 and all(nd.flops > 0 for nd in mms)
+    sh, _ = planner_for(g, "dgx-h100", "adamw", None, devices=2, global_batch=8).sharding(
+        parse_strategy("tp=2", devices=2), Sharder())
+    pre = "model_model_layers_0_mlp_experts_"
+    assert sh.out[pre + "gate_up_proj"] == S(1, 2) and sh.out[pre + "down_proj"] == S(2)
+    gate_up, down = mms[0].name, mms[1].name
+    assert sh.out[gate_up] == S(1, 2) and sh.out[down] == "P"
+    split = next(nd for nd in g.nodes if nd.kind == "split" and gate_up in nd.inputs)
+    assert sh.strategy[split.name].name == "blocks"

@@ -33,8 +33,9 @@ RUNS = [
     ("hf-gpt2", "zero-2", "dp=2,tp=2,zero=2"),
     ("hf-bert", "recompute full", "pp=2,tp=2,recompute=full,microbatches=2"),   # also tp and a 1F1B pipeline
     ("hf-vit", "zero-3", "dp=4,zero=3"),
-    # a mixture of experts in an interleaved pipeline: its layers were found as 2, not 4 (below)
-    ("hf-mixtral", "pp interleaved", "pp=2,dp=2,schedule=interleaved,chunks=2,microbatches=4"),
+    # a mixture of experts, its experts split Megatron-style, in an interleaved pipeline (its
+    # layers were found as 2, not 4: below)
+    ("hf-mixtral", "pp interleaved", "pp=2,tp=2,schedule=interleaved,chunks=2,microbatches=2"),
 ]
 #: models of `make matrix` left out of the suite's spawn (its time budget), with where they run here
 ELSEWHERE = {"nanogpt": "nanogpt-vocab without its vocabulary-parallel annotations",

@@ -27,7 +27,7 @@ from ..spec.placement import P, R
 from ..strategies import Strategy, is_shard
 from ..strategies.axis_cost import op_axis_time
 from ..strategies.redistribute import output_time
-from ..strategies.rules import Ctx
+from ..strategies.rules import Ctx, candidates
 
 # AxisSharding, _instances, _numel, needs_grad, pin_signature, _SKIP and INF are
 # also read from here by the ILP (search.ilp)
@@ -78,6 +78,7 @@ class GreedyCost:
         # the transitions the decided readers paid for (axis_cost.shared_key): a later
         # reader of the same layer instance reading a value alike shares them
         self.charged: set = set()
+        self._reads: dict[str, frozenset] = {}     # per node: what its one reader accepts (_read_as)
 
     def __call__(self, nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx | None = None) -> float:
         t = self.time(nd, st, cur, self.charged)
@@ -108,16 +109,50 @@ class GreedyCost:
         residuals), so half a gather keeps cheap ops from starting sharded
         chains. The graph's output has no consumer: :meth:`time` makes it whole."""
         h = 0.0
+        places = False
         for have, want, name in zip(cur, st.ins, nd.inputs):
             if have is None and self.grad.get(name, False):
+                places = True
                 h += self.memory_weight * self.sizes.get(name, 0.0) * (1.0 if want == R else 1.0 / self.n)
         if nd.name == self.graph.output:
             return h
+        if places and is_shard(st.out) and st.out not in self._read_as(nd.name):
+            # a weight's own transpose or view (transformers' experts [E, N, K] turned [E, K, N]
+            # for the grouped matmul): its one reader takes no shard of it this way but gathers it
+            h += self.comm("all_gather", self.sizes.get(nd.name, 0.0))
         if st.out == P:
             h += self.comm("all_reduce", self.sizes.get(nd.name, 0.0))
         elif is_shard(st.out):
             h += 0.5 * self.comm("all_gather", self.sizes.get(nd.name, 0.0))
         return h
+
+
+    def _read_as(self, name: str) -> frozenset:
+        """The placements ``name``'s one reader accepts for it (any, with
+        several readers or none): the look-ahead of a weight's own transpose."""
+        got = self._reads.get(name)
+        if got is None:
+            readers = self.graph.consumers(name)
+            got = _ANY
+            if len(readers) == 1:
+                r = self.graph[readers[0]]
+                shapes = self.sizes.shapes
+                ctx = Ctx(r, [shapes.get(i) for i in r.inputs], [self.graph[i].kind for i in r.inputs],
+                          shapes.get(r.name), self.n, self.sizes.itemsize)
+                k = r.inputs.index(name)
+                got = frozenset(st.ins[k] for st in candidates(ctx) if len(st.ins) == len(r.inputs))
+            self._reads[name] = got
+        return got
+
+
+class _Any(frozenset):
+    """Every placement (``in`` is always true)."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_ANY = _Any()
 
 
 class _Sizes(dict):
