@@ -113,6 +113,18 @@ def breadth(models: list[str] | None = None) -> dict:
                   "`F.pad` had no sharding rule, the batch analysis lost the batch there and dp and pp failed "
                   "in the window view (pad now splits on the dims it leaves alone); torchvision's ConvNeXt "
                   "under tp sent a channels-last activation into an all-to-all, which gloo refused.",
+                  "Found by these runs and the eight 4-process families of `main` run on the twenty decoders "
+                  "(all pass but SmolLM3's interleaved pipeline, below): mixtures of experts in transformers 5 "
+                  "run their experts through `grouped_mm_fallback`, which had no rule (replicated under tp) and "
+                  "no FLOPs (Mixtral-8x7B's experts uncounted by the planner); it has both now, the fused "
+                  "gate / up split by blocks and the down projection by rows, as Megatron splits a dense MLP. "
+                  "torch.export computes a size expression once and reuses it in later layers, so the first "
+                  "layer of Mixtral, Qwen2-MoE and GPT-OSS held two more nodes: no repeated layers were found "
+                  "and interleaved pipelines were refused. Not fixed: SmolLM3 leaves rotary positions out of "
+                  "every fourth layer, its layers are not all alike, and pipelines cut between the norms of "
+                  "its first layer (correct, unbalanced; interleaved refused): a stack of unlike layers "
+                  "(DeepSeek-V3's dense then MoE layers, Llama 4's alternating MoE) needs pipeline units that "
+                  "are not one repeated group.",
                   "Not in the table: models with batch statistics (timm's EfficientNet-B0, MobileNetV3, "
                   "torchvision's MobileNetV2) train chaotically at this size: eager fp32 and fp64 part by "
                   "4e-4 (EfficientNet, one microbatch) to 0.9 (two microbatches) within three steps, so the "
