@@ -8,7 +8,10 @@ model. :func:`out_of_place` rewrites every in-place op of a traced graph
 inplace=True)``) into its out-of-place form and makes every later read of the
 mutated tensor read the new value instead, which is what the mutation meant.
 
-That is exact when nothing else sees the old storage. It refuses, with a
+That is exact when nothing else sees the old storage. A write into a slice
+or a select of a tensor that is read afterwards (``q = x.new_empty(...);
+q[..., :k] = a; q[..., k:] = b``) becomes a scatter of the new part into a
+new tensor, which every later reader reads. Otherwise it refuses, with a
 :class:`TraceError` naming the op, an in-place op on a view whose base or
 sibling views are read later (the mutation would show through them). Updates
 of the model's state (``num_batches_tracked.add_(1)`` in BatchNorm) stay as
@@ -71,8 +74,16 @@ def _name(n: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
+def assigned(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """What ``dst.copy_(src)`` leaves in ``dst``, as a new tensor (``aten.copy``,
+    its out-of-place form, has no derivative)."""
+    return src.to(dst.dtype).expand_as(dst)
+
+
 def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
     """``(description, out-of-place target, kwargs)`` of an in-place op, or None."""
+    if _name(n) == "copy_" and n.op in ("call_function", "call_method") and len(n.args) >= 2:
+        return "copy_", assigned, {}
     if n.op == "call_function" and n.target in _OPERATORS:
         return _name(n), _OPERATORS[n.target], dict(n.kwargs)
     if n.op == "call_function" and n.kwargs.get("inplace") is True:
@@ -137,6 +148,52 @@ def _views_of(base: fx.Node) -> set[fx.Node]:
     return out
 
 
+#: aten views whose write-back is a scatter: (view, its scatter)
+_SCATTERS = {"slice": torch.ops.aten.slice_scatter.default, "select": torch.ops.aten.select_scatter.default}
+
+
+def _slices_up(t: fx.Node, base: fx.Node) -> list[fx.Node] | None:
+    """The view chain from ``t`` up to ``base`` when every step is an aten
+    ``slice`` or ``select`` (``x[..., :k] = y`` in torch.export: a fresh
+    tensor filled in parts, as DeepSeek-V3's attention builds its queries);
+    else None."""
+    chain = []
+    while t is not base:
+        if not (isinstance(t.target, torch._ops.OpOverload) and _name(t) in _SCATTERS):
+            return None
+        chain.append(t)
+        t = t.args[0]
+    return chain
+
+
+def _scatter_back(g: fx.Graph, n: fx.Node, new: fx.Node, chain: list[fx.Node], base: fx.Node,
+                  order: dict[fx.Node, int]) -> None:
+    """Make the in-place write ``n`` into the view ``chain[0]`` of ``base``
+    (its new value ``new``) a new ``base``: scatter it back up the chain, then
+    every later reader of ``base``, of the chain, or of another view of
+    ``base`` taken before the write reads the new value (the view taken
+    again)."""
+    now = {chain[0]: new}
+    cur = new
+    with g.inserting_before(n):
+        for v in chain:
+            parent = v.args[0]
+            cur = g.call_function(_SCATTERS[_name(v)], (parent, cur, *v.args[1:]), dict(v.kwargs))
+            cur.meta = dict(parent.meta)
+            order[cur] = order[n]
+            now[parent] = cur
+        for v in sorted(_views_of(base) - set(chain) - {base}, key=lambda x: order.get(x, -1)):
+            if order.get(v, -1) < order[n] and v.args[0] in now:
+                again = g.create_node(v.op, v.target, (now[v.args[0]], *v.args[1:]), dict(v.kwargs))
+                again.meta = dict(v.meta)
+                order[again] = order[n]
+                now[v] = again
+    for old_node, value in now.items():
+        for u in list(old_node.users):
+            if order.get(u, -1) > order[n]:
+                u.replace_input_with(old_node, value)
+
+
 def out_of_place(gm: fx.GraphModule) -> int:
     """Rewrite ``gm``'s in-place ops out of place (module docstring); return how many."""
     g = gm.graph
@@ -154,7 +211,8 @@ def out_of_place(gm: fx.GraphModule) -> int:
         if base.op == "get_attr":
             continue        # a state update (BatchNorm's num_batches_tracked): it stays as written
         seen_later = [u for a in _views_of(base) - {t} for u in a.users if order.get(u, -1) > order[n]]
-        if seen_later:
+        chain = _slices_up(t, base) if seen_later and _is_tensor(t) else None
+        if seen_later and chain is None:
             raise TraceError(f"in-place op {what} (node {n.name}) writes a view of {base.name}, which "
                              f"{seen_later[0].name} reads afterwards; write it out of place")
         if not _is_tensor(t):     # `n += 1` on a size: only the name moves, the graph has it already
@@ -162,12 +220,14 @@ def out_of_place(gm: fx.GraphModule) -> int:
             continue
         with g.inserting_before(n):
             new = g.create_node("call_method" if isinstance(target, str) else "call_function", target,
-                                n.args, kwargs)
+                                n.args[:2] if target is assigned else n.args, kwargs)
         new.meta = dict(n.meta)
         order[new] = order[n]
         for u in list(t.users):
             if u is not n and order.get(u, -1) > order[n]:
                 u.replace_input_with(t, new)
+        if chain:
+            _scatter_back(g, n, new, chain, base, order)
         n.replace_all_uses_with(new)
         g.erase_node(n)
         done += 1

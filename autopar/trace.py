@@ -1083,6 +1083,8 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             a["groups"] = int(_arg(n, 6, "groups", 1))
         elif k == "pad" and x is not None:
             a["padded_dims"] = _padded_dims(n, t, nd)
+        elif k == "scatter" and x is not None:
+            a["dim"] = int(_arg(n, 2, "dim", 0)) % nd     # slice_scatter / select_scatter(base, src, dim, ...)
         elif k == "elementwise" and getattr(ops.op_info(t), "operands", "") == "quotient":
             # which side the one tensor of `x / 2` or `2 / x` is: autograd saves a divisor, not a dividend
             a["tensor_dividend"] = bool(n.args) and isinstance(n.args[0], fx.Node)

@@ -172,3 +172,29 @@ class IndexedThenRead(nn.Module):
 def test_an_indexed_tensor_stays_a_view():
     with pytest.raises(TraceError, match="view of .* reads afterwards"):
         autopar.trace(IndexedThenRead(), (torch.randn(4, 8),), frontend="fx")
+
+
+class FilledInParts(nn.Module):
+    """DeepSeek-V3's attention (``transformers``): a fresh tensor filled in parts,
+    ``q = x.new_empty(...); q[..., :k] = a; q[..., k:] = b``, then read. Each write
+    goes into a slice that a sibling slice or the base is read through afterwards:
+    this was refused; it is a scatter of each part into a new tensor now."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        q = x.new_empty(x.shape[0], 8)
+        q[:, :4] = self.a(x)
+        q[:, 4:] = torch.tanh(self.b(x))
+        q[0] = q[0] * 2.0           # a select, written after the slices
+        return (q * q).sum()
+
+
+def test_a_tensor_filled_in_parts_is_scattered():
+    m, x = FilledInParts(), torch.randn(4, 8)
+    g = autopar.trace(m, (x,), frontend="export")
+    names = [nd.target for nd in g.nodes]
+    assert "slice_scatter" in names and "select_scatter" in names and "copy_" not in names
+    torch.testing.assert_close(torch.fx.Interpreter(g.gm).run(x), m(x))

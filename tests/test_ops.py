@@ -74,7 +74,8 @@ OLD_KINDS = {
                     "imul", "add_", "mul_", "relu_", "native_dropout", "gelu_", "leaky_relu", "softplus",
                     "eq", "ne", "lt", "gt", "le", "ge", "logical_not", "bitwise_not", "maximum", "minimum",
                     "mish", "hardtanh", "elu", "rsub", "radd", "rmul", "lerp", "addcmul", "addcdiv",
-                    "masked_fill_", "fill_", "copy_", "zeros_like", "ones_like", "full_like", "tril", "triu"),
+                    "masked_fill_", "fill_", "copy_", "assigned", "zeros_like", "ones_like", "full_like", "tril", "triu"),
+    "scatter": ("slice_scatter", "select_scatter"),
     "pad": ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
             "replication_pad1d", "replication_pad2d", "replication_pad3d"),
     "factory": ("arange", "zeros", "ones", "full", "empty", "randn", "rand", "tensor", "scalar_tensor",
@@ -242,7 +243,9 @@ class _Pointwise(nn.Module):
         u, w = torch.split(x, [2, 2], dim=0)
         tri = torch.tril(x[0]) + torch.triu(x[1], 1)
         pads = (F.pad(x, (0, 0, 1, 2)), F.pad(x, (1, 1), mode="reflect"), F.pad(x, (0, 0, 0, x.shape[1] % 3)))
-        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads
+        parts = (torch.slice_scatter(x, torch.tanh(x[..., :2]), 2, 0, 2),    # x[..., :2] = tanh(...), made
+                 torch.select_scatter(x, x[:, 3] * 2.0, 1, 3))                # out of place
+        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads, parts
 
 
 def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

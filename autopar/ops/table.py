@@ -93,9 +93,11 @@ _kind("elementwise", (
     "native_dropout", "gelu_", _("leaky_relu", _NL), _("softplus", _NL), "eq", "ne", "lt", "gt", "le", "ge",
     "logical_not", "bitwise_not", "maximum", "minimum", _("mish", _NL), "hardtanh", _("elu", _NL),
     _("rsub", _ALL), _("radd", _ALL), _("rmul", _FIRST), "lerp", "addcmul", "addcdiv", "masked_fill_", "fill_",
-    "copy_", "zeros_like", "ones_like", "full_like", _("tril", {"whole_dims": 2}),
+    "copy_", "assigned", "zeros_like", "ones_like", "full_like", _("tril", {"whole_dims": 2}),
     _("triu", {"whole_dims": 2})),
     doc="one output element per aligned input elements (broadcasting)")
+_kind("scatter", ("slice_scatter", "select_scatter"),
+      doc="a tensor with a slice or a select of it replaced (in-place writes into parts, made out of place)")
 _kind("pad", ("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
                "replication_pad1d", "replication_pad2d", "replication_pad3d"),
       doc="padding of some trailing dims (F.pad; aten.constant_pad_nd and the reflection / replication pads)")

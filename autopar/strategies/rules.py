@@ -289,6 +289,24 @@ def _pad(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("scatter")
+def _scatter(ctx: Ctx) -> list[Strategy]:
+    """slice_scatter(base, src, dim, ...) / select_scatter(base, src, dim,
+    index): split on any dim but the one written into, base, src and output
+    alike (select_scatter's src lacks that dim)."""
+    x, src = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    out = _replicated(ctx)
+    dim = ctx.node.attrs.get("dim")
+    if x is None or src is None or dim is None:
+        return out
+    dropped = len(src) == len(x) - 1
+    for d in range(len(x)):
+        sd = d - 1 if dropped and d > dim else d
+        if d != dim and ctx.div(x, d) and ctx.div(src, sd) and src[sd] == x[d]:
+            out.append(Strategy(f"dim{d}", (S(d), S(sd)) + (R,) * (len(ctx.ins) - 2), S(d), True))
+    return out
+
+
 @ops.register_rule("pool")
 def _pool(ctx: Ctx) -> list[Strategy]:
     x = ctx.ins[0]
