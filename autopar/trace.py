@@ -1068,17 +1068,8 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                                        x[a["dim"] % nd])
                 if pieces:
                     a["pieces"] = pieces
-        elif k == "cross_entropy" and t == "cross_entropy_loss":
-            # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
-            a["reduction"] = {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported")
-            a["ignore_index"] = _arg(n, 4, "ignore_index", -100)
-            if _arg(n, 5, "label_smoothing", 0.0) or _arg(n, 2, "weight") is not None:
-                a["reduction"] = "unsupported"
         elif k == "cross_entropy":
-            a["reduction"] = n.kwargs.get("reduction", "mean")
-            a["ignore_index"] = n.kwargs.get("ignore_index", -100)
-            if n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None:
-                a["reduction"] = "unsupported"
+            a.update(_loss_attrs(n, t))
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
         elif k == "pad" and x is not None:
@@ -1124,6 +1115,22 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             node.kind = "item"
     except (TypeError, ValueError, IndexError, KeyError):
         pass  # unusual arguments: the rule falls back to replication
+    return a
+
+
+def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
+    """A cross-entropy's reduction and ignored index ("unsupported": label
+    smoothing or class weights)."""
+    if t == "cross_entropy_loss":
+        # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
+        a = {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported"),
+             "ignore_index": _arg(n, 4, "ignore_index", -100)}
+        other = _arg(n, 5, "label_smoothing", 0.0) or _arg(n, 2, "weight") is not None
+    else:
+        a = {"reduction": n.kwargs.get("reduction", "mean"), "ignore_index": n.kwargs.get("ignore_index", -100)}
+        other = n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None
+    if other:
+        a["reduction"] = "unsupported"
     return a
 
 
