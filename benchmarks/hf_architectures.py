@@ -13,7 +13,7 @@ equal, the weights really split.
 
     python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
 
-``--breadth``: twenty more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
+``--breadth``: twenty-one more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...)
 under tp, dp, pp and sequence parallelism on 2 processes (``hf_breadth``).
 """
@@ -90,12 +90,12 @@ def _rows(names: list[str], run: Callable[[str], dict], con: Console) -> list[di
 
 
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty more decoders, four families each, on 2 processes (``hf_breadth``)."""
+    """Twenty-one more decoders, four families each, on 2 processes (``hf_breadth``)."""
     con = Console(stderr=True)
     rows = _rows(models or [*BREADTH_HF, *BREADTH_VISION], run_breadth, con)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty more Hugging Face decoders and five vision models against one process",
+        "title": "Twenty-one more Hugging Face decoders and five vision models against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
                        "processes against one process (losses within 1e-4 at every step, final weights equal, "
@@ -113,8 +113,9 @@ def breadth(models: list[str] | None = None) -> dict:
                   "`F.pad` had no sharding rule, the batch analysis lost the batch there and dp and pp failed "
                   "in the window view (pad now splits on the dims it leaves alone); torchvision's ConvNeXt "
                   "under tp sent a channels-last activation into an all-to-all, which gloo refused.",
-                  "Found by these runs and the eight 4-process families of `main` run on the twenty decoders "
-                  "(all pass but SmolLM3's interleaved pipeline, below): mixtures of experts in transformers 5 "
+                  "Found by these runs and the eight 4-process families of `main` run on the twenty-one "
+                  "decoders (all pass but the interleaved pipelines of SmolLM3 and DeepSeek-V3, below): "
+                  "mixtures of experts in transformers 5 "
                   "run their experts through `grouped_mm_fallback`, which had no rule (replicated under tp) and "
                   "no FLOPs (Mixtral-8x7B's experts uncounted by the planner); it has both now, the fused "
                   "gate / up split by blocks and the down projection by rows, as Megatron splits a dense MLP. "
@@ -124,7 +125,12 @@ def breadth(models: list[str] | None = None) -> dict:
                   "every fourth layer, its layers are not all alike, and pipelines cut between the norms of "
                   "its first layer (correct, unbalanced; interleaved refused): a stack of unlike layers "
                   "(DeepSeek-V3's dense then MoE layers, Llama 4's alternating MoE) needs pipeline units that "
-                  "are not one repeated group.",
+                  "are not one repeated group (DeepSeek-V3's dense first layer joins the embedding's unit, so "
+                  "its 4-layer test model has 3 pipeline layers).",
+                  "Found by these runs: DeepSeek-V3 fills its queries in parts (`q = x.new_empty(...); "
+                  "q[..., :k] = a; q[..., k:] = b`), and writes into views read afterwards were refused; they "
+                  "are scatters now (`slice_scatter`, with a sharding rule), and `copy_`'s out-of-place form "
+                  "has a derivative.",
                   "Not in the table: models with batch statistics (timm's EfficientNet-B0, MobileNetV3, "
                   "torchvision's MobileNetV2) train chaotically at this size: eager fp32 and fp64 part by "
                   "4e-4 (EfficientNet, one microbatch) to 0.9 (two microbatches) within three steps, so the "
@@ -170,6 +176,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", help="comma-separated names of MORE_HF, or of BREADTH_HF with --breadth "
                                       "(default: all)")
-    ap.add_argument("--breadth", action="store_true", help="the twenty more decoders on 2 processes")
+    ap.add_argument("--breadth", action="store_true",
+                    help="the twenty-one more decoders and five vision models on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

@@ -414,5 +414,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **BREADTH_VISION, "hf-opt-untied-relu": hf_opt_untied_relu,
-                                        "mlp": residual_mlp}
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **BREADTH_VISION,
+                                        "hf-opt-untied-relu": hf_opt_untied_relu, "mlp": residual_mlp}

@@ -36,6 +36,8 @@ RUNS = [
     # a mixture of experts, its experts split Megatron-style, in an interleaved pipeline (its
     # layers were found as 2, not 4: below)
     ("hf-mixtral", "pp interleaved", "pp=2,tp=2,schedule=interleaved,chunks=2,microbatches=2"),
+    # latent attention whose queries are filled in parts (scatters under tp), a dense layer before the experts
+    ("hf-deepseekv3", "dp x tp", "dp=2,tp=2"),
 ]
 #: models of `make matrix` left out of the suite's spawn (its time budget), with where they run here
 ELSEWHERE = {"nanogpt": "nanogpt-vocab without its vocabulary-parallel annotations",

@@ -179,9 +179,9 @@ def _window_pad(strategy):
     return want, [pm.train_step((x,), t) for _ in range(3)]
 
 
-SCENARIOS = {"window_pad": (_window_pad, "dp=2,tp=2"), "inplace": (_inplace, "dp=2,tp=2"), "nonfinite": (_nonfinite, "dp=2,tp=2"),
-             "scheduler": (_scheduler, "dp=4,zero=1"), "keyword": (_keyword, "dp=2,tp=2"),
-             "clip": (_clip, CLIP_STRATEGIES)}
+SCENARIOS = {"window_pad": (_window_pad, "dp=2,tp=2"), "inplace": (_inplace, "dp=2,tp=2"),
+             "nonfinite": (_nonfinite, "dp=2,tp=2"), "scheduler": (_scheduler, "dp=4,zero=1"),
+             "keyword": (_keyword, "dp=2,tp=2"), "clip": (_clip, CLIP_STRATEGIES)}
 
 
 def _worker(rank, world):
