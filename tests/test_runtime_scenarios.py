@@ -76,19 +76,27 @@ def _nonfinite(strategy):
     return out
 
 
+def _eager_losses(model, x, t, sched=None, steps=3):
+    """``steps`` SGD steps of ``model`` in this process (``sched``: an lr
+    scheduler factory, stepped after each): the losses."""
+    opt = _sgd(model.parameters())
+    sched = sched(opt) if sched else None
+    want = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _mse(model(x), t)
+        loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+        want.append(loss.item())
+    return want
+
+
 def _scheduler(strategy):
     model, x, t = _mlp()
     ref, _, _ = _mlp()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    want = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = _mse(ref(x), t)
-        loss.backward()
-        opt.step()
-        sched.step()
-        want.append(loss.item())
+    want = _eager_losses(ref, x, t, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
     pm = autopar.parallelize(model, (x,), loss_fn=_mse, example_target=t, strategy=strategy, optimizer=_sgd,
                              lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
     return want, [pm.train_step((x,), t) for _ in range(3)], pm.optimizer.param_groups[0]["lr"]
@@ -167,14 +175,7 @@ def _window_pad(strategy):
     m, x, t = WindowPad(), torch.randn(8, 6, 6, 8), torch.randn(8, 4)
     ref_m = WindowPad()
     ref_m.load_state_dict(m.state_dict())
-    opt = _sgd(ref_m.parameters())
-    want = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = _mse(ref_m(x), t)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = _eager_losses(ref_m, x, t)
     pm = autopar.parallelize(m, (x,), loss_fn=_mse, example_target=t, optimizer=_sgd, strategy=strategy)
     return want, [pm.train_step((x,), t) for _ in range(3)]
 
