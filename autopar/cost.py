@@ -730,13 +730,29 @@ class CostModel:
     @cached_property
     def _flops_split(self) -> tuple[float, float]:
         """Forward FLOPs per sample and those independent of the batch."""
-        per_sample = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) != R)
-        fixed = sum(nd.flops for nd in self.graph.nodes if self.batch.out.get(nd.name, R) == R)
+        per_sample = sum(nd.flops for nd in self.graph.nodes if nd.name in self._per_sample)
+        fixed = sum(nd.flops for nd in self.graph.nodes if nd.name not in self._per_sample)
         return per_sample / self.graph.batch_size, fixed
+
+    @cached_property
+    def _per_sample(self) -> frozenset[str]:
+        """The nodes whose work grows with the samples: those the batch axis
+        splits (or sums over), and every node reading such a value (each
+        data-parallel rank runs its program on its own samples). The batch
+        analysis can only
+        replicate an op it has no rule for, yet each data-parallel rank runs
+        it on its own samples (a mixture of experts' routing, ``topk`` /
+        ``sort`` / ``histc`` / ``index``, and the expert matmuls after it: they
+        were counted at the traced batch for every microbatch)."""
+        out = {name for name, p in self.batch.out.items() if p != R}
+        for nd in self.graph.nodes:    # graph order: a reader after what it reads
+            if nd.name not in out and nd.out is not None and not nd.is_state and any(i in out for i in nd.inputs):
+                out.add(nd.name)
+        return frozenset(out)
 
     def scale(self, nd: Node, local_batch: float) -> float:
         """How much of ``nd``'s traced work one device does at ``local_batch`` samples."""
-        return local_batch / self.graph.batch_size if self.batch.out.get(nd.name, R) != R else 1.0
+        return local_batch / self.graph.batch_size if nd.name in self._per_sample else 1.0
 
     def node_time(self, nd: Node, scale: float, frac: float) -> float:
         """Forward roofline time of ``nd`` doing ``frac`` of its work at ``scale`` times the traced batch."""
