@@ -128,7 +128,8 @@ def _grouped_mm(ctx: Ctx) -> list[Strategy]:
     columns of every expert) or the contraction (partial sums)."""
     x, w = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
     out = _replicated(ctx)
-    if x is None or w is None or len(x) != 2 or len(w) != 3:
+    # a bias (torch._grouped_mm's fourth operand) would be added to every column shard or partial sum
+    if x is None or w is None or len(x) != 2 or len(w) != 3 or len(ctx.ins) > 3:
         return out
     rest = (R,) * (len(ctx.ins) - 2)
     if ctx.div(w, 2):
