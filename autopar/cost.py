@@ -737,13 +737,11 @@ class CostModel:
     @cached_property
     def _per_sample(self) -> frozenset[str]:
         """The nodes whose work grows with the samples: those the batch axis
-        splits (or sums over), and every node reading such a value (each
-        data-parallel rank runs its program on its own samples). The batch
-        analysis can only
-        replicate an op it has no rule for, yet each data-parallel rank runs
-        it on its own samples (a mixture of experts' routing, ``topk`` /
-        ``sort`` / ``histc`` / ``index``, and the expert matmuls after it: they
-        were counted at the traced batch for every microbatch)."""
+        splits (or sums over), and every node reading such a value, since each
+        data-parallel rank runs its program on its own samples. The batch
+        analysis replicates the ops it has no rule for (a mixture of experts'
+        routing: ``topk``, ``sort``, ``histc``, ``index``), and the expert
+        matmuls after them were counted at the traced batch per microbatch."""
         out = {name for name, p in self.batch.out.items() if p != R}
         for nd in self.graph.nodes:    # graph order: a reader after what it reads
             if nd.name not in out and nd.out is not None and not nd.is_state and any(i in out for i in nd.inputs):

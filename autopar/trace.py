@@ -1285,21 +1285,23 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
             mod = mod.rsplit(".", 1)[0] if "." in mod else ""
     groups: list[LayerGroup] = []
     taken: set[str] = set()
+
+    def kinds(nds: list[Node]) -> tuple[str, ...]:
+        return tuple(n.kind for n in nds)
+
     # outermost groups first: a block's sub-modules are not groups of their own
     for (parent, sig), paths in sorted(by_parent.items(), key=lambda kv: (kv[0][0].count("."), kv[0])):
         if len(paths) < 2 or any(parent == t or parent.startswith(t + ".") for t in taken):
             continue
-        seqs = {p: tuple(n.kind for n in instance_nodes.get(p, [])) for p in paths}
-        first = seqs[paths[0]]
-        if first and any(s != first for s in seqs.values()):
+        if len({kinds(instance_nodes.get(p, [])) for p in paths}) > 1:
             # torch.export computes a size expression once and reuses it (Mixtral's experts
             # view by `16 * batch` in every layer, computed in the first): the layers differ
             # by those size nodes alone, and are one group without them
             sized = {p: [n for n in instance_nodes.get(p, []) if n.kind != "shape"] for p in paths}
-            if all(tuple(n.kind for n in v) == tuple(n.kind for n in sized[paths[0]]) for v in sized.values()):
+            if len({kinds(v) for v in sized.values()}) == 1:
                 instance_nodes.update(sized)
-                first = tuple(n.kind for n in sized[paths[0]])
-        if not first or any(tuple(n.kind for n in instance_nodes.get(p, [])) != first for p in paths):
+        first = kinds(instance_nodes.get(paths[0], []))
+        if not first or len({kinds(instance_nodes.get(p, [])) for p in paths}) > 1:
             continue
         nparams = sum(p.numel() for p in root.get_submodule(paths[0]).parameters())
         name = f"{parent}.*" if parent else "*"

@@ -45,19 +45,20 @@ FAMILIES = [("tp", "tp=4"), ("dp x tp", "dp=2,tp=2"), ("pp x tp", "pp=2,tp=2,mic
             ("recompute full", "pp=2,tp=2,recompute=full,microbatches=2")]
 
 
-def run_model(name: str) -> dict:
-    """The 4-process runs of ``name`` under every family, each checked against one process."""
+def _run(name: str, families: list[tuple[str, str]], world: int) -> dict:
+    """The ``world``-process runs of ``name`` under ``families``, each checked against one process."""
     from autopar.runtime.launch import run_distributed
 
     t0 = time.perf_counter()
-    runs = [(name, strategy) for _, strategy in FAMILIES]
-    per_rank = run_distributed(matrix.worker, 4, runs, timeout=900)
+    per_rank = run_distributed(matrix.worker, world, [(name, st) for _, st in families], timeout=900)
     ref = matrix.reference(name)
-    cells = {}
-    for family, strategy in FAMILIES:
-        got = [r[(name, strategy)] for r in per_rank]
-        cells[family] = matrix.check(family, strategy, ref, got)
+    cells = {f: matrix.check(f, st, ref, [r[(name, st)] for r in per_rank]) for f, st in families}
     return {"model": name, "cells": cells, "s": time.perf_counter() - t0}
+
+
+def run_model(name: str) -> dict:
+    """The 4-process runs of ``name`` under every family, each checked against one process."""
+    return _run(name, FAMILIES, 4)
 
 
 #: the breadth run's families (:data:`benchmarks.real_models.BREADTH_HF`), on 2 processes
@@ -66,16 +67,12 @@ BREADTH_FAMILIES = [("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2,microbatches=2"
 
 
 def run_breadth(name: str) -> dict:
-    """The 2-process runs of ``name`` under every breadth family, each checked against one process."""
-    from autopar.runtime.launch import run_distributed
-
-    t0 = time.perf_counter()
+    """The 2-process runs of ``name`` under every breadth family (no sequence
+    parallelism for the vision models: "n/a"), each checked against one process."""
     families = [(f, st) for f, st in BREADTH_FAMILIES if not (name in BREADTH_VISION and "sequence" in f)]
-    per_rank = run_distributed(matrix.worker, 2, [(name, st) for _, st in families], timeout=900)
-    ref = matrix.reference(name)
-    cells = {f: matrix.check(f, st, ref, [r[(name, st)] for r in per_rank]) for f, st in families}
-    cells.update({f: "n/a" for f, _ in BREADTH_FAMILIES if f not in cells})
-    return {"model": name, "cells": cells, "s": time.perf_counter() - t0}
+    r = _run(name, families, 2)
+    r["cells"] = {f: r["cells"].get(f, "n/a") for f, _ in BREADTH_FAMILIES}
+    return r
 
 
 def _rows(names: list[str], run: Callable[[str], dict], con: Console) -> list[dict]:
@@ -87,6 +84,13 @@ def _rows(names: list[str], run: Callable[[str], dict], con: Console) -> list[di
         rows.append(r)
         con.print(f"{name}: " + ", ".join(f"{f} {c}" for f, c in r["cells"].items()) + f" ({r['s']:.0f} s)")
     return rows
+
+
+def _table(rows: list[dict], families: list[tuple[str, str]]) -> dict:
+    """A row per model, a column per family ("yes" or why the cell fails), and the seconds."""
+    return {"columns": ["model", *[f for f, _ in families], "s"],
+            "rows": [[r["model"], *[("yes" if r["cells"][f] == "ok" else r["cells"][f]) for f, _ in families],
+                      round(r["s"])] for r in rows]}
 
 
 def breadth(models: list[str] | None = None) -> dict:
@@ -103,9 +107,7 @@ def breadth(models: list[str] | None = None) -> dict:
                        + " (not for the vision models). Five vision models from timm and torchvision likewise. "
                        "What each adds: `benchmarks/real_models.py` (`BREADTH_HF`, `BREADTH_VISION`).",
         "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}"},
-        "table": {"columns": ["model", *[f for f, _ in BREADTH_FAMILIES], "s"],
-                  "rows": [[r["model"], *[("yes" if r["cells"][f] == "ok" else r["cells"][f])
-                                          for f, _ in BREADTH_FAMILIES], round(r["s"])] for r in rows]},
+        "table": _table(rows, BREADTH_FAMILIES),
         "notes": ["Found by these runs: Mixtral's router renormalises its top-k weights in place "
                   "(`routing_weights /= routing_weights.sum(...)`), and the in-place rewrite took the outputs of "
                   "`topk` for views of one storage and refused the model; they are tensors of their own.",
@@ -158,9 +160,7 @@ def main(models: list[str] | None = None) -> dict:
                     **{f"{r['model']}: cells equal to one process":
                        f"{sum(c == 'ok' for c in r['cells'].values())} of {len(r['cells'])}"
                        for r in rows if r["model"] in VARIANTS}},
-        "table": {"columns": ["model", *[f for f, _ in FAMILIES], "s"],
-                  "rows": [[r["model"], *[("yes" if r["cells"][f] == "ok" else r["cells"][f]) for f, _ in FAMILIES],
-                            round(r["s"])] for r in rows]},
+        "table": _table(rows, FAMILIES),
         "notes": ["Found by these runs: sequence parallelism took the heads dim of Qwen3's per-head q / k "
                   "norms (RMSNorm over `[batch, seq, heads, head_dim]`) for the sequence and refused tp=4 with "
                   "2 kv heads; it now splits the residual stream's norms alone.",

@@ -78,7 +78,7 @@ class GreedyCost:
         # the transitions the decided readers paid for (axis_cost.shared_key): a later
         # reader of the same layer instance reading a value alike shares them
         self.charged: set = set()
-        self._reads: dict[str, frozenset] = {}     # per node: what its one reader accepts (_read_as)
+        self._reads: dict[str, frozenset | None] = {}     # per node: what its one reader accepts (_read_as)
 
     def __call__(self, nd: Node, st: Strategy, cur: list[str | None], ctx: Ctx | None = None) -> float:
         t = self.time(nd, st, cur, self.charged)
@@ -116,7 +116,8 @@ class GreedyCost:
                 h += self.memory_weight * self.sizes.get(name, 0.0) * (1.0 if want == R else 1.0 / self.n)
         if nd.name == self.graph.output:
             return h
-        if places and is_shard(st.out) and st.out not in self._read_as(nd.name):
+        read_as = self._read_as(nd.name) if places and is_shard(st.out) else None
+        if read_as is not None and st.out not in read_as:
             # a weight's own transpose or view (transformers' experts [E, N, K] turned [E, K, N]
             # for the grouped matmul): its one reader takes no shard of it this way but gathers it
             h += self.comm("all_gather", self.sizes.get(nd.name, 0.0))
@@ -126,14 +127,13 @@ class GreedyCost:
             h += 0.5 * self.comm("all_gather", self.sizes.get(nd.name, 0.0))
         return h
 
-
-    def _read_as(self, name: str) -> frozenset:
-        """The placements ``name``'s one reader accepts for it (any, with
-        several readers or none): the look-ahead of a weight's own transpose."""
-        got = self._reads.get(name)
-        if got is None:
+    def _read_as(self, name: str) -> frozenset | None:
+        """The placements ``name``'s one reader accepts for it (None, any,
+        with several readers or none): the look-ahead of a weight's own
+        transpose."""
+        if name not in self._reads:
             readers = self.graph.consumers(name)
-            got = _ANY
+            got = None
             if len(readers) == 1:
                 r = self.graph[readers[0]]
                 shapes = self.sizes.shapes
@@ -142,17 +142,7 @@ class GreedyCost:
                 k = r.inputs.index(name)
                 got = frozenset(st.ins[k] for st in candidates(ctx) if len(st.ins) == len(r.inputs))
             self._reads[name] = got
-        return got
-
-
-class _Any(frozenset):
-    """Every placement (``in`` is always true)."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
-
-
-_ANY = _Any()
+        return self._reads[name]
 
 
 class _Sizes(dict):
