@@ -178,7 +178,8 @@ def test_cli_tiny_real_run_writes_a_loadable_cluster(tmp_path):
     assert res.exit_code == 0, f"{res.stdout}\n{res.stderr}\n{res.exception!r}"
     d = json.loads(res.stdout)
     spec = cost_models.load_cluster(path)
-    assert spec.to_dict() == d and spec.name == "cpu-calibrated"
+    # the base preset is the machine's kind: "cpu" here, the closest DGX preset on a CUDA machine
+    assert spec.to_dict() == d and spec.name == f"{cal._default_base()}-calibrated"
     assert set(d["collectives"]["intra_node"]) == set(cal.KINDS)
     assert all(set(v) == {"2"} for v in d["collectives"]["intra_node"].values())
     assert {"float32", "bfloat16"} <= set(d["device"]["peak_flops"])

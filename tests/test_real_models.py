@@ -128,6 +128,48 @@ def test_export_factory_ops_follow_the_rank_device():
     assert retarget_devices(gm, torch.device("meta")) == 0     # already there: the graph is left alone
 
 
+def test_devices_in_no_grad_and_autocast_regions_follow_the_rank_device():
+    """A Hugging Face rotary embedding runs under ``@torch.no_grad()`` and
+    ``torch.autocast(enabled=False)``: torch.export makes each region a graph
+    of its own behind a higher-order op, with the trace's device inside
+    (seen on an H200 with Mixtral: "Tensor device mismatch! Expected: cpu,
+    Got: cuda:0" from an ``_assert_tensor_metadata`` in the no-grad region)."""
+    import torch
+
+    from autopar.compile.fx_utils import retarget_devices
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+        @torch.no_grad()
+        def forward(self, x):
+            with torch.autocast(device_type="cpu", enabled=False):
+                pos = torch.arange(x.shape[1], dtype=torch.float32)
+                return (self.inv_freq[None, :, None] * pos[None, None, :]).float()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary, self.proj = Rotary(), torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.proj(x) * self.rotary(x).sum()
+
+    gm = torch.export.export(Model(), (torch.zeros(2, 3),)).module()
+
+    def named(device_type):
+        return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+                if n.op == "call_function" and (n.kwargs.get("device") == torch.device(device_type)
+                                                or n.args[:1] == (device_type,))]
+    before = named("cpu")
+    assert len(before) >= 3        # the arange, a metadata assert and the autocast region's device type
+    assert retarget_devices(gm, torch.device("meta")) == len(before)
+    assert named("cpu") == [] and len(named("meta")) == len(before)
+    assert retarget_devices(gm, torch.device("meta")) == 0
+
+
 def test_layers_that_differ_by_a_reused_size_expression_are_one_group():
     """torch.export computes a size expression once and reuses it: Mixtral's
     experts view by ``16 * batch`` in every layer, computed in the first. The
@@ -143,3 +185,43 @@ def test_layers_that_differ_by_a_reused_size_expression_are_one_group():
     assert units(g).layers == 4
     sizes = [nd for nd in g.nodes if nd.kind == "shape" and nd.module.startswith("model.model.layers.0.")]
     assert sizes and all(nd.group is None for nd in sizes)      # outside the instances, read by all four
+
+
+def test_a_step_that_raises_in_a_no_grad_region_leaves_autograd_on():
+    """torch's ``wrap_with_set_grad_enabled`` (an export graph's ``torch.no_grad()``
+    region) does not restore the grad mode when its region raises: a failed
+    ``train_step`` left the process without autograd, and the next eager
+    ``backward`` failed with "element 0 of tensors does not require grad"
+    (seen on an H200 after a Mixtral step failed)."""
+    import torch
+
+    import autopar
+
+    class Lookup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(5, 3))
+
+        @torch.no_grad()
+        def forward(self, i):
+            return torch.index_select(self.table, 0, i)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lookup, self.proj = Lookup(), torch.nn.Linear(3, 3)
+
+        def forward(self, x, i):
+            if x.shape[0] > 1:         # control flow on a size: torch.fx cannot trace it, export can
+                x = x * 2
+            return self.proj(x) * self.lookup(i)
+
+    def loss(out, target):
+        return ((out - target) ** 2).mean()
+
+    x, i, y = torch.randn(2, 3), torch.tensor([0, 4]), torch.randn(2, 3)
+    pm = autopar.parallelize(Model(), (x, i), loss_fn=loss, example_target=y, strategy="dp=1")
+    with pytest.raises(IndexError):
+        pm.train_step((x, torch.tensor([0, 9])), y)       # out of the table, inside the no-grad region
+    assert torch.is_grad_enabled()
+    assert pm.train_step((x, i), y) > 0

@@ -38,21 +38,38 @@ def free_nodes(gm: fx.GraphModule) -> set[str]:
 
 
 def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
-    """Point every op that names a device at ``device`` (this rank's), and
-    recompile ``gm`` if any changed; return how many nodes changed.
+    """Point every op that names a device at ``device`` (this rank's), in
+    ``gm`` and in the graphs nested in it, and recompile each graph that
+    changed; return how many nodes changed.
 
     A ``torch.export`` graph writes the device it was traced on into its
     factory and copy ops (``aten.arange(..., device=cpu)``, ``full``,
-    ``zeros``, ``_to_copy``): a Hugging Face model's position ids would
-    otherwise be made on the CPU beside weights on the GPU. A device that
-    flows from a tensor at run time (``x.device`` in a ``torch.fx`` graph)
-    is a node, not a constant, and is left alone."""
+    ``zeros``, ``_to_copy``, ``_assert_tensor_metadata``): a Hugging Face
+    model's position ids would otherwise be made on the CPU beside weights on
+    the GPU. Regions under ``torch.no_grad()`` or ``torch.autocast`` are
+    graphs of their own, called through the higher-order ops
+    ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` (a Hugging Face
+    rotary embedding is both), and the autocast region names its device type
+    as its first argument. A device that flows from a tensor at run time
+    (``x.device`` in a ``torch.fx`` graph) is a node, not a constant, and is
+    left alone."""
     changed = 0
-    for node in gm.graph.nodes:
-        dev = node.kwargs.get("device") if node.op == "call_function" else None
-        if isinstance(dev, (torch.device, str)) and torch.device(dev) != device:
-            node.kwargs = {**node.kwargs, "device": device}
-            changed += 1
-    if changed:
-        gm.recompile()
+    autocast = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        here = 0
+        for node in sub.graph.nodes:
+            if node.op != "call_function":
+                continue
+            dev = node.kwargs.get("device")
+            if isinstance(dev, (torch.device, str)) and torch.device(dev) != device:
+                node.kwargs = {**node.kwargs, "device": device}
+                here += 1
+            if node.target is autocast and node.args and node.args[0] != device.type:
+                node.args = (device.type, *node.args[1:])
+                here += 1
+        if here:
+            sub.recompile()
+        changed += here
     return changed

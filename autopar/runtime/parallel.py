@@ -257,7 +257,11 @@ class ParallelModule(nn.Module):
         step = len(self.step_times) + 1
         self.faults.start_step(step)
         try:
-            return self._train_step(inputs, target, t0)
+            # grad mode set here and restored on the way out: a step raised inside a
+            # ``torch.no_grad()`` region of an export graph (its higher-order op does not restore
+            # the mode on an exception) would otherwise leave the process without autograd
+            with torch.enable_grad():
+                return self._train_step(inputs, target, t0)
         except DistributedError:
             raise
         except RuntimeError as e:
