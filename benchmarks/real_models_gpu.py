@@ -108,8 +108,14 @@ def main(cases: list[str], budget_s: float) -> dict:
         if time.perf_counter() - t_start > budget_s:
             print(f"budget of {budget_s:.0f} s spent: {key} and after not run", flush=True)
             break
-        ref = eager(key, dev)
         row = [key]
+        try:
+            ref = eager(key, dev)
+        except Exception as e:  # noqa: BLE001 - a case whose eager run fails is a row
+            traceback.print_exc()
+            details.append({"case": key, "strategy": "eager", "status": f"eager: {type(e).__name__}: {e}"})
+            rows.append(row + ["-"] * len(STRATEGIES))
+            continue
         for strategy in STRATEGIES:
             t0 = time.perf_counter()
             try:
