@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import api, ops
-from .compile.fx_utils import get_attr, retarget_devices
+from .compile.fx_utils import get_attr, retarget_devices, to_device
 from .compile.context import apply_cp as _apply_cp
 from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
@@ -407,7 +407,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
                          grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None)
     retarget_devices(prog.module, device)     # an export graph's factory ops name the device it was traced on
-    prog.module.to(device)
+    to_device(prog.module, device)     # its tensor constants too, which Module.to leaves behind
     return prog
 
 

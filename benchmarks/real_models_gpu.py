@@ -38,7 +38,9 @@ from .real_models import BREADTH_HF, BREADTH_VISION, CASES
 
 #: strategies run on one GPU: the plain program, microbatches with full recompute, selective
 #: recompute, and bf16 mixed precision (looser tolerance)
-STRATEGIES = ("dp=1", "microbatches=2,recompute=full", "recompute=selective", "precision=bf16")
+#: (precision named: a CUDA machine's default is bf16)
+STRATEGIES = ("precision=fp32", "microbatches=2,recompute=full,precision=fp32",
+              "recompute=selective,precision=fp32", "precision=bf16")
 BF16_TOLERANCE = 2e-2
 
 
@@ -67,9 +69,19 @@ def compiled(key: str, strategy: str, dev: torch.device) -> tuple[list[float], d
     c = CASES[key]()
     pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
                              optimizer=functools.partial(_optimizer, lr=c.lr or LR), strategy=strategy)
+    off = off_device(pm, dev)
+    if off:
+        print(f"{key} {strategy}: tensors not on {dev}: {off[:8]}", flush=True)
     inputs, target = tuple(_to(x, dev) for x in c.inputs), c.target.to(dev)
     losses = [pm.train_step(inputs, target) for _ in range(STEPS)]
     return losses, {k: v.detach().float().cpu() for k, v in pm.full_state_dict().items()}, pm.config.to_string()
+
+
+def off_device(pm: torch.nn.Module, dev: torch.device) -> list[str]:
+    """Names of the tensors of ``pm``'s modules (parameters, buffers, plain tensor attributes) not on ``dev``."""
+    return [f"{m_name}.{name}:{t.device}" for m_name, m in pm.named_modules()
+            for name, t in [*vars(m).items(), *m._buffers.items(), *m._parameters.items()]
+            if isinstance(t, torch.Tensor) and t.device != dev]
 
 
 def verdict(strategy: str, got: tuple[list[float], dict], ref: tuple[list[float], dict]) -> str:

@@ -147,7 +147,8 @@ def test_devices_in_no_grad_and_autocast_regions_follow_the_rank_device():
         def forward(self, x):
             with torch.autocast(device_type="cpu", enabled=False):
                 pos = torch.arange(x.shape[1], dtype=torch.float32)
-                return (self.inv_freq[None, :, None] * pos[None, None, :]).float()
+                freq = self.inv_freq[None, :, None].float().to(x.device)    # aten.to.device(.., cpu, ..)
+                return (freq * pos[None, None, :]).float()
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -162,9 +163,10 @@ def test_devices_in_no_grad_and_autocast_regions_follow_the_rank_device():
     def named(device_type):
         return [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
                 if n.op == "call_function" and (n.kwargs.get("device") == torch.device(device_type)
-                                                or n.args[:1] == (device_type,))]
+                                                or n.args[:1] == (device_type,)
+                                                or torch.device(device_type) in n.args)]
     before = named("cpu")
-    assert len(before) >= 3        # the arange, a metadata assert and the autocast region's device type
+    assert len(before) >= 4        # arange, a metadata assert, to(device) and the autocast region's device type
     assert retarget_devices(gm, torch.device("meta")) == len(before)
     assert named("cpu") == [] and len(named("meta")) == len(before)
     assert retarget_devices(gm, torch.device("meta")) == 0
@@ -185,6 +187,35 @@ def test_layers_that_differ_by_a_reused_size_expression_are_one_group():
     assert units(g).layers == 4
     sizes = [nd for nd in g.nodes if nd.kind == "shape" and nd.module.startswith("model.model.layers.0.")]
     assert sizes and all(nd.group is None for nd in sizes)      # outside the instances, read by all four
+
+
+def test_tensor_constants_of_an_export_graph_follow_the_rank_device():
+    """``nn.Module.to`` moves parameters and buffers, not the plain tensor
+    attributes torch.export keeps a model's constants in: they stayed on the
+    CPU beside weights on the GPU (seen on an H200: "mat2 is on cuda:0,
+    different from other tensors on cpu" in a Hugging Face rotary embedding)."""
+    import torch
+
+    from autopar.compile.fx_utils import to_device
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freq", torch.ones(3), persistent=False)
+            self.scale = torch.full((3,), 2.0)          # a plain tensor attribute: a constant to export
+
+        def forward(self, x):
+            return x * self.scale + self.freq
+
+    gm = torch.export.export(Scaled(), (torch.zeros(2, 3),)).module()
+
+    def devices():
+        return {t.device.type for m in gm.modules() for t in [*vars(m).values(), *m._buffers.values()]
+                if isinstance(t, torch.Tensor)}
+    assert devices() == {"cpu"}
+    assert to_device(gm, torch.device("meta")) >= 1
+    assert devices() == {"meta"}
+    assert gm(torch.zeros(2, 3, device="meta")).device.type == "meta"
 
 
 def test_a_step_that_raises_in_a_no_grad_region_leaves_autograd_on():

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["get_attr", "free_nodes", "retarget_devices"]
+__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -44,7 +44,8 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
 
     A ``torch.export`` graph writes the device it was traced on into its
     factory and copy ops (``aten.arange(..., device=cpu)``, ``full``,
-    ``zeros``, ``_to_copy``, ``_assert_tensor_metadata``): a Hugging Face
+    ``zeros``, ``_to_copy``, ``_assert_tensor_metadata``; ``aten.to.device``
+    takes it as an argument): a Hugging Face
     model's position ids would otherwise be made on the CPU beside weights on
     the GPU. Regions under ``torch.no_grad()`` or ``torch.autocast`` are
     graphs of their own, called through the higher-order ops
@@ -66,6 +67,9 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
             if isinstance(dev, (torch.device, str)) and torch.device(dev) != device:
                 node.kwargs = {**node.kwargs, "device": device}
                 here += 1
+            if any(isinstance(a, torch.device) and a != device for a in node.args):   # aten.to.device(x, cpu, ..)
+                node.args = tuple(device if isinstance(a, torch.device) else a for a in node.args)
+                here += 1
             if node.target is autocast and node.args and node.args[0] != device.type:
                 node.args = (device.type, *node.args[1:])
                 here += 1
@@ -73,3 +77,19 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
             sub.recompile()
         changed += here
     return changed
+
+
+def to_device(module: nn.Module, device: torch.device) -> int:
+    """``module.to(device)``, and also the plain tensor attributes of it and
+    its submodules, which ``nn.Module.to`` leaves where they are: a
+    ``torch.export`` graph holds the model's tensor constants (a tensor
+    attribute the forward reads, a lifted constant) that way, so they stayed
+    on the CPU beside weights on the GPU. Returns how many attributes moved."""
+    module.to(device)
+    moved = 0
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor) and value.device != device:
+                setattr(sub, name, value.to(device))
+                moved += 1
+    return moved
