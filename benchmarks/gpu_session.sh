@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent one CUDA machine (see benchmarks/README.md, "GPU runs"):
-# calibration, activation memory per layer (activations_gpu.py), then fidelity_gpu.py.
+# calibration, activation memory per layer (activations_gpu.py), real models against eager
+# (real_models_gpu.py), then fidelity_gpu.py.
 # Run from the repository root on that machine; OUT names where results go (default /tmp/gpu-out).
 # Python packages the machine's image lacks travel as wheels in .whl/ (highspy, jsonschema and
 # its dependencies); the image's own torch is used, whatever its version.
@@ -18,7 +19,8 @@ if [ -n "${CALIBRATED:-}" ]; then cp "$CALIBRATED" "$OUT/cluster-gpu.json"
 else timeout 150 python3 -m autopar.cli calibrate --quick --out "$OUT/cluster-gpu.json" 2>&1 | tail -40; fi
 cal=(); [ -f "$OUT/cluster-gpu.json" ] && cal=(--calibrated "$OUT/cluster-gpu.json")
 timeout "${ACTIVATIONS_TIMEOUT:-150}" python3 -m benchmarks.activations_gpu 2>&1 | tee "$OUT/activations_gpu.log"
+timeout "${REAL_MODELS_TIMEOUT:-300}" python3 -m benchmarks.real_models_gpu --budget-s 220 2>&1 | tee "$OUT/real_models_gpu.log" | grep -v "^{"
 timeout "${FIDELITY_TIMEOUT:-330}" python3 -m benchmarks.fidelity_gpu "${cal[@]}" "$@" 2>&1 | tee "$OUT/fidelity_gpu.log"
-cp benchmarks/results/fidelity_gpu-gpu-*.json benchmarks/results/activations_gpu-gpu-*.json "$OUT/" 2>/dev/null
+cp benchmarks/results/fidelity_gpu-gpu-*.json benchmarks/results/activations_gpu-gpu-*.json benchmarks/results/real_models_gpu-gpu-*.json "$OUT/" 2>/dev/null
 cp benchmarks/README.md "$OUT/README.bench.md" 2>/dev/null
 ls -la "$OUT"

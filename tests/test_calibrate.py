@@ -180,8 +180,10 @@ def test_cli_tiny_real_run_writes_a_loadable_cluster(tmp_path):
     spec = cost_models.load_cluster(path)
     # the base preset is the machine's kind: "cpu" here, the closest DGX preset on a CUDA machine
     assert spec.to_dict() == d and spec.name == f"{cal._default_base()}-calibrated"
-    assert set(d["collectives"]["intra_node"]) == set(cal.KINDS)
-    assert all(set(v) == {"2"} for v in d["collectives"]["intra_node"].values())
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.device_count() >= 2:   # NCCL: one GPU per process
+        assert set(d["collectives"]["intra_node"]) == set(cal.KINDS)
+        assert all(set(v) == {"2"} for v in d["collectives"]["intra_node"].values())
     assert {"float32", "bfloat16"} <= set(d["device"]["peak_flops"])
     assert "tiny sizes" in d["description"]
 
