@@ -837,7 +837,8 @@ class CostModel:
         With ``pp > 1``, ``partition`` is the layer count of every virtual
         stage (None: Megatron's equal split). With
         ``simulate_schedule=False`` the pipeline's makespan is a lower bound
-        (the busiest rank, or one microbatch through every stage) instead of
+        (the busiest rank after the pipeline's fill and drain, or one
+        microbatch through every stage) instead of
         the simulated schedule, and ``pipeline["simulated"]`` is False: the
         search uses it to skip simulating pipelines that cannot win.
 
@@ -931,7 +932,9 @@ class CostModel:
         (:func:`~autopar.pipeline.partition.least_busiest`); the slowest
         rank's gradient reduction and optimizer step cost at least those of
         a rank holding the average parameters, or the most whole layers'
-        parameters so counted (they grow with the parameters)."""
+        parameters so counted (they grow with the parameters). The
+        pipeline's fill and drain are added as :func:`fill_drain_bound` bounds
+        them for any partition."""
         cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
         per = self.unit_costs(cfg, sh, shapes, global_batch)
         topo = self.topology((cfg.pp, cfg.dp, cfg.tp))
@@ -940,7 +943,9 @@ class CostModel:
         mean = max(floor.total_params / cfg.pp, params_rank) * (1 - 1e-9)
         dp_comm, opt, _ = self._dp_tail(cfg, mean, 0.0, topo, 1, 0.0, 0.0, 1)
         busiest = cfg.microbatches * max(floor.total_time / cfg.pp, busiest_rank)
-        return (busiest + dp_comm + opt) * (1 - 1e-9)
+        fill = fill_drain_bound(cfg.pp, cfg.chunks, cfg.microbatches, floor.total_time, per.time[0], floor.time)
+        makespan = max(busiest, fill * (1 - 1e-6))
+        return (makespan + dp_comm + opt) * (1 - 1e-9)
 
     def pipeline_memory_lower_bound(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                                     global_batch: int) -> float:
@@ -1020,7 +1025,9 @@ class CostModel:
         else:
             busy = [m * sum(fwd[v] + bwd[v] for v in range(r, V, pp)) for r in range(pp)]
             chain = sum(fwd) + sum(bwd) + 2 * sum(p2p)
-            tl = Timeline(pp=pp, chunks=cfg.chunks, makespan=max(max(busy), chain), busy=busy,
+            # the fill and drain too (a margin for the simulation's extrapolated makespans)
+            fill = makespan_lower_bound(pp, m, fwd, bwd, p2p) * (1 - 1e-6)
+            tl = Timeline(pp=pp, chunks=cfg.chunks, makespan=max(max(busy), chain, fill), busy=busy,
                           peak_in_flight=[0] * pp)
         # per pipeline rank: its chunks' model states, activations and optimizer
         ranks = range(pp)
@@ -1780,6 +1787,30 @@ class LayerFloor:
     fixed: float
     total_time: float
     total_params: float
+
+
+def fill_drain_bound(pp: int, chunks: int, microbatches: int, total: float, first: float, layer: float) -> float:
+    """A lower bound on the makespan of any schedule of ``microbatches`` on
+    ``pp`` ranks (``chunks`` virtual stages each) under *any* partition of
+    the units, from ``total`` (a microbatch's forward and backward through
+    every unit), ``first`` (the first unit's) and ``layer`` (the least
+    layer's).
+
+    Rank ``r`` computes ``b_r`` in all, and the makespan is at least
+    ``e_r + b_r``, ``e_r`` a microbatch's forward and backward through the
+    stages before it (:func:`autopar.pipeline.schedule.makespan_lower_bound`).
+    Without interleaving ``e_r = x_0 + .. + x_{r-1}`` and ``b_r = m x_r``
+    with ``x_r`` rank ``r``'s share of ``total``: the least maximum has every
+    ``e_r + b_r`` equal, so ``x_r = (B / m)(1 - 1/m)^r`` and
+    ``B = total / (1 - (1 - 1/m)^pp)`` (``m + (pp - 1) / 2`` stage times for
+    ``m >> pp``: half the bubble of equal stages). Interleaved, the stages
+    before ``r`` are the first unit and ``r - 1`` stages of a layer at
+    least, and the maximum is at least the mean of ``e_r + b_r``."""
+    m = microbatches
+    if chunks == 1:
+        return total / (1.0 - (1.0 - 1.0 / m) ** pp) if m > 1 else total
+    ramps = [0.0] + [first + (r - 1) * layer for r in range(1, pp)]
+    return max(max(ramps), (m * total + sum(ramps)) / pp)
 
 
 class _Sums:

@@ -116,6 +116,39 @@ def test_pipeline_lower_bounds_hold():
             assert time <= est.step_time_s and memory <= est.peak_memory_bytes, (cfg.to_string(), layers)
 
 
+
+def test_fill_drain_bound_holds_for_every_partition_and_schedule():
+    """The pipeline search prunes with :func:`autopar.cost.fill_drain_bound`
+    before any partition is chosen: it must not exceed the simulated makespan
+    of any partition (each middle stage holding a layer at least) under any
+    schedule, and without interleaving it is the fill and drain's least
+    maximum over partitions, not far below the best partition's."""
+    from autopar.cost import fill_drain_bound
+    rng = random.Random(11)
+    for _ in range(60):
+        chunks = rng.choice([1, 1, 2])
+        pp = rng.randint(2, 3)
+        stages = pp * chunks
+        layers = rng.randint(stages, stages + 4)
+        m = rng.choice([pp, pp + 1, 4, 8]) if chunks == 1 else pp * rng.randint(1, 2)
+        t = [rng.uniform(0.2, 1.0)] + [rng.uniform(0.5, 2.0) for _ in range(layers)] + [rng.uniform(0.2, 1.0)]
+        bound = fill_drain_bound(pp, chunks, m, sum(t), t[0], min(t[1:-1]))
+        schedules = ["gpipe", "1f1b"] if chunks == 1 else ["interleaved"]
+        best = float("inf")
+        for split in itertools.product(range(1, layers + 1), repeat=stages):
+            if sum(split) != layers:
+                continue
+            b = pipe.unit_bounds(list(split))
+            per = [sum(t[b[v]:b[v + 1]]) for v in range(stages)]
+            fwd, bwd = [x / 3 for x in per], [2 * x / 3 for x in per]
+            for sched in schedules:
+                made = simulate(build_schedule(sched, pp, m, chunks), fwd, bwd).makespan
+                assert bound <= made * (1 + 1e-12), (pp, chunks, m, split, sched)
+                best = min(best, made)
+        if chunks == 1:
+            assert bound >= 0.5 * best
+
+
 @pytest.mark.parametrize("schedule,pp,m,chunks", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 4, 1),
                                                    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2)])
 def test_in_flight_matches_the_simulated_peak(schedule, pp, m, chunks):
