@@ -1264,19 +1264,29 @@ def _module_signature(m: nn.Module, cache: dict[int, str]) -> str:
 
 def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
     """Siblings of identical structure (same parent, same signature, >= 2 of
-    them, same op sequence) are one repeated-layer group."""
+    them, same op sequence) are one repeated-layer group; siblings of one
+    signature whose op sequences differ make a group per sequence shared by
+    two or more (SmolLM3's layers without rotary positions beside those with
+    them). Where a parent's groups and its other children run one after
+    another, the parent a numbered container (``nn.ModuleList`` or
+    ``nn.Sequential``: a stack of layers, some unlike the rest, as
+    DeepSeek-V3's dense first layer before its mixture-of-experts layers),
+    each other child is a
+    layer instance of its own (``Node.group`` names it; it is in no group):
+    a pipeline unit and a recompute region like any layer, its decisions
+    its own."""
     if root is None:
         return []
     cache: dict[int, str] = {}
-    by_parent: dict[tuple[str, str], list[str]] = defaultdict(list)
+    by_parent: dict[str, dict[str, list[str]]] = defaultdict(dict)
     held = _holding_params(root)
     for path, m in root.named_modules():
         if not path or path not in held:
             continue
         parent = path.rsplit(".", 1)[0] if "." in path else ""
-        by_parent[(parent, _module_signature(m, cache))].append(path)
+        by_parent[parent].setdefault(_module_signature(m, cache), []).append(path)
     instance_nodes: dict[str, list[Node]] = defaultdict(list)
-    candidates = {p for paths in by_parent.values() if len(paths) >= 2 for p in paths}
+    candidates = {p for sigs in by_parent.values() for paths in sigs.values() if len(paths) >= 2 for p in paths}
     for nd in nodes:  # a node belongs to every candidate module above it
         mod = nd.module
         while mod:
@@ -1284,32 +1294,85 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
                 instance_nodes[mod].append(nd)
             mod = mod.rsplit(".", 1)[0] if "." in mod else ""
     groups: list[LayerGroup] = []
+    singles: list[str] = []
     taken: set[str] = set()
-
-    def kinds(nds: list[Node]) -> tuple[str, ...]:
-        return tuple(n.kind for n in nds)
-
     # outermost groups first: a block's sub-modules are not groups of their own
-    for (parent, sig), paths in sorted(by_parent.items(), key=lambda kv: (kv[0][0].count("."), kv[0])):
-        if len(paths) < 2 or any(parent == t or parent.startswith(t + ".") for t in taken):
+    for parent in sorted(by_parent, key=lambda p: (p.count("."), p)):
+        if any(parent == t or parent.startswith(t + ".") for t in taken):
             continue
-        if len({kinds(instance_nodes.get(p, [])) for p in paths}) > 1:
-            # torch.export computes a size expression once and reuses it (Mixtral's experts
-            # view by `16 * batch` in every layer, computed in the first): the layers differ
-            # by those size nodes alone, and are one group without them
-            sized = {p: [n for n in instance_nodes.get(p, []) if n.kind != "shape"] for p in paths}
-            if len({kinds(v) for v in sized.values()}) == 1:
-                instance_nodes.update(sized)
-        first = kinds(instance_nodes.get(paths[0], []))
-        if not first or len({kinds(instance_nodes.get(p, [])) for p in paths}) > 1:
-            continue
-        nparams = sum(p.numel() for p in root.get_submodule(paths[0]).parameters())
-        name = f"{parent}.*" if parent else "*"
-        groups.append(LayerGroup(name=name, instances=list(paths), signature=sig,
-                                 nodes_per_instance=len(first), params_per_instance=nparams))
-        taken.update(paths)
+        found = []
+        for sig, paths in sorted(by_parent[parent].items()):
+            if len(paths) >= 2:
+                found += [(sig, cls) for cls in _alike(paths, instance_nodes)]
+        for k, (sig, cls) in enumerate(found):
+            nparams = sum(p.numel() for p in root.get_submodule(cls[0]).parameters())
+            name = (f"{parent}.*" if parent else "*") + (f"[{k}]" if len(found) > 1 else "")
+            groups.append(LayerGroup(name=name, instances=cls, signature=sig,
+                                     nodes_per_instance=len(instance_nodes[cls[0]]), params_per_instance=nparams))
+            taken.update(cls)
+        children = [p for sigs in by_parent[parent].values() for p in sigs]
+        if found and all(p.rsplit(".", 1)[-1].isdigit() for p in children):    # an nn.ModuleList / Sequential
+            others = _layers_beside(children, taken, nodes)
+            singles += others
+            taken.update(others)
     for g in groups:
         for p in g.instances:
             for nd in instance_nodes.get(p, []):
                 nd.group = p
+    for p in singles:
+        for nd in nodes:
+            if nd.module == p or nd.module.startswith(p + "."):
+                nd.group = p
     return groups
+
+
+def _alike(paths: list[str], instance_nodes: dict[str, list[Node]]) -> list[list[str]]:
+    """The classes (two instances or more) of ``paths`` with one op sequence.
+    torch.export computes a size expression once and reuses it (Mixtral's
+    experts view by `16 * batch` in every layer, computed in the first): a
+    class is formed without the size nodes, and where its instances differ by
+    those alone they are left out of its instances' nodes."""
+    def kinds(nds: list[Node]) -> tuple[str, ...]:
+        return tuple(n.kind for n in nds)
+
+    classes: dict[tuple[str, ...], list[str]] = {}
+    for p in paths:
+        classes.setdefault(kinds(n for n in instance_nodes.get(p, []) if n.kind != "shape"), []).append(p)
+    out = []
+    for sized, cls in classes.items():
+        if not sized or len(cls) < 2:
+            continue
+        if len({kinds(instance_nodes[p]) for p in cls}) > 1:
+            for p in cls:
+                instance_nodes[p] = [n for n in instance_nodes[p] if n.kind != "shape"]
+        out.append(cls)
+    return out
+
+
+def _layers_beside(children: list[str], grouped: set[str], nodes: list[Node]) -> list[str]:
+    """The children of a parent not in a group, when all its children that
+    run ops run one after another, each starting on a value made at or after
+    the end of the one before (a stack of layers, not parallel branches);
+    else none."""
+    pos = {nd.name: k for k, nd in enumerate(nodes) if not nd.is_state}    # weights are read, not waited on
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    head: dict[str, Node] = {}
+    child_of = {c: c for c in children}
+    for k, nd in enumerate(nodes):
+        if nd.is_state:
+            continue
+        mod, c = nd.module, None
+        while mod and c is None:
+            c = child_of.get(mod)
+            mod = mod.rsplit(".", 1)[0] if "." in mod else ""
+        if c is None:
+            continue
+        if c not in first:
+            first[c], head[c] = k, nd
+        last[c] = k
+    order = sorted(first, key=first.__getitem__)
+    if len(order) < 2 or any(first[b] <= last[a] or max((pos[i] for i in head[b].inputs if i in pos), default=-1) < last[a]
+                             for a, b in zip(order, order[1:])):
+        return []
+    return [c for c in order if c not in grouped]

@@ -36,8 +36,9 @@ RUNS = [
     # a mixture of experts, its experts split Megatron-style, in an interleaved pipeline (its
     # layers were found as 2, not 4: below)
     ("hf-mixtral", "pp interleaved", "pp=2,tp=2,schedule=interleaved,chunks=2,microbatches=2"),
-    # latent attention whose queries are filled in parts (scatters under tp), a dense layer before the experts
-    ("hf-deepseekv3", "dp x tp", "dp=2,tp=2"),
+    # latent attention whose queries are filled in parts (scatters under tp), and a dense layer before the
+    # experts, a pipeline unit of its own: 4 stages of one layer each
+    ("hf-deepseekv3", "pp interleaved", "pp=2,tp=2,schedule=interleaved,chunks=2,microbatches=2"),
 ]
 #: models of `make matrix` left out of the suite's spawn (its time budget), with where they run here
 ELSEWHERE = {"nanogpt": "nanogpt-vocab without its vocabulary-parallel annotations",
@@ -187,6 +188,56 @@ def test_layers_that_differ_by_a_reused_size_expression_are_one_group():
     assert units(g).layers == 4
     sizes = [nd for nd in g.nodes if nd.kind == "shape" and nd.module.startswith("model.model.layers.0.")]
     assert sizes and all(nd.group is None for nd in sizes)      # outside the instances, read by all four
+
+
+
+@pytest.mark.parametrize("model,grouped,unlike", [
+    ("hf-smollm3", ["model.model.layers.0", "model.model.layers.1", "model.model.layers.2"],
+     "model.model.layers.3"),       # no rotary positions in every fourth layer
+    ("hf-deepseekv3", ["model.model.layers.1", "model.model.layers.2", "model.model.layers.3"],
+     "model.model.layers.0"),       # a dense layer before the mixture-of-experts ones
+])
+def test_a_stack_with_an_unlike_layer_keeps_its_alike_layers_and_every_unit(model, grouped, unlike):
+    """A layer stack with one layer unlike the rest: SmolLM3's layer without
+    rotary positions made its four layers no group at all (their op sequences
+    differ), so a layer's two norms were taken for the model's "repeated
+    layers"; DeepSeek-V3's dense first layer was no pipeline unit (it rode
+    with the embedding), and neither ran an interleaved pipeline. The alike
+    layers are one group, the unlike one a layer instance of its own, and the
+    pipeline has four units, one per layer."""
+    import autopar
+    from autopar.cost import units
+    from benchmarks.real_models import BREADTH_HF
+    c = BREADTH_HF[model]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    assert [gr.instances for gr in g.groups] == [grouped]
+    assert units(g).labels[1:-1] == tuple(sorted([*grouped, unlike]))
+    mine = [nd for nd in g.nodes if nd.module.startswith(unlike + ".") and not nd.is_state]
+    assert mine and all(nd.group == unlike for nd in mine)
+    est = autopar.evaluate(g, strategy="pp=2,microbatches=4,schedule=interleaved,chunks=2", cluster="cpu",
+                           devices=2, global_batch=8)
+    assert est.pipeline["layers"] == [1, 1, 1, 1]
+
+
+def test_parallel_branches_are_no_layer_stack():
+    """Siblings that do not run one after another (branches reading the same
+    input) are never made layer instances: only alike siblings group."""
+    import torch
+    import torch.nn as nn
+
+    import autopar
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branches = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8))])
+
+        def forward(self, x):
+            return sum(b(x) for b in self.branches)
+
+    g = autopar.trace(Branches(), (torch.randn(2, 8),))
+    assert [gr.instances for gr in g.groups] == [["branches.0", "branches.1"]]
+    assert all(nd.group is None for nd in g.nodes if nd.module.startswith("branches.2"))
 
 
 def test_tensor_constants_of_an_export_graph_follow_the_rank_device():

@@ -233,7 +233,9 @@ def test_batchnorm_running_stats_are_updated_once_under_recompute():
     for mode in ["full", "selective"]:
         gm = copy.deepcopy(graph.gm)
         rm = layer_regions(gm, graph)
-        assert list(regions(rm)) == ["model.blocks.1", "model.blocks.2"]     # block 0 has other shapes
+        # block 0 has other shapes: no group, a layer of the stack all the same (a region of its own)
+        assert list(regions(rm)) == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+        assert [g.instances for g in graph.groups] == [["model.blocks.1", "model.blocks.2"]]
         assert all(r.mutated_buffers == ["bn.running_mean", "bn.running_var"] for r in regions(rm).values())
         apply_recompute(rm, mode, ops.save_ops())
         loss = rm(x, y)

@@ -74,7 +74,8 @@ def _units(graph: Graph) -> Units:
 def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
     """The instances, in graph order, of the largest group whose every
     instance starts by reading a value produced at or after the end of the
-    instance before it."""
+    instance before it, with the other layer instances of its stack (same
+    parent module) when they all run so."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     head: dict[str, str] = {}
@@ -88,10 +89,22 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
         insts = sorted((i for i in g.instances if i in first), key=first.__getitem__)
         if len(insts) < 2:
             continue
-        if all(max((pos[i] for i in graph[head[b]].inputs if graph[i].kind not in _NOT_UNITS), default=-1)
-               >= last[a] for a, b in zip(insts, insts[1:])):
-            return insts
+        if _in_sequence(graph, insts, pos, head, last):
+            # with the layers beside it in the same stack (unlike it, so in no group, or in
+            # another group): DeepSeek-V3's dense first layer, SmolLM3's layers without rotary
+            parent = insts[0].rsplit(".", 1)[0] if "." in insts[0] else ""
+            stack = sorted((i for i in first if (i.rsplit(".", 1)[0] if "." in i else "") == parent),
+                           key=first.__getitem__)
+            return stack if len(stack) > len(insts) and _in_sequence(graph, stack, pos, head, last) else insts
     return None
+
+
+def _in_sequence(graph: Graph, insts: list[str], pos: dict[str, int], head: dict[str, str],
+                 last: dict[str, int]) -> bool:
+    """Whether every instance starts by reading a value produced at or after
+    the end of the instance before it."""
+    return all(max((pos[i] for i in graph[head[b]].inputs if graph[i].kind not in _NOT_UNITS), default=-1)
+               >= last[a] for a, b in zip(insts, insts[1:]))
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> None:
