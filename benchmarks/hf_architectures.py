@@ -13,7 +13,7 @@ equal, the weights really split.
 
     python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
 
-``--breadth``: twenty-one more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
+``--breadth``: twenty-two more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...)
 under tp, dp, pp and sequence parallelism on 2 processes (``hf_breadth``).
 """
@@ -94,12 +94,12 @@ def _table(rows: list[dict], families: list[tuple[str, str]]) -> dict:
 
 
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty-one more decoders, four families each, on 2 processes (``hf_breadth``)."""
+    """Twenty-two more decoders, four families each, on 2 processes (``hf_breadth``)."""
     con = Console(stderr=True)
     rows = _rows(models or [*BREADTH_HF, *BREADTH_VISION], run_breadth, con)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty-one more Hugging Face decoders and five vision models against one process",
+        "title": "Twenty-two more Hugging Face decoders and five vision models against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
                        "processes against one process (losses within 1e-4 at every step, final weights equal, "
@@ -115,7 +115,7 @@ def breadth(models: list[str] | None = None) -> dict:
                   "`F.pad` had no sharding rule, the batch analysis lost the batch there and dp and pp failed "
                   "in the window view (pad now splits on the dims it leaves alone); torchvision's ConvNeXt "
                   "under tp sent a channels-last activation into an all-to-all, which gloo refused.",
-                  "Found by these runs and the eight 4-process families of `main` run on the twenty-one "
+                  "Found by these runs and the eight 4-process families of `main` run on the twenty-two "
                   "decoders (all pass; the interleaved pipelines of SmolLM3 and DeepSeek-V3 since the fix at "
                   "the end of this note): "
                   "mixtures of experts in transformers 5 "
@@ -177,6 +177,6 @@ if __name__ == "__main__":
     ap.add_argument("--models", help="comma-separated names of MORE_HF, or of BREADTH_HF with --breadth "
                                       "(default: all)")
     ap.add_argument("--breadth", action="store_true",
-                    help="the twenty-one more decoders and five vision models on 2 processes")
+                    help="the twenty-two more decoders and five vision models on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

@@ -214,14 +214,15 @@ _FFN = dict(intermediate_size=2 * HIDDEN)
 _GQA = dict(_FFN, num_key_value_heads=2)
 _NO_DROP = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 _MOE = dict(num_experts_per_tok=2)
-#: twenty-one more ``transformers`` decoders, breadth over depth (2 processes, 4 families each): what the
+#: twenty-two more ``transformers`` decoders, breadth over depth (2 processes, 4 families each): what the
 #: planner and the compiler meet when a user brings whatever the Hub has. Each with what it adds:
 #: sparse mixture-of-experts routers (Mixtral, Qwen2-MoE, GPT-OSS), parallel attention and MLP with
 #: partial rotary (GPT-J, CodeGen, Phi), ALiBi (Bloom, MPT), multi-query attention (GPTBigCode),
 #: alternating local and global attention (GPT-Neo, Gemma 2 and 3), logit soft-capping (Gemma 2),
 #: non-parametric norms (OLMo), q and k norms over the whole projection (OLMo 2), a bias-free
 #: LayerNorm before parallel attention and MLP (Cohere), muP multipliers (Granite), a fused gate/up
-#: projection (GLM-4), layers without rotary positions (SmolLM3), latent attention with its
+#: projection (GLM-4), layers without rotary positions (SmolLM3), dense and mixture-of-experts
+#: layers in turn with chunked attention and a shared expert (Llama 4), latent attention with its
 #: queries filled in parts and a dense first layer before the experts (DeepSeek-V3)
 BREADTH_HF: dict[str, Callable[[], Case]] = {
     "hf-mixtral": _hf_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, **_MOE, **_GQA, **_BREADTH),
@@ -253,6 +254,10 @@ BREADTH_HF: dict[str, Callable[[], Case]] = {
     "hf-granite": _hf_lm("GraniteConfig", "GraniteForCausalLM", **_GQA, **_BREADTH),
     "hf-glm4": _hf_lm("Glm4Config", "Glm4ForCausalLM", head_dim=HIDDEN // HEADS, **_GQA, **_BREADTH),
     "hf-smollm3": _hf_lm("SmolLM3Config", "SmolLM3ForCausalLM", **_GQA, **_BREADTH),
+    "hf-llama4": _hf_lm("Llama4TextConfig", "Llama4ForCausalLM", intermediate_size_mlp=2 * HIDDEN,
+                        head_dim=HIDDEN // HEADS, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=8,
+                        **_GQA, **_BREADTH),
     "hf-deepseekv3": _hf_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=HIDDEN // 2,
                             n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
                             q_lora_rank=HIDDEN // 2, kv_lora_rank=HIDDEN // 2, qk_rope_head_dim=4,
