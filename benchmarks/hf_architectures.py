@@ -14,8 +14,10 @@ equal, the weights really split.
     python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
 
 ``--breadth``: twenty-two more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
-mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...)
-under tp, dp, pp and sequence parallelism on 2 processes (``hf_breadth``).
+mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...),
+two encoder-decoders (T5, BART) and five vision models under tp, dp, pp and
+sequence parallelism on 2 processes (``hf_breadth``); with ``--models``, those
+run again and the saved table's other rows kept.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from rich.console import Console
 
 from . import matrix
 from .common import save
-from .real_models import BREADTH_HF, BREADTH_VISION, MORE_HF
+from .real_models import BREADTH_HF, BREADTH_VISION, ENCODER_DECODER, MORE_HF
 
 #: variants run beside the eight, each with why (kept out of the eight's count)
 VARIANTS = {"hf-opt-untied-relu": "OPT with the one MLP pre-activation that sits at -4.5e-9 in the seeded "
@@ -93,19 +95,32 @@ def _table(rows: list[dict], families: list[tuple[str, str]]) -> dict:
                       round(r["s"])] for r in rows]}
 
 
+#: every model of the breadth run, in its table's order
+BREADTH = [*BREADTH_HF, *ENCODER_DECODER, *BREADTH_VISION]
+
+
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty-two more decoders, four families each, on 2 processes (``hf_breadth``)."""
+    """Twenty-two more decoders, two encoder-decoders and five vision models,
+    four families each, on 2 processes (``hf_breadth``). With ``models``, those
+    are run again and the saved result's other rows kept."""
     con = Console(stderr=True)
-    rows = _rows(models or [*BREADTH_HF, *BREADTH_VISION], run_breadth, con)
+    rows = _rows(models or BREADTH, run_breadth, con)
+    if models:
+        import json
+
+        from .common import RESULTS
+        saved = RESULTS / "hf_breadth-cpu.json"
+        kept = [r for r in json.loads(saved.read_text())["rows"] if r["model"] not in models] if saved.exists() else []
+        rows = sorted(kept + rows, key=lambda r: BREADTH.index(r["model"]) if r["model"] in BREADTH else len(BREADTH))
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty-two more Hugging Face decoders and five vision models against one process",
+        "title": "Twenty-two more Hugging Face decoders, two encoder-decoders and five vision models against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
                        "processes against one process (losses within 1e-4 at every step, final weights equal, "
                        "weights split under tp). Strategies: " + "; ".join(f"{f} `{st}`" for f, st in BREADTH_FAMILIES)
                        + " (not for the vision models). Five vision models from timm and torchvision likewise. "
-                       "What each adds: `benchmarks/real_models.py` (`BREADTH_HF`, `BREADTH_VISION`).",
+                       "What each adds: `benchmarks/real_models.py` (`BREADTH_HF`, `ENCODER_DECODER`, `BREADTH_VISION`).",
         "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}"},
         "table": _table(rows, BREADTH_FAMILIES),
         "notes": ["Found by these runs: Mixtral's router renormalises its top-k weights in place "
@@ -129,6 +144,11 @@ def breadth(models: list[str] | None = None) -> dict:
                   "DeepSeek-V3's dense first layer joined the embedding's unit (3 pipeline layers of 4): the "
                   "alike layers of a stack are one group now, each unlike layer an instance of its own, and "
                   "both have 4 pipeline units and pass every 4-process family, interleaved pipelines included.",
+                  "Found by these runs: an encoder-decoder's pipeline units were its decoder's layers alone "
+                  "(the largest repeated group), the encoder riding with the embedding, and T5's blocks made no "
+                  "group when the only other block of their stack was the first (the one with the relative "
+                  "position bias); the units are now the encoder's layers then the decoder's, each unlike layer "
+                  "one of them.",
                   "Found by these runs: DeepSeek-V3 fills its queries in parts (`q = x.new_empty(...); "
                   "q[..., :k] = a; q[..., k:] = b`), and writes into views read afterwards were refused; they "
                   "are scatters now (`slice_scatter`, with a sharding rule), and `copy_`'s out-of-place form "
@@ -177,6 +197,6 @@ if __name__ == "__main__":
     ap.add_argument("--models", help="comma-separated names of MORE_HF, or of BREADTH_HF with --breadth "
                                       "(default: all)")
     ap.add_argument("--breadth", action="store_true",
-                    help="the twenty-two more decoders and five vision models on 2 processes")
+                    help="the twenty-two more decoders, two encoder-decoders and five vision models on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

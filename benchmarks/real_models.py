@@ -179,6 +179,30 @@ def _hf_lm(config: str, model: str, **fields: Any) -> Callable[[], Case]:
     return build
 
 
+class Seq2Seq(nn.Module):
+    """A ``transformers`` encoder-decoder as a language model on a batch of
+    source tokens and the decoder's input (the targets shifted right)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, source, decoder_input):
+        return self.model(input_ids=source, decoder_input_ids=decoder_input).logits
+
+
+def _hf_seq2seq(config: str, model: str, **fields: Any) -> Callable[[], Case]:
+    """A ``transformers`` encoder-decoder (:class:`Seq2Seq`) on the matrix's token batch, teacher-forced."""
+    def build() -> Case:
+        T = _hf()
+        torch.manual_seed(0)
+        x, y = _tokens()
+        shifted = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
+        return Case(Seq2Seq(getattr(T, model)(getattr(T, config)(**fields))), (x, shifted), y, lm_loss, LAYERS)
+    build.__doc__ = f"Hugging Face {model} ({', '.join(f'{k}={v}' for k, v in fields.items())})."
+    return build
+
+
 _HF_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
 #: more Hugging Face decoder architectures, each with what sets it apart from Llama: sliding-window
@@ -263,6 +287,20 @@ BREADTH_HF: dict[str, Callable[[], Case]] = {
                             q_lora_rank=HIDDEN // 2, kv_lora_rank=HIDDEN // 2, qk_rope_head_dim=4,
                             qk_nope_head_dim=4, v_head_dim=HIDDEN // HEADS, num_key_value_heads=HEADS,
                             **_MOE, **_FFN, **_BREADTH),
+}
+#: encoder-decoders beside them: T5 (relative position bias in the first block of each stack only,
+#: so the blocks are not all alike; no bias in its linears) and BART (learned positions, post-norm)
+ENCODER_DECODER: dict[str, Callable[[], Case]] = {
+    "hf-t5": _hf_seq2seq("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
+                         d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS, num_decoder_layers=LAYERS,
+                         num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                         use_cache=False),
+    "hf-bart": _hf_seq2seq("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
+                           encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+                           decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
+                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=SEQ,
+                           pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+                           use_cache=False),
 }
 
 
@@ -419,5 +457,5 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **BREADTH_VISION,
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **ENCODER_DECODER, **BREADTH_VISION,
                                         "hf-opt-untied-relu": hf_opt_untied_relu, "mlp": residual_mlp}

@@ -39,6 +39,8 @@ RUNS = [
     # latent attention whose queries are filled in parts (scatters under tp), and a dense layer before the
     # experts, a pipeline unit of its own: 4 stages of one layer each
     ("hf-deepseekv3", "pp interleaved", "pp=2,tp=2,schedule=interleaved,chunks=2,microbatches=2"),
+    # an encoder-decoder: the pipeline cuts between the encoder's layers and inside the decoder's
+    ("hf-t5", "pp x tp", "pp=2,tp=2,microbatches=2"),
 ]
 #: models of `make matrix` left out of the suite's spawn (its time budget), with where they run here
 ELSEWHERE = {"nanogpt": "nanogpt-vocab without its vocabulary-parallel annotations",
@@ -217,6 +219,27 @@ def test_a_stack_with_an_unlike_layer_keeps_its_alike_layers_and_every_unit(mode
     est = autopar.evaluate(g, strategy="pp=2,microbatches=4,schedule=interleaved,chunks=2", cluster="cpu",
                            devices=2, global_batch=8)
     assert est.pipeline["layers"] == [1, 1, 1, 1]
+
+
+
+@pytest.mark.parametrize("model,first_decoder", [("hf-t5", "model.model.decoder.block.0"),
+                                                 ("hf-bart", "model.model.model.decoder.layers.0")])
+def test_an_encoder_decoder_pipelines_its_encoder_and_its_decoder(model, first_decoder):
+    """An encoder-decoder's layers are two stacks, one after the other: the
+    pipeline units are the encoder's layers then the decoder's (they were the
+    decoder's alone, the whole encoder riding with the embedding), and T5's
+    first block of each stack (the only one with a relative position bias, so
+    in no group) is a unit like the others."""
+    import autopar
+    from autopar.cost import units
+    from benchmarks.real_models import ENCODER_DECODER
+    c = ENCODER_DECODER[model]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    labels = units(g).labels[1:-1]
+    assert len(labels) == 8 and labels[4] == first_decoder and all("encoder" in x for x in labels[:4])
+    est = autopar.evaluate(g, strategy="pp=2,microbatches=4,schedule=interleaved,chunks=2", cluster="cpu",
+                           devices=2, global_batch=8)
+    assert est.pipeline["layers"] == [2, 2, 2, 2]
 
 
 def test_parallel_branches_are_no_layer_stack():

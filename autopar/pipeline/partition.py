@@ -75,7 +75,9 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
     """The instances, in graph order, of the largest group whose every
     instance starts by reading a value produced at or after the end of the
     instance before it, with the other layer instances of its stack (same
-    parent module) when they all run so."""
+    parent module) when they all run so; and the instances of every such
+    stack when the stacks run one after another (an encoder's layers, then
+    a decoder's)."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     head: dict[str, str] = {}
@@ -85,18 +87,32 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
         if nd.group not in first:
             first[nd.group], head[nd.group] = k, nd.name
         last[nd.group] = k
+    stacks = []     # the stacks of the groups whose instances run in sequence, the largest first
     for g in sorted(graph.groups, key=lambda g: -g.nodes_per_instance * len(g.instances)):
         insts = sorted((i for i in g.instances if i in first), key=first.__getitem__)
-        if len(insts) < 2:
+        if len(insts) < 2 or not _in_sequence(graph, insts, pos, head, last):
             continue
-        if _in_sequence(graph, insts, pos, head, last):
-            # with the layers beside it in the same stack (unlike it, so in no group, or in
-            # another group): DeepSeek-V3's dense first layer, SmolLM3's layers without rotary
-            parent = insts[0].rsplit(".", 1)[0] if "." in insts[0] else ""
-            stack = sorted((i for i in first if (i.rsplit(".", 1)[0] if "." in i else "") == parent),
-                           key=first.__getitem__)
-            return stack if len(stack) > len(insts) and _in_sequence(graph, stack, pos, head, last) else insts
-    return None
+        # with the layers beside it in the same stack (unlike it, so in no group, or in
+        # another group): DeepSeek-V3's dense first layer, SmolLM3's layers without rotary
+        parent = _parent(insts[0])
+        stack = sorted((i for i in first if _parent(i) == parent), key=first.__getitem__)
+        stack = stack if len(stack) > len(insts) and _in_sequence(graph, stack, pos, head, last) else insts
+        if not any(set(stack) & set(s) for s in stacks):
+            stacks.append(stack)
+    if not stacks:
+        return None
+    # stacks that run one after the other are one sequence of layers (an encoder's then a
+    # decoder's, a vision model's stages): each a stack of its own, none inside another's span
+    order = sorted(stacks, key=lambda s: first[s[0]])
+    if len(order) > 1 and all(last[a[-1]] < first[b[0]] for a, b in zip(order, order[1:])):
+        every = [i for s in order for i in s]
+        if _in_sequence(graph, every, pos, head, last):
+            return every
+    return stacks[0]
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
 
 
 def _in_sequence(graph: Graph, insts: list[str], pos: dict[str, int], head: dict[str, str],
