@@ -77,6 +77,17 @@ def run_breadth(name: str) -> dict:
     return r
 
 
+def _with_saved(stem: str, rows: list[dict], order: list[str]) -> list[dict]:
+    """``rows`` with the saved result's other rows (``results/<stem>.json``), in ``order``."""
+    import json
+
+    from .common import RESULTS
+    saved = RESULTS / f"{stem}.json"
+    ran = {r["model"] for r in rows}
+    kept = [r for r in json.loads(saved.read_text())["rows"] if r["model"] not in ran] if saved.exists() else []
+    return sorted(kept + rows, key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
+
+
 def _rows(names: list[str], run: Callable[[str], dict], con: Console) -> list[dict]:
     """``run`` each model in turn, printing its cells as it ends."""
     warnings.simplefilter("ignore")
@@ -106,12 +117,7 @@ def breadth(models: list[str] | None = None) -> dict:
     con = Console(stderr=True)
     rows = _rows(models or BREADTH, run_breadth, con)
     if models:
-        import json
-
-        from .common import RESULTS
-        saved = RESULTS / "hf_breadth-cpu.json"
-        kept = [r for r in json.loads(saved.read_text())["rows"] if r["model"] not in models] if saved.exists() else []
-        rows = sorted(kept + rows, key=lambda r: BREADTH.index(r["model"]) if r["model"] in BREADTH else len(BREADTH))
+        rows = _with_saved("hf_breadth-cpu", rows, BREADTH)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
         "title": "Twenty-two more Hugging Face decoders, two encoder-decoders and five vision models against one process",
@@ -164,10 +170,25 @@ def breadth(models: list[str] | None = None) -> dict:
     return res
 
 
+#: breadth models run at depth too, each with why: stacks of unlike layers and two stacks
+STACKS = {"hf-smollm3": "no rotary positions in every fourth layer",
+          "hf-deepseekv3": "a dense layer before the mixture-of-experts ones",
+          "hf-llama4": "dense and mixture-of-experts layers in turn",
+          "hf-t5": "an encoder's stack then a decoder's, the first block of each unlike the others",
+          "hf-bart": "an encoder's stack then a decoder's"}
+DEPTH = [*MORE_HF, *VARIANTS, *STACKS]
+
+
 def main(models: list[str] | None = None) -> dict:
+    """The eight (and :data:`VARIANTS`, :data:`STACKS`) under every family on
+    4 processes (``hf_architectures``). With ``models``, those are run again
+    and the saved result's other rows kept."""
     con = Console(stderr=True)
-    rows = _rows(models or [*MORE_HF, *VARIANTS], run_model, con)
-    cells = [c for r in rows if r["model"] not in VARIANTS for c in r["cells"].values()]
+    rows = _rows(models or DEPTH, run_model, con)
+    if models:
+        rows = _with_saved("hf_architectures-cpu", rows, DEPTH)
+    cells = [c for r in rows if r["model"] in MORE_HF for c in r["cells"].values()]
+    stacked = [c for r in rows if r["model"] in STACKS for c in r["cells"].values()]
     res = {
         "title": "More Hugging Face architectures against one process",
         "description": "Eight `transformers` decoder architectures beside the matrix's four, 4 layers each, "
@@ -179,12 +200,17 @@ def main(models: list[str] | None = None) -> dict:
         "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}",
                     **{f"{r['model']}: cells equal to one process":
                        f"{sum(c == 'ok' for c in r['cells'].values())} of {len(r['cells'])}"
-                       for r in rows if r["model"] in VARIANTS}},
+                       for r in rows if r["model"] in VARIANTS},
+                    "stacks of unlike layers and encoder-decoders: cells equal to one process":
+                        f"{sum(c == 'ok' for c in stacked)} of {len(stacked)}"},
         "table": _table(rows, FAMILIES),
         "notes": ["Found by these runs: sequence parallelism took the heads dim of Qwen3's per-head q / k "
                   "norms (RMSNorm over `[batch, seq, heads, head_dim]`) for the sequence and refused tp=4 with "
                   "2 kv heads; it now splits the residual stream's norms alone.",
-                  *(f"{name}: {why}." for name, why in VARIANTS.items() if any(r["model"] == name for r in rows))],
+                  *(f"{name}: {why}." for name, why in VARIANTS.items() if any(r["model"] == name for r in rows)),
+                  "Beside the eight, at the same depth: " + "; ".join(
+                      f"{name} ({why})" for name, why in STACKS.items() if any(r["model"] == name for r in rows))
+                  + " (`benchmarks/real_models.py`, `BREADTH_HF` and `ENCODER_DECODER`)."],
         "rows": rows, "params": {"models": [r["model"] for r in rows]},
     }
     path = save("hf_architectures", res)
@@ -194,8 +220,8 @@ def main(models: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", help="comma-separated names of MORE_HF, or of BREADTH_HF with --breadth "
-                                      "(default: all)")
+    ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS or STACKS, or of the breadth "
+                                      "run's with --breadth (default: all); the saved table's other rows are kept")
     ap.add_argument("--breadth", action="store_true",
                     help="the twenty-two more decoders, two encoder-decoders and five vision models on 2 processes")
     a = ap.parse_args()
