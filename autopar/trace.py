@@ -1351,14 +1351,16 @@ def _alike(paths: list[str], instance_nodes: dict[str, list[Node]]) -> list[list
 
 def _layers_beside(children: list[str], grouped: set[str], nodes: list[Node]) -> list[str]:
     """The children of a parent not in a group, when all its children that
-    run ops run one after another, each starting on a value made at or after
-    the end of the one before (a stack of layers, not parallel branches);
-    else none."""
+    run ops run one after another, each reading a value made at or after the
+    end of the one before (a stack of layers, not parallel branches; not only
+    its first node's input: Nemotron's layers start with their norm's
+    ``weight + 1``); else none."""
     pos = {nd.name: k for k, nd in enumerate(nodes) if not nd.is_state}    # weights are read, not waited on
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    head: dict[str, Node] = {}
+    reads: dict[str, int] = {}
     child_of = {c: c for c in children}
+    mine: dict[str, str] = {}
     for k, nd in enumerate(nodes):
         if nd.is_state:
             continue
@@ -1368,11 +1370,11 @@ def _layers_beside(children: list[str], grouped: set[str], nodes: list[Node]) ->
             mod = mod.rsplit(".", 1)[0] if "." in mod else ""
         if c is None:
             continue
-        if c not in first:
-            first[c], head[c] = k, nd
+        mine[nd.name] = c
+        first.setdefault(c, k)
         last[c] = k
+        reads[c] = max(reads.get(c, -1), *(pos[i] for i in nd.inputs if i in pos and mine.get(i) != c), -1)
     order = sorted(first, key=first.__getitem__)
-    if len(order) < 2 or any(first[b] <= last[a] or max((pos[i] for i in head[b].inputs if i in pos), default=-1) < last[a]
-                             for a, b in zip(order, order[1:])):
+    if len(order) < 2 or any(first[b] <= last[a] or reads[b] < last[a] for a, b in zip(order, order[1:])):
         return []
     return [c for c in order if c not in grouped]

@@ -13,7 +13,7 @@ equal, the weights really split.
 
     python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
 
-``--breadth``: twenty-two more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
+``--breadth``: twenty-nine more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...),
 two encoder-decoders (T5, BART) and five vision models under tp, dp, pp and
 sequence parallelism on 2 processes (``hf_breadth``); with ``--models``, those
@@ -111,7 +111,7 @@ BREADTH = [*BREADTH_HF, *ENCODER_DECODER, *BREADTH_VISION]
 
 
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty-two more decoders, two encoder-decoders and five vision models,
+    """Twenty-nine more decoders, two encoder-decoders and five vision models,
     four families each, on 2 processes (``hf_breadth``). With ``models``, those
     are run again and the saved result's other rows kept."""
     con = Console(stderr=True)
@@ -120,7 +120,7 @@ def breadth(models: list[str] | None = None) -> dict:
         rows = _with_saved("hf_breadth-cpu", rows, BREADTH)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty-two more Hugging Face decoders, two encoder-decoders and five vision models against one process",
+        "title": "Twenty-nine more Hugging Face decoders, two encoder-decoders and five vision models against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
                        "processes against one process (losses within 1e-4 at every step, final weights equal, "
@@ -136,7 +136,7 @@ def breadth(models: list[str] | None = None) -> dict:
                   "`F.pad` had no sharding rule, the batch analysis lost the batch there and dp and pp failed "
                   "in the window view (pad now splits on the dims it leaves alone); torchvision's ConvNeXt "
                   "under tp sent a channels-last activation into an all-to-all, which gloo refused.",
-                  "Found by these runs and the eight 4-process families of `main` run on the twenty-two "
+                  "Found by these runs and the eight 4-process families of `main` run on the first twenty-one "
                   "decoders (all pass; the interleaved pipelines of SmolLM3 and DeepSeek-V3 since the fix at "
                   "the end of this note): "
                   "mixtures of experts in transformers 5 "
@@ -155,6 +155,11 @@ def breadth(models: list[str] | None = None) -> dict:
                   "group when the only other block of their stack was the first (the one with the relative "
                   "position bias); the units are now the encoder's layers then the decoder's, each unlike layer "
                   "one of them.",
+                  "Found by these runs: Nemotron's layers start with their norm's `weight + 1`, which reads "
+                  "a weight alone, and the test whether layers run one after another read each layer's first "
+                  "op only: no pipeline units were found (it reads what each layer reads now). PhiMoE's "
+                  "sparse mixer adds router jitter noise in training (random, as dropout is): it runs with "
+                  "the jitter off, as the others run without dropout.",
                   "Found by these runs: DeepSeek-V3 fills its queries in parts (`q = x.new_empty(...); "
                   "q[..., :k] = a; q[..., k:] = b`), and writes into views read afterwards were refused; they "
                   "are scatters now (`slice_scatter`, with a sharding rule), and `copy_`'s out-of-place form "
@@ -223,6 +228,6 @@ if __name__ == "__main__":
     ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS or STACKS, or of the breadth "
                                       "run's with --breadth (default: all); the saved table's other rows are kept")
     ap.add_argument("--breadth", action="store_true",
-                    help="the twenty-two more decoders, two encoder-decoders and five vision models on 2 processes")
+                    help="the twenty-nine more decoders, two encoder-decoders and five vision models on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

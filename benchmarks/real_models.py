@@ -238,7 +238,7 @@ _FFN = dict(intermediate_size=2 * HIDDEN)
 _GQA = dict(_FFN, num_key_value_heads=2)
 _NO_DROP = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 _MOE = dict(num_experts_per_tok=2)
-#: twenty-two more ``transformers`` decoders, breadth over depth (2 processes, 4 families each): what the
+#: twenty-nine more ``transformers`` decoders, breadth over depth (2 processes, 4 families each): what the
 #: planner and the compiler meet when a user brings whatever the Hub has. Each with what it adds:
 #: sparse mixture-of-experts routers (Mixtral, Qwen2-MoE, GPT-OSS), parallel attention and MLP with
 #: partial rotary (GPT-J, CodeGen, Phi), ALiBi (Bloom, MPT), multi-query attention (GPTBigCode),
@@ -246,8 +246,11 @@ _MOE = dict(num_experts_per_tok=2)
 #: non-parametric norms (OLMo), q and k norms over the whole projection (OLMo 2), a bias-free
 #: LayerNorm before parallel attention and MLP (Cohere), muP multipliers (Granite), a fused gate/up
 #: projection (GLM-4), layers without rotary positions (SmolLM3), dense and mixture-of-experts
-#: layers in turn with chunked attention and a shared expert (Llama 4), latent attention with its
-#: queries filled in parts and a dense first layer before the experts (DeepSeek-V3)
+#: layers in turn with chunked attention and a shared expert (Llama 4), more mixtures of experts
+#: (Qwen3-MoE, OLMoE, PhiMoE's sparse mixer), norms of (1 + w) computed first in each layer
+#: (Nemotron), state-space layers without attention (Mamba), Mamba and attention layers with
+#: experts in turn (Jamba), linear recurrences beside local attention (RecurrentGemma), latent
+#: attention with its queries filled in parts and a dense first layer before the experts (DeepSeek-V3)
 BREADTH_HF: dict[str, Callable[[], Case]] = {
     "hf-mixtral": _hf_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, **_MOE, **_GQA, **_BREADTH),
     "hf-qwen2moe": _hf_lm("Qwen2MoeConfig", "Qwen2MoeForCausalLM", moe_intermediate_size=HIDDEN,
@@ -282,6 +285,22 @@ BREADTH_HF: dict[str, Callable[[], Case]] = {
                         head_dim=HIDDEN // HEADS, num_local_experts=4, num_experts_per_tok=1,
                         interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=8,
                         **_GQA, **_BREADTH),
+    "hf-qwen3moe": _hf_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", moe_intermediate_size=HIDDEN, num_experts=4,
+                          head_dim=HIDDEN // HEADS, **_MOE, **_GQA, **_BREADTH),
+    "hf-olmoe": _hf_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, **_MOE, **_GQA, **_BREADTH),
+    "hf-phimoe": _hf_lm("PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4, router_jitter_noise=0.0,
+                        input_jitter_noise=0.0, **_MOE, **_GQA, **_BREADTH),
+    "hf-nemotron": _hf_lm("NemotronConfig", "NemotronForCausalLM", **_GQA, **_BREADTH),
+    "hf-mamba": _hf_lm("MambaConfig", "MambaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+                       num_hidden_layers=LAYERS, state_size=8, use_cache=False, pad_token_id=0, bos_token_id=0,
+                       eos_token_id=0),
+    "hf-jamba": _hf_lm("JambaConfig", "JambaForCausalLM", num_experts=4, expert_layer_period=2, expert_layer_offset=1,
+                       attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, use_mamba_kernels=False,
+                       **_MOE, **_GQA, **_BREADTH),
+    "hf-recurrentgemma": _hf_lm("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", vocab_size=VOCAB,
+                                hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                                num_attention_heads=HEADS, num_key_value_heads=1, lru_width=HIDDEN,
+                                attention_window_size=8, pad_token_id=0, bos_token_id=0, eos_token_id=0),
     "hf-deepseekv3": _hf_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=HIDDEN // 2,
                             n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
                             q_lora_rank=HIDDEN // 2, kv_lora_rank=HIDDEN // 2, qk_rope_head_dim=4,

@@ -1,7 +1,7 @@
 """Real models, as their authors write them, compiled by autopar and trained on one CUDA GPU.
 
 The breadth runs (:mod:`benchmarks.hf_architectures`, ``--breadth``) check
-twenty-two ``transformers`` decoders and five timm / torchvision vision models
+twenty-nine ``transformers`` decoders and five timm / torchvision vision models
 against one process on gloo CPU processes. This runs the same cases through
 ``autopar.parallelize`` on one CUDA GPU (world size 1, NCCL), where what
 differs from the CPU is the device: factory ops written with the trace's

@@ -242,6 +242,21 @@ def test_an_encoder_decoder_pipelines_its_encoder_and_its_decoder(model, first_d
     assert est.pipeline["layers"] == [2, 2, 2, 2]
 
 
+
+def test_layers_whose_first_op_reads_a_weight_alone_are_in_sequence():
+    """Nemotron's layers start with their norm's ``weight + 1``, an op that
+    reads a weight alone: the test whether layers run one after another
+    looked at each layer's first op only, found them not in sequence, and
+    the model had no pipeline units. It now looks at what each layer reads."""
+    import autopar
+    from autopar.cost import units
+    from benchmarks.real_models import BREADTH_HF
+    c = BREADTH_HF["hf-nemotron"]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    first = next(nd for nd in g.nodes if nd.group == "model.model.layers.1" and not nd.is_state)
+    assert all(g[i].is_state for i in first.inputs)
+    assert units(g).layers == 4
+
 def test_parallel_branches_are_no_layer_stack():
     """Siblings that do not run one after another (branches reading the same
     input) are never made layer instances: only alike siblings group."""

@@ -73,30 +73,32 @@ def _units(graph: Graph) -> Units:
 
 def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
     """The instances, in graph order, of the largest group whose every
-    instance starts by reading a value produced at or after the end of the
-    instance before it, with the other layer instances of its stack (same
+    instance reads a value produced at or after the end of the instance
+    before it, with the other layer instances of its stack (same
     parent module) when they all run so; and the instances of every such
     stack when the stacks run one after another (an encoder's layers, then
     a decoder's)."""
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    head: dict[str, str] = {}
+    reads: dict[str, int] = {}     # the latest value an instance reads from outside itself
     for k, nd in enumerate(graph.nodes):
         if nd.group is None or nd.kind in _NOT_UNITS:
             continue
         if nd.group not in first:
-            first[nd.group], head[nd.group] = k, nd.name
+            first[nd.group] = k
         last[nd.group] = k
+        outside = [pos[i] for i in nd.inputs if graph[i].kind not in _NOT_UNITS and graph[i].group != nd.group]
+        reads[nd.group] = max(reads.get(nd.group, -1), *outside, -1)
     stacks = []     # the stacks of the groups whose instances run in sequence, the largest first
     for g in sorted(graph.groups, key=lambda g: -g.nodes_per_instance * len(g.instances)):
         insts = sorted((i for i in g.instances if i in first), key=first.__getitem__)
-        if len(insts) < 2 or not _in_sequence(graph, insts, pos, head, last):
+        if len(insts) < 2 or not _in_sequence(insts, reads, last):
             continue
         # with the layers beside it in the same stack (unlike it, so in no group, or in
         # another group): DeepSeek-V3's dense first layer, SmolLM3's layers without rotary
         parent = _parent(insts[0])
         stack = sorted((i for i in first if _parent(i) == parent), key=first.__getitem__)
-        stack = stack if len(stack) > len(insts) and _in_sequence(graph, stack, pos, head, last) else insts
+        stack = stack if len(stack) > len(insts) and _in_sequence(stack, reads, last) else insts
         if not any(set(stack) & set(s) for s in stacks):
             stacks.append(stack)
     if not stacks:
@@ -106,7 +108,7 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
     order = sorted(stacks, key=lambda s: first[s[0]])
     if len(order) > 1 and all(last[a[-1]] < first[b[0]] for a, b in zip(order, order[1:])):
         every = [i for s in order for i in s]
-        if _in_sequence(graph, every, pos, head, last):
+        if _in_sequence(every, reads, last):
             return every
     return stacks[0]
 
@@ -115,12 +117,11 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def _in_sequence(graph: Graph, insts: list[str], pos: dict[str, int], head: dict[str, str],
-                 last: dict[str, int]) -> bool:
-    """Whether every instance starts by reading a value produced at or after
-    the end of the instance before it."""
-    return all(max((pos[i] for i in graph[head[b]].inputs if graph[i].kind not in _NOT_UNITS), default=-1)
-               >= last[a] for a, b in zip(insts, insts[1:]))
+def _in_sequence(insts: list[str], reads: dict[str, int], last: dict[str, int]) -> bool:
+    """Whether every instance reads a value produced at or after the end of
+    the instance before it (its input; not only its first node's: Nemotron's
+    layers start with ``weight + 1`` of their norm, which reads a weight alone)."""
+    return all(reads[b] >= last[a] for a, b in zip(insts, insts[1:]))
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> None:
