@@ -15,7 +15,8 @@ equal, the weights really split.
 
 ``--breadth``: twenty-nine more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...),
-two encoder-decoders (T5, BART) and five vision models under tp, dp, pp and
+five encoders (RoBERTa, DeBERTa-v2, DistilBERT, ModernBERT, ELECTRA), two
+encoder-decoders (T5, BART) and five vision models under tp, dp, pp and
 sequence parallelism on 2 processes (``hf_breadth``); with ``--models``, those
 run again and the saved table's other rows kept.
 """
@@ -30,7 +31,7 @@ from rich.console import Console
 
 from . import matrix
 from .common import save
-from .real_models import BREADTH_HF, BREADTH_VISION, ENCODER_DECODER, MORE_HF
+from .real_models import BREADTH_HF, BREADTH_VISION, ENCODER_DECODER, ENCODERS, MORE_HF
 
 #: variants run beside the eight, each with why (kept out of the eight's count)
 VARIANTS = {"hf-opt-untied-relu": "OPT with the one MLP pre-activation that sits at -4.5e-9 in the seeded "
@@ -107,11 +108,11 @@ def _table(rows: list[dict], families: list[tuple[str, str]]) -> dict:
 
 
 #: every model of the breadth run, in its table's order
-BREADTH = [*BREADTH_HF, *ENCODER_DECODER, *BREADTH_VISION]
+BREADTH = [*BREADTH_HF, *ENCODERS, *ENCODER_DECODER, *BREADTH_VISION]
 
 
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty-nine more decoders, two encoder-decoders and five vision models,
+    """Twenty-nine more decoders, five encoders, two encoder-decoders and five vision models,
     four families each, on 2 processes (``hf_breadth``). With ``models``, those
     are run again and the saved result's other rows kept."""
     con = Console(stderr=True)
@@ -120,13 +121,15 @@ def breadth(models: list[str] | None = None) -> dict:
         rows = _with_saved("hf_breadth-cpu", rows, BREADTH)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty-nine more Hugging Face decoders, two encoder-decoders and five vision models against one process",
+        "title": "Twenty-nine more Hugging Face decoders, five encoders, two encoder-decoders and five vision models "
+                 "against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
                        "processes against one process (losses within 1e-4 at every step, final weights equal, "
                        "weights split under tp). Strategies: " + "; ".join(f"{f} `{st}`" for f, st in BREADTH_FAMILIES)
                        + " (not for the vision models). Five vision models from timm and torchvision likewise. "
-                       "What each adds: `benchmarks/real_models.py` (`BREADTH_HF`, `ENCODER_DECODER`, `BREADTH_VISION`).",
+                       "What each adds: `benchmarks/real_models.py` (`BREADTH_HF`, `ENCODERS`, `ENCODER_DECODER`, "
+                       "`BREADTH_VISION`).",
         "summary": {"cells equal to one process": f"{sum(c == 'ok' for c in cells)} of {len(cells)}"},
         "table": _table(rows, BREADTH_FAMILIES),
         "notes": ["Found by these runs: Mixtral's router renormalises its top-k weights in place "
@@ -228,6 +231,7 @@ if __name__ == "__main__":
     ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS or STACKS, or of the breadth "
                                       "run's with --breadth (default: all); the saved table's other rows are kept")
     ap.add_argument("--breadth", action="store_true",
-                    help="the twenty-nine more decoders, two encoder-decoders and five vision models on 2 processes")
+                    help="the twenty-nine more decoders, five encoders, two encoder-decoders and five vision models "
+                         "on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

@@ -307,6 +307,26 @@ BREADTH_HF: dict[str, Callable[[], Case]] = {
                             qk_nope_head_dim=4, v_head_dim=HIDDEN // HEADS, num_key_value_heads=HEADS,
                             **_MOE, **_FFN, **_BREADTH),
 }
+_ENC = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ + 2, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0)
+#: encoders (masked language models) beside the matrix's BERT: RoBERTa, DeBERTa-v2 (disentangled
+#: relative-position attention), DistilBERT, ModernBERT (alternating local and global attention, no
+#: biases), ELECTRA (a factorised embedding)
+ENCODERS: dict[str, Callable[[], Case]] = {
+    "hf-roberta": _hf_lm("RobertaConfig", "RobertaForMaskedLM", **_ENC),
+    "hf-deberta": _hf_lm("DebertaV2Config", "DebertaV2ForMaskedLM", relative_attention=True, position_buckets=8,
+                         max_relative_positions=SEQ, pos_att_type=["p2c", "c2p"], **_ENC),
+    "hf-distilbert": _hf_lm("DistilBertConfig", "DistilBertForMaskedLM", vocab_size=VOCAB, dim=HIDDEN,
+                            n_layers=LAYERS, n_heads=HEADS, hidden_dim=2 * HIDDEN, max_position_embeddings=SEQ,
+                            dropout=0.0, attention_dropout=0.0, pad_token_id=0),
+    "hf-modernbert": _hf_lm("ModernBertConfig", "ModernBertForMaskedLM", vocab_size=VOCAB, hidden_size=HIDDEN,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+                            max_position_embeddings=SEQ, local_attention=8, global_attn_every_n_layers=2,
+                            pad_token_id=0, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+                            embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0),
+    "hf-electra": _hf_lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=16, **_ENC),
+}
 #: encoder-decoders beside them: T5 (relative position bias in the first block of each stack only,
 #: so the blocks are not all alike; no bias in its linears) and BART (learned positions, post-norm)
 ENCODER_DECODER: dict[str, Callable[[], Case]] = {
@@ -476,5 +496,6 @@ MODELS: dict[str, Callable[[], Case]] = {
     **VISION,
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
-CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **ENCODER_DECODER, **BREADTH_VISION,
+CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **ENCODERS, **ENCODER_DECODER,
+                                        **BREADTH_VISION,
                                         "hf-opt-untied-relu": hf_opt_untied_relu, "mlp": residual_mlp}
