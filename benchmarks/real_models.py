@@ -181,24 +181,30 @@ def _hf_lm(config: str, model: str, **fields: Any) -> Callable[[], Case]:
 
 class Seq2Seq(nn.Module):
     """A ``transformers`` encoder-decoder as a language model on a batch of
-    source tokens and the decoder's input (the targets shifted right)."""
+    sources (tokens, or audio features for Whisper: ``key``) and the
+    decoder's input (the targets shifted right)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, key: str = "input_ids") -> None:
         super().__init__()
-        self.model = model
+        self.model, self.key = model, key
 
     def forward(self, source, decoder_input):
-        return self.model(input_ids=source, decoder_input_ids=decoder_input).logits
+        return self.model(**{self.key: source}, decoder_input_ids=decoder_input).logits
 
 
-def _hf_seq2seq(config: str, model: str, **fields: Any) -> Callable[[], Case]:
-    """A ``transformers`` encoder-decoder (:class:`Seq2Seq`) on the matrix's token batch, teacher-forced."""
+def _hf_seq2seq(config: str, model: str, mel_bins: int = 0, **fields: Any) -> Callable[[], Case]:
+    """A ``transformers`` encoder-decoder (:class:`Seq2Seq`) on the matrix's token batch, teacher-forced;
+    with ``mel_bins``, on audio features of that many bins over twice the sequence's frames."""
     def build() -> Case:
         T = _hf()
         torch.manual_seed(0)
         x, y = _tokens()
         shifted = torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], dim=1)
-        return Case(Seq2Seq(getattr(T, model)(getattr(T, config)(**fields))), (x, shifted), y, lm_loss, LAYERS)
+        net = getattr(T, model)(getattr(T, config)(**fields))
+        if mel_bins:
+            x = torch.randn(BATCH, mel_bins, 2 * SEQ, generator=torch.Generator().manual_seed(2))
+            return Case(Seq2Seq(net, "input_features"), (x, shifted), y, lm_loss, LAYERS)
+        return Case(Seq2Seq(net), (x, shifted), y, lm_loss, LAYERS)
     build.__doc__ = f"Hugging Face {model} ({', '.join(f'{k}={v}' for k, v in fields.items())})."
     return build
 
@@ -328,7 +334,8 @@ ENCODERS: dict[str, Callable[[], Case]] = {
     "hf-electra": _hf_lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=16, **_ENC),
 }
 #: encoder-decoders beside them: T5 (relative position bias in the first block of each stack only,
-#: so the blocks are not all alike; no bias in its linears) and BART (learned positions, post-norm)
+#: so the blocks are not all alike; no bias in its linears), BART (learned positions, post-norm) and
+#: Whisper (audio features through two convolutions into the encoder)
 ENCODER_DECODER: dict[str, Callable[[], Case]] = {
     "hf-t5": _hf_seq2seq("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=HIDDEN,
                          d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS, num_decoder_layers=LAYERS,
@@ -340,6 +347,13 @@ ENCODER_DECODER: dict[str, Callable[[], Case]] = {
                            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=SEQ,
                            pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
                            use_cache=False),
+    "hf-whisper": _hf_seq2seq("WhisperConfig", "WhisperForConditionalGeneration", mel_bins=8, vocab_size=VOCAB,
+                              num_mel_bins=8, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                              encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, d_model=HIDDEN,
+                              encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, max_source_positions=SEQ,
+                              max_target_positions=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                              pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+                              use_cache=False),
 }
 
 
