@@ -15,7 +15,7 @@ equal, the weights really split.
 
 ``--breadth``: twenty-nine more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...),
-five encoders (RoBERTa, DeBERTa-v2, DistilBERT, ModernBERT, ELECTRA), three
+six encoders (RoBERTa, DeBERTa-v2, DistilBERT, ModernBERT, ELECTRA, ALBERT), three
 encoder-decoders (T5, BART, Whisper) and five vision models under tp, dp, pp and
 sequence parallelism on 2 processes (``hf_breadth``); with ``--models``, those
 run again and the saved table's other rows kept.
@@ -112,7 +112,7 @@ BREADTH = [*BREADTH_HF, *ENCODERS, *ENCODER_DECODER, *BREADTH_VISION]
 
 
 def breadth(models: list[str] | None = None) -> dict:
-    """Twenty-nine more decoders, five encoders, three encoder-decoders and five vision models,
+    """Twenty-nine more decoders, six encoders, three encoder-decoders and five vision models,
     four families each, on 2 processes (``hf_breadth``). With ``models``, those
     are run again and the saved result's other rows kept."""
     con = Console(stderr=True)
@@ -121,7 +121,7 @@ def breadth(models: list[str] | None = None) -> dict:
         rows = _with_saved("hf_breadth-cpu", rows, BREADTH)
     cells = [c for r in rows for c in r["cells"].values() if c != "n/a"]
     res = {
-        "title": "Twenty-nine more Hugging Face decoders, five encoders, three encoder-decoders and five vision models "
+        "title": "Twenty-nine more Hugging Face decoders, six encoders, three encoder-decoders and five vision models "
                  "against one process",
         "description": "Breadth over depth: `transformers` decoders as the Hub has them (4 layers, built from "
                        "their config classes, traced through `torch.export`), each under four families on 2 gloo "
@@ -163,6 +163,10 @@ def breadth(models: list[str] | None = None) -> dict:
                   "op only: no pipeline units were found (it reads what each layer reads now). PhiMoE's "
                   "sparse mixer adds router jitter noise in training (random, as dropout is): it runs with "
                   "the jitter off, as the others run without dropout.",
+                  "Not supported: ALBERT calls one layer module for every layer (its weights shared), so "
+                  "it has no sibling layers to cut a pipeline between, and pp is refused with that error. "
+                  "torch.export names the calls apart (`albert_layers.0@1`, `@2`, ...): pipeline units per "
+                  "call, with the shared weights tied across stages as a tied embedding is, would run it.",
                   "Found by these runs: DeepSeek-V3 fills its queries in parts (`q = x.new_empty(...); "
                   "q[..., :k] = a; q[..., k:] = b`), and writes into views read afterwards were refused; they "
                   "are scatters now (`slice_scatter`, with a sharding rule), and `copy_`'s out-of-place form "
@@ -231,7 +235,7 @@ if __name__ == "__main__":
     ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS or STACKS, or of the breadth "
                                       "run's with --breadth (default: all); the saved table's other rows are kept")
     ap.add_argument("--breadth", action="store_true",
-                    help="the twenty-nine more decoders, five encoders, three encoder-decoders and five vision models "
+                    help="the twenty-nine more decoders, six encoders, three encoder-decoders and five vision models "
                          "on 2 processes")
     a = ap.parse_args()
     (breadth if a.breadth else main)(a.models.split(",") if a.models else None)

@@ -318,7 +318,8 @@ _ENC = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_
             attention_probs_dropout_prob=0.0, pad_token_id=0)
 #: encoders (masked language models) beside the matrix's BERT: RoBERTa, DeBERTa-v2 (disentangled
 #: relative-position attention), DistilBERT, ModernBERT (alternating local and global attention, no
-#: biases), ELECTRA (a factorised embedding)
+#: biases), ELECTRA (a factorised embedding), ALBERT (one layer module called for every layer: its
+#: weights shared, so it has no pipeline units)
 ENCODERS: dict[str, Callable[[], Case]] = {
     "hf-roberta": _hf_lm("RobertaConfig", "RobertaForMaskedLM", **_ENC),
     "hf-deberta": _hf_lm("DebertaV2Config", "DebertaV2ForMaskedLM", relative_attention=True, position_buckets=8,
@@ -332,6 +333,7 @@ ENCODERS: dict[str, Callable[[], Case]] = {
                             pad_token_id=0, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
                             embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0),
     "hf-electra": _hf_lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=16, **_ENC),
+    "hf-albert": _hf_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=16, **_ENC),
 }
 #: encoder-decoders beside them: T5 (relative position bias in the first block of each stack only,
 #: so the blocks are not all alike; no bias in its linears), BART (learned positions, post-norm) and
