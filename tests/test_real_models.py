@@ -257,6 +257,55 @@ def test_layers_whose_first_op_reads_a_weight_alone_are_in_sequence():
     assert all(g[i].is_state for i in first.inputs)
     assert units(g).layers == 4
 
+
+@pytest.mark.parametrize("kinds", ["AAAA", "BAAA", "AABA", "ABAB", "AAB", "ABBA", "ABCA"])
+def test_every_layer_of_a_mixed_stack_is_a_pipeline_unit(kinds):
+    """Stacks of layers of two or three kinds in any order (``A``: a residual
+    MLP, ``B``: the same with a norm first, ``C``: another width inside): the
+    kinds that occur twice or more are groups, every layer is a pipeline unit
+    in stack order, and a pipeline of one layer per stage evaluates."""
+    import torch
+    import torch.nn as nn
+
+    import autopar
+    from autopar.cost import units
+
+    class Layer(nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            inner = 24 if kind == "C" else 16
+            self.norm = nn.LayerNorm(8) if kind == "B" else None
+            self.up, self.down = nn.Linear(8, inner), nn.Linear(inner, 8)
+
+        def forward(self, x):
+            h = self.norm(x) if self.norm is not None else x
+            return x + self.down(torch.relu(self.up(h)))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 4)
+            self.layers = nn.ModuleList(Layer(k) for k in kinds)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    def loss(out, target):
+        return ((out - target) ** 2).mean()
+
+    g = autopar.trace(Stack(), (torch.randn(8, 4),), loss_fn=loss, target=torch.randn(8, 4))
+    twice = {k for k in kinds if kinds.count(k) > 1}
+    assert g.frontend == "fx"       # the stacks of fx graphs too, not only export's
+    assert sorted(sorted(gr.instances) for gr in g.groups) == sorted(
+        [f"model.layers.{i}" for i, x in enumerate(kinds) if x == k] for k in twice)
+    assert units(g).labels[1:-1] == tuple(f"model.layers.{i}" for i in range(len(kinds)))
+    n = len(kinds)
+    est = autopar.evaluate(g, strategy=f"pp={n},microbatches={n}", cluster="cpu", devices=n, global_batch=2 * n)
+    assert est.pipeline["layers"] == [1] * len(kinds)
+
 def test_parallel_branches_are_no_layer_stack():
     """Siblings that do not run one after another (branches reading the same
     input) are never made layer instances: only alike siblings group."""
