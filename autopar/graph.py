@@ -153,6 +153,10 @@ class Graph:
     #: tracer knows it exactly (torch.export with a symbolic batch size); None: inferred
     #: by following the batch through the op rules (:func:`autopar.sharding.batch_dims`)
     traced_batch_dims: dict[str, int | None] | None = field(default=None, repr=False, compare=False)
+    #: the first node whose value spans the batch twice (two of its dims are batch sizes: an image x text
+    #: similarity over the batch, a pairwise distance): samples meet there, so splitting the batch over
+    #: data-parallel ranks would change the result. Known from torch.export's batch symbols; None: none
+    cross_sample: str | None = field(default=None, repr=False, compare=False)
     #: the keys of a keyword batch (``model(**batch)``), in the order of the graph's inputs; None: positional
     input_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     #: why symbolic torch.fx could not trace the model, when torch.export did ("" otherwise)

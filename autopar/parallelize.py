@@ -300,8 +300,10 @@ def resolve_plan(graph: Graph, model: nn.Module, strategy: str | Plan | os.PathL
 
 def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     """Raise :class:`UnsupportedError` for a valid strategy this release
-    cannot run on ``graph``: fp16 with ZeRO-3. (Graphs from either front
-    end run every other strategy.)"""
+    cannot run on ``graph``: fp16 with ZeRO-3; a split batch (data
+    parallelism, microbatches) on a model whose samples meet
+    (:attr:`Graph.cross_sample`). (Graphs from either front end run every
+    other strategy.)"""
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
@@ -310,6 +312,14 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
+    split = cfg.dp * (cfg.grid_batch_split if cfg.tp_mode != "1d" else 1)
+    if graph.cross_sample is not None and (split > 1 or cfg.microbatches > 1):
+        raise UnsupportedError(
+            f"{cfg.to_string()} splits the batch, but {graph.name} mixes samples: its value "
+            f"{graph.cross_sample} spans the batch twice (an image x text similarity, a pairwise distance), "
+            f"so each rank would compute it over its own samples only and train another loss than one process "
+            f"does (a contrastive loss with labels from the local batch would run on silently); use dp=1 and "
+            f"microbatches=1 (tp, pp with one microbatch), or gather the other samples in the model yourself")
 
 
 def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,

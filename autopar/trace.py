@@ -672,12 +672,16 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
     out_of_place(gm)
     batch_sym = _batch_symbol(gm)
     dims: dict[str, int | None] = {}
+    crossing = None
     for n in gm.graph.nodes:
         dims[n.name] = _set_tensor_meta(n, batch_sym)
+        if crossing is None and batch_sym is not None and _batch_dims_of(n.meta.get("val"), batch_sym) > 1:
+            crossing = n.name
     aliases = _merge_tied(gm, _tied_names(root))
     graph = _build_graph(gm, name, "export", args, module_root=root)
     if batch_sym is not None:
         graph.traced_batch_dims = {nd.name: dims.get(nd.name) for nd in graph.nodes if nd.out is not None}
+        graph.cross_sample = crossing if crossing in graph else None
     graph.loss_prefix = "model." if isinstance(root, _WithLoss) else ""
     graph.aliases = aliases
     return graph
@@ -707,15 +711,31 @@ def _export(root: nn.Module, args: tuple) -> Any:
 
 
 def _batch_symbol(gm: fx.GraphModule) -> Any:
-    """The sympy symbol of the first input's batch size, or None when export fixed it."""
+    """The sympy symbols of the inputs' batch sizes (a frozenset), or None
+    when export fixed the first input's. Export gives each input's dim 0 a
+    symbol of its own unless the model ties them: a two-tower model (CLIP's
+    token ids and pixels, which meet only in the image x text logits) keeps
+    two, and both are the batch. An input's symbol counts when its example
+    size is the first input's."""
+    syms, first = set(), None
     for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            val = n.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt):
-                free = val.shape[0].node.expr.free_symbols
-                return next(iter(free)) if len(free) == 1 else None
-            return None
-    return None
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)):
+            if first is None:
+                return None
+            continue
+        free = val.shape[0].node.expr.free_symbols
+        if len(free) != 1:
+            if first is None:
+                return None
+            continue
+        if first is None:
+            first = _hint(val.shape[0])
+        if _hint(val.shape[0]) == first:
+            syms |= free
+    return frozenset(syms) or None
 
 
 def _hint(s: Any) -> int:
@@ -727,11 +747,18 @@ def _hint(s: Any) -> int:
 
 
 def _batch_dim(t: torch.Tensor | None, batch_sym: Any) -> int | None:
-    """The first dim of fake tensor ``t`` whose size is a function of ``batch_sym``."""
+    """The first dim of fake tensor ``t`` whose size is a function of a batch symbol (``batch_sym``)."""
     if t is None or batch_sym is None:
         return None
     return next((d for d, s in enumerate(t.shape)
-                 if isinstance(s, torch.SymInt) and batch_sym in s.node.expr.free_symbols), None)
+                 if isinstance(s, torch.SymInt) and batch_sym & s.node.expr.free_symbols), None)
+
+
+def _batch_dims_of(t: Any, batch_sym: Any) -> int:
+    """How many dims of fake tensor ``t`` are sizes of the batch (a function of a batch symbol each)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    return sum(1 for s in t.shape if isinstance(s, torch.SymInt) and batch_sym & s.node.expr.free_symbols)
 
 
 def _set_tensor_meta(n: fx.Node, batch_sym: Any = None) -> int | None:

@@ -306,6 +306,49 @@ def test_every_layer_of_a_mixed_stack_is_a_pipeline_unit(kinds):
     est = autopar.evaluate(g, strategy=f"pp={n},microbatches={n}", cluster="cpu", devices=n, global_batch=2 * n)
     assert est.pipeline["layers"] == [1] * len(kinds)
 
+
+def test_a_loss_where_samples_meet_refuses_a_split_batch():
+    """A two-tower contrastive model (CLIP's shape: token ids and pixels, logits
+    image x text over the batch): its samples meet in the logits, so a split
+    batch trains another loss. CLIP ran under dp=2 into a shape error, and
+    with labels made from the local batch it would have run on silently. The
+    export front end sees the logits span the batch twice (its batch symbols;
+    each input's batch is a symbol of its own there, now all of them count),
+    and a split batch is refused in words; tp runs (equal to one process, in
+    the CLIP run of this change's session)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import autopar
+    from autopar.errors import UnsupportedError
+    from autopar.parallelize import check_runnable
+    from autopar.spec import parse_strategy
+
+    class TwoTower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text, self.image = nn.Embedding(16, 8), nn.Linear(12, 8)
+
+        def forward(self, ids, pixels):
+            if ids.shape[0] > 1:       # control flow on a size: torch.fx cannot trace it, export can
+                pixels = pixels * 1.0
+            t = F.normalize(self.text(ids).mean(1), dim=-1)
+            i = F.normalize(self.image(pixels), dim=-1)
+            return i @ t.t()
+
+    def loss(logits, target):
+        return F.cross_entropy(logits, target)
+
+    ids, pixels = torch.randint(0, 16, (8, 5)), torch.randn(8, 12)
+    g = autopar.trace(TwoTower(), (ids, pixels), loss_fn=loss, target=torch.arange(8))
+    assert g.frontend == "export" and g.cross_sample is not None
+    assert g.traced_batch_dims[g.cross_sample] == 0
+    for strategy in ("dp=2", "dp=2,zero=1", "microbatches=2"):
+        with pytest.raises(UnsupportedError, match="mixes samples"):
+            check_runnable(g, parse_strategy(strategy))
+    check_runnable(g, parse_strategy("tp=2"))
+
 def test_parallel_branches_are_no_layer_stack():
     """Siblings that do not run one after another (branches reading the same
     input) are never made layer instances: only alike siblings group."""
