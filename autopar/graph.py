@@ -25,6 +25,11 @@ STATE_KINDS = frozenset({"param", "buffer"})
 NO_DISPATCH = STATE_KINDS | {"input", "output", "shape", "constant"}
 
 
+def parent_module(path: str) -> str:
+    """The module path above ``path`` (``""`` above a top-level module)."""
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
 def checkpoint_dispatches(kind: str, target: str) -> bool:
     """Whether an op of ``kind`` / ``target`` goes through selective
     recompute's dispatch mode: every op that dispatches (views included)

@@ -41,7 +41,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from . import ops
 from .errors import TraceError
-from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo
+from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo, parent_module
 from .inplace import out_of_place, traced_inplace_operators
 from .shallow_export import export_shallow, trace_shallow
 
@@ -505,12 +505,12 @@ def _holding_params(root: nn.Module) -> set[str]:
     each module for its parameters walked its subtree again."""
     held: set[str] = set()
     for name, _ in root.named_parameters(remove_duplicate=False):
-        path = name.rsplit(".", 1)[0] if "." in name else ""
+        path = parent_module(name)
         while path not in held:
             held.add(path)
             if not path:
                 break
-            path = path.rsplit(".", 1)[0] if "." in path else ""
+            path = parent_module(path)
     return held
 
 
@@ -568,7 +568,7 @@ def _twins(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     held = _holding_params(gm)
     for path, m in gm.named_modules():
         if path and path in held:
-            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            parent = parent_module(path)
             by_key[(parent, _module_signature(m, cache))].append(path)
     inst_of = {p: paths[0] for paths in by_key.values() if len(paths) >= 2 for p in paths}
     seqs: dict[str, list[fx.Node]] = defaultdict(list)
@@ -675,7 +675,7 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
     crossing = None
     for n in gm.graph.nodes:
         dims[n.name] = _set_tensor_meta(n, batch_sym)
-        if crossing is None and batch_sym is not None and _batch_dims_of(n.meta.get("val"), batch_sym) > 1:
+        if crossing is None and len(_batch_dims(n.meta.get("val"), batch_sym)) > 1:
             crossing = n.name
     aliases = _merge_tied(gm, _tied_names(root))
     graph = _build_graph(gm, name, "export", args, module_root=root)
@@ -717,25 +717,18 @@ def _batch_symbol(gm: fx.GraphModule) -> Any:
     token ids and pixels, which meet only in the image x text logits) keeps
     two, and both are the batch. An input's symbol counts when its example
     size is the first input's."""
-    syms, first = set(), None
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        val = n.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt)):
-            if first is None:
-                return None
-            continue
-        free = val.shape[0].node.expr.free_symbols
-        if len(free) != 1:
-            if first is None:
-                return None
-            continue
-        if first is None:
-            first = _hint(val.shape[0])
-        if _hint(val.shape[0]) == first:
-            syms |= free
-    return frozenset(syms) or None
+    def symbol(val: Any) -> Any:
+        """The one free symbol of a fake tensor's dim 0, or None."""
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt):
+            free = val.shape[0].node.expr.free_symbols
+            return next(iter(free)) if len(free) == 1 else None
+        return None
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not vals or symbol(vals[0]) is None:
+        return None
+    size = _hint(vals[0].shape[0])
+    return frozenset(symbol(v) for v in vals if symbol(v) is not None and _hint(v.shape[0]) == size)
 
 
 def _hint(s: Any) -> int:
@@ -748,17 +741,14 @@ def _hint(s: Any) -> int:
 
 def _batch_dim(t: torch.Tensor | None, batch_sym: Any) -> int | None:
     """The first dim of fake tensor ``t`` whose size is a function of a batch symbol (``batch_sym``)."""
-    if t is None or batch_sym is None:
-        return None
-    return next((d for d, s in enumerate(t.shape)
-                 if isinstance(s, torch.SymInt) and batch_sym & s.node.expr.free_symbols), None)
+    return next(iter(_batch_dims(t, batch_sym)), None)
 
 
-def _batch_dims_of(t: Any, batch_sym: Any) -> int:
-    """How many dims of fake tensor ``t`` are sizes of the batch (a function of a batch symbol each)."""
-    if not isinstance(t, torch.Tensor):
-        return 0
-    return sum(1 for s in t.shape if isinstance(s, torch.SymInt) and batch_sym & s.node.expr.free_symbols)
+def _batch_dims(t: Any, batch_sym: Any) -> list[int]:
+    """The dims of fake tensor ``t`` that are sizes of the batch (a function of a batch symbol each)."""
+    if not isinstance(t, torch.Tensor) or batch_sym is None:
+        return []
+    return [d for d, s in enumerate(t.shape) if isinstance(s, torch.SymInt) and batch_sym & s.node.expr.free_symbols]
 
 
 def _set_tensor_meta(n: fx.Node, batch_sym: Any = None) -> int | None:
@@ -1310,7 +1300,7 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
     for path, m in root.named_modules():
         if not path or path not in held:
             continue
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = parent_module(path)
         by_parent[parent].setdefault(_module_signature(m, cache), []).append(path)
     instance_nodes: dict[str, list[Node]] = defaultdict(list)
     candidates = {p for sigs in by_parent.values() for paths in sigs.values() if len(paths) >= 2 for p in paths}
@@ -1319,7 +1309,7 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
         while mod:
             if mod in candidates:
                 instance_nodes[mod].append(nd)
-            mod = mod.rsplit(".", 1)[0] if "." in mod else ""
+            mod = parent_module(mod)
     groups: list[LayerGroup] = []
     singles: list[str] = []
     taken: set[str] = set()
@@ -1346,10 +1336,14 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
         for p in g.instances:
             for nd in instance_nodes.get(p, []):
                 nd.group = p
-    for p in singles:
-        for nd in nodes:
-            if nd.module == p or nd.module.startswith(p + "."):
-                nd.group = p
+    if singles:
+        single = set(singles)
+        for nd in nodes:    # under a layer of its own: the nearest module above it that is one
+            mod = nd.module
+            while mod and mod not in single:
+                mod = parent_module(mod)
+            if mod:
+                nd.group = mod
     return groups
 
 
@@ -1394,7 +1388,7 @@ def _layers_beside(children: list[str], grouped: set[str], nodes: list[Node]) ->
         mod, c = nd.module, None
         while mod and c is None:
             c = child_of.get(mod)
-            mod = mod.rsplit(".", 1)[0] if "." in mod else ""
+            mod = parent_module(mod)
         if c is None:
             continue
         mine[nd.name] = c

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import StrategyError
-from ..graph import STATE_KINDS, Graph
+from ..graph import STATE_KINDS, Graph, parent_module
 
 _NOT_UNITS = STATE_KINDS
 
@@ -96,8 +96,8 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
             continue
         # with the layers beside it in the same stack (unlike it, so in no group, or in
         # another group): DeepSeek-V3's dense first layer, SmolLM3's layers without rotary
-        parent = _parent(insts[0])
-        stack = sorted((i for i in first if _parent(i) == parent), key=first.__getitem__)
+        parent = parent_module(insts[0])
+        stack = sorted((i for i in first if parent_module(i) == parent), key=first.__getitem__)
         stack = stack if len(stack) > len(insts) and _in_sequence(stack, reads, last) else insts
         if not any(set(stack) & set(s) for s in stacks):
             stacks.append(stack)
@@ -111,10 +111,6 @@ def _sequential_group(graph: Graph, pos: dict[str, int]) -> list[str] | None:
         if _in_sequence(every, reads, last):
             return every
     return stacks[0]
-
-
-def _parent(path: str) -> str:
-    return path.rsplit(".", 1)[0] if "." in path else ""
 
 
 def _in_sequence(insts: list[str], reads: dict[str, int], last: dict[str, int]) -> bool:
