@@ -1075,6 +1075,8 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             a["norm_dims"] = len(shp) if isinstance(shp, (list, tuple)) else 1
         elif k == "softmax":
             a["dim"] = int(_arg(n, 1, "dim", -1)) % max(nd, 1)
+        elif k == "normalize":     # F.normalize(input, p=2.0, dim=1, eps=1e-12)
+            a["dim"] = int(_arg(n, 2, "dim", 1)) % max(nd, 1)
         elif k in ("split", "cat"):
             # split(x, sizes, dim), chunk(x, n, dim); unbind(x, dim) and cat(tensors, dim)
             unbind = _target_name(n) == "unbind"

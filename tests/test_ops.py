@@ -54,6 +54,7 @@ OLD_KINDS = {
     "rmsnorm": ("rms_norm",),
     "softmax": ("softmax", "log_softmax", "_softmax", "_log_softmax"),
     "cross_entropy": ("cross_entropy", "cross_entropy_loss"),
+    "normalize": ("normalize",),
     "conv": ("conv1d", "conv2d", "conv3d", "convolution"),
     "batchnorm": ("batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
                   "native_batch_norm"),
@@ -246,7 +247,8 @@ class _Pointwise(nn.Module):
         pads = (F.pad(x, (0, 0, 1, 2)), F.pad(x, (1, 1), mode="reflect"), F.pad(x, (0, 0, 0, x.shape[1] % 3)))
         parts = (torch.slice_scatter(x, torch.tanh(x[..., :2]), 2, 0, 2),    # x[..., :2] = tanh(...), made
                  torch.select_scatter(x, x[:, 3] * 2.0, 1, 3))                # out of place
-        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads, parts
+        unit = (F.normalize(x), F.normalize(x, dim=-1), F.normalize(a, p=1.0, dim=0))   # dim 1 unless given
+        return a, b, c, d, e, rms, sums, joins, views, index, p * q, s0 + s3, s1 - s2, u + w, tri, pads, parts, unit
 
 
 def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -263,8 +263,9 @@ def _batchnorm(ctx: Ctx) -> list[Strategy]:
     return out
 
 
-@ops.register_rule("softmax")
+@ops.register_rule("softmax", "normalize")
 def _softmax(ctx: Ctx) -> list[Strategy]:
+    """(log-)softmax, and F.normalize's p-norm, along one dim: split on any other."""
     x = ctx.ins[0]
     out = _replicated(ctx)
     if x is None:
