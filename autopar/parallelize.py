@@ -51,10 +51,10 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import follow_batch, grid_rows, scaled_shapes
+from .sharding import follow_batch, grid_rows, meeting_limits, samples_meet, scaled_shapes
 from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
-from .trace import keyword_inputs, trace
+from .trace import batch_meets, keyword_inputs, trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp",
            "trace_local_sequence", "apply_copies", "apply_pipeline",
@@ -127,6 +127,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
     check_runnable(graph, cfg)
+    batch_moves = cfg.dp > 1 and samples_cross_ranks(graph, cfg) is not None
     graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
@@ -134,7 +135,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     run_graph, cp_dims = graph, None
     if cfg.cp > 1:
         run_graph, cp_dims = trace_local_sequence(graph, model, inputs, keys, loss_fn, target, cfg)
-    prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph)
+    prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph, batch_moves=batch_moves)
     if cfg.cp > 1:
         apply_cp(prog, run_graph, cfg, mesh, graph)
     if cfg.copies > 1:
@@ -169,6 +170,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    if batch_moves:    # the program's loss is the whole batch's; each rank's gradient, its samples' part
+        pm.grad_scale = float(cfg.dp)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
                          mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
@@ -300,10 +303,10 @@ def resolve_plan(graph: Graph, model: nn.Module, strategy: str | Plan | os.PathL
 
 def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     """Raise :class:`UnsupportedError` for a valid strategy this release
-    cannot run on ``graph``: fp16 with ZeRO-3; a split batch (data
-    parallelism, microbatches) on a model whose samples meet
-    (:attr:`Graph.cross_sample`). (Graphs from either front end run every
-    other strategy.)"""
+    cannot run on ``graph``: fp16 with ZeRO-3; on a model whose samples meet
+    (:func:`samples_cross_ranks`), a batch split otherwise than over plain
+    data parallelism (microbatches, copies, a grid's rows, cp, a pipeline).
+    (Graphs from either front end run every other strategy.)"""
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
                                "(same exponent range as fp32, no scaling needed) or zero<=2")
@@ -312,14 +315,29 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
-    split = cfg.dp * (cfg.grid_batch_split if cfg.tp_mode != "1d" else 1)
-    if graph.cross_sample is not None and (split > 1 or cfg.microbatches > 1):
+    meet = samples_cross_ranks(graph, cfg)
+    limits = meeting_limits(cfg) if meet is not None else []
+    if "microbatches" in limits or "copies" in limits:
         raise UnsupportedError(
-            f"{cfg.to_string()} splits the batch, but {graph.name} mixes samples: its value "
-            f"{graph.cross_sample} spans the batch twice (an image x text similarity, a pairwise distance), "
-            f"so each rank would compute it over its own samples only and train another loss than one process "
-            f"does (a contrastive loss with labels from the local batch would run on silently); use dp=1 and "
-            f"microbatches=1 (tp, pp with one microbatch), or gather the other samples in the model yourself")
+            f"{cfg.to_string()} runs the batch in parts one after another, but {graph.name} mixes samples: "
+            f"its value {meet} depends on several samples (an image x text similarity, a pairwise distance, a "
+            f"loss of batch means), so a loss over part of the batch is another loss than one process's; use "
+            f"microbatches=1 and copies=1 (data parallelism gathers what the samples share)")
+    if limits:
+        raise UnsupportedError(
+            f"{cfg.to_string()}: {graph.name} mixes samples (its value {meet} depends on several), which this "
+            f"release runs under data parallelism, tp and pp without dp, but not with {' or '.join(limits)}")
+
+
+def samples_cross_ranks(graph: Graph, cfg: ParallelConfig) -> str | None:
+    """Where ``graph``'s samples meet (:func:`autopar.sharding.samples_meet`;
+    for an fx graph also :func:`autopar.trace.batch_meets`) when ``cfg``
+    splits its batch (data parallelism, a grid's rows, microbatches, copies);
+    None where they do not meet or ``cfg`` keeps every sample together."""
+    split = cfg.dp * (cfg.grid_batch_split if cfg.tp_mode != "1d" else 1)
+    if split == 1 and cfg.microbatches == 1 and cfg.copies == 1:
+        return None
+    return samples_meet(graph) or batch_meets(graph)
 
 
 def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, loss_fn: Any, target: Any,
@@ -379,12 +397,19 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
 
 # ----------------------------------------------------------------------------- the steps
 def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_batch: int, *,
-             model: nn.Module, plan_graph: Graph | None = None) -> LocalProgram:
+             model: nn.Module, plan_graph: Graph | None = None, batch_moves: bool = False) -> LocalProgram:
     """This tensor-parallel rank's program of the whole model and loss, on
     this rank's device: the plan's placements compiled into local shards
     and explicit collectives, from either front end's graph, on the weights
     ``model`` holds. ``plan_graph``: the graph the plan was made for, when
     ``graph`` is the same program at another sequence length (``cp > 1``).
+
+    ``batch_moves``: the model's samples meet (:func:`samples_cross_ranks`),
+    so the data-parallel axis is compiled as a tensor axis too: each rank
+    holds its samples, and where samples meet their values are gathered
+    (the loss is then all-reduced in the program, and the runtime scales
+    its backward by dp, since every rank's gradient is its samples' part of
+    the sum, not of the mean).
 
     When the plan's ops are not this graph's (it was made with another loss
     function), the same strategy's placements are derived here. Raises
@@ -395,7 +420,10 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
         tp_sh, _ = planner.sharding(cfg)
-    shapes = scaled_shapes(graph, global_batch // (cfg.microbatches * cfg.copies), cfg.dp)   # one copy's
+    # one copy's, on one data-parallel rank (whole along dp where the dp axis is compiled in)
+    shapes = scaled_shapes(graph, global_batch // (cfg.microbatches * cfg.copies), 1 if batch_moves else cfg.dp)
+    batch = Axis(follow_batch(graph, cfg.dp, shapes, batch_axis=True), mesh.coord("dp"), mesh.group("dp"),
+                 whole_sizes=True, inputs_split=True, weight_grads_outside=True) if batch_moves else None
     gm = graph.gm
     # the weights as the model holds them now (a trace in another dtype may hold copies)
     pre = graph.loss_prefix or ""
@@ -415,7 +443,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         grid.insert(0, Axis(depth, mesh.coord("tp_depth"), mesh.group("tp_depth"), whole_sizes=True))
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
-                         grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None)
+                         grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None, batch=batch)
     retarget_devices(prog.module, device)     # an export graph's factory ops name the device it was traced on
     to_device(prog.module, device)     # its tensor constants too, which Module.to leaves behind
     return prog

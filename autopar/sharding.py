@@ -22,13 +22,16 @@ Analyses of the graph alone (:func:`needs_grad`, :func:`track_batch`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .graph import Graph, Node
 from . import ops
 from .spec.placement import P, R, S
 from .strategies import Strategy, candidates, is_shard, shard_dim
 from .strategies.rules import Ctx
+
+if TYPE_CHECKING:
+    from .spec import ParallelConfig
 
 Shape = tuple[int, ...]
 INF = float("inf")
@@ -334,6 +337,46 @@ def track_batch(graph: Graph) -> AxisSharding:
     the graph. Costs here are structural (count of collectives), not times.
     """
     return graph.memo(("track_batch",), lambda: _track_batch(graph))
+
+
+def samples_meet(graph: Graph) -> str | None:
+    """The first value where ``graph``'s samples meet, or None: a node that
+    reads a value the batch axis splits (or holds as a partial sum) in
+    another placement (:func:`track_batch`), as an image x text similarity
+    reads the text features whole, or a loss built from batch means (a
+    mixture of experts' balance loss) reduces them before a product; with
+    torch.export, also a value whose shape spans the batch twice
+    (:attr:`Graph.cross_sample`). Where samples meet, a rank that holds some
+    samples computes another value than one process does unless the
+    batch axis moves them (:func:`autopar.parallelize.apply_tp` compiles it
+    so). Memoised on the graph."""
+    def find() -> str | None:
+        sh = track_batch(graph)
+        for nd in graph.nodes:
+            st = sh.strategy.get(nd.name)
+            if st is None:
+                continue
+            haves = [sh.out.get(i, R) for i in nd.inputs]
+            split = [is_shard(h) or h == P for h in haves]
+            for have, want, s in zip(haves, st.ins, split):
+                # a batch sum read otherwise; or a product of two batch-split operands whose batch
+                # dims do not meet (aligned ones keep the batch split: a batched matmul)
+                if have == P and want != P or \
+                        s and have != want and nd.kind == "matmul" and sum(split) > 1:
+                    return nd.name
+        return graph.cross_sample
+
+    return graph.memo(("samples_meet",), find)
+
+
+def meeting_limits(cfg: "ParallelConfig") -> list[str]:
+    """What of ``cfg`` does not run a model whose samples meet: microbatches
+    and copies (a loss over part of the batch is another loss), and what is
+    not run yet with it (a tp_mode grid's rows, cp, pp with dp). Empty: it
+    runs (dp, tp, pp without dp)."""
+    return [k for k, on in (("microbatches", cfg.microbatches > 1), ("copies", cfg.copies > 1),
+                            ("a tp_mode grid", cfg.tp_mode != "1d"), ("cp", cfg.cp > 1),
+                            ("pp with dp", cfg.pp > 1 and cfg.dp > 1)) if on]
 
 
 def _track_batch(graph: Graph) -> AxisSharding:

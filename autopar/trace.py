@@ -620,6 +620,49 @@ def _run_shape_prop(gm: fx.GraphModule, args: tuple, twin: dict[fx.Node, fx.Node
         _GroupShapeProp(gm, twin, fake_mode=mode).propagate(*args)
 
 
+def batch_meets(graph: Graph) -> str | None:
+    """The first node of an fx graph whose value spans the batch twice (its
+    shape at twice the batch has two dims that changed: an image x text
+    similarity, a pairwise distance), or None; an export graph's
+    :attr:`Graph.cross_sample`. The fx front end has no batch symbol, so the
+    graph's shapes are propagated again, on meta tensors, with every input of
+    the traced batch size doubled; a model whose forward fixes the batch size
+    (or has no program) tells nothing: None. Memoised on the graph."""
+    def probe() -> str | None:
+        if graph.frontend != "fx" or graph.gm is None:
+            return graph.cross_sample
+        gm, b = graph.gm, graph.batch_size
+        places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        metas = [n.meta.get("tensor_meta") for n in places]
+        if not b or any(not hasattr(m, "shape") for m in metas):
+            return None
+        # zeros on the host (valid token ids); the propagation runs them on meta tensors, or on fake
+        # ones where the model makes host tensors of its own (labels from torch.arange in a loss)
+        args = tuple(torch.zeros((2 * b if len(m.shape) and m.shape[0] == b else m.shape[0], *m.shape[1:]),
+                                 dtype=m.dtype) for m in metas)
+        kept = {n: {k: n.meta[k] for k in ("tensor_meta", "type") if k in n.meta} for n in gm.graph.nodes}
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _run_shape_prop(gm, args, _twins(gm))
+            doubled = {n.name: _node_out(n) for n in gm.graph.nodes}
+        except Exception:  # noqa: BLE001 - a forward that fixes its batch size: nothing known
+            return None
+        finally:
+            for n, meta in kept.items():
+                n.meta.pop("tensor_meta", None)
+                n.meta.pop("type", None)
+                n.meta.update(meta)
+        for nd in graph.nodes:
+            two = doubled.get(nd.name)
+            if nd.out is not None and two is not None and len(two.shape) == len(nd.out.shape) and \
+                    sum(x != y for x, y in zip(nd.out.shape, two.shape)) > 1:
+                return nd.name
+        return None
+
+    return graph.memo(("batch_meets",), probe)
+
+
 class _MetaWeightsShapeProp(_GroupShapeProp):
     """Shape propagation of a model holding real weights, on meta copies of
     them made as they are read (``get_attr`` and the leaf modules' own

@@ -15,6 +15,8 @@ time budget). The full models x families matrix (and pp x dp x tp on 8 processes
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -307,47 +309,210 @@ def test_every_layer_of_a_mixed_stack_is_a_pipeline_unit(kinds):
     assert est.pipeline["layers"] == [1] * len(kinds)
 
 
-def test_a_loss_where_samples_meet_refuses_a_split_batch():
-    """A two-tower contrastive model (CLIP's shape: token ids and pixels, logits
-    image x text over the batch): its samples meet in the logits, so a split
-    batch trains another loss. CLIP ran under dp=2 into a shape error, and
-    with labels made from the local batch it would have run on silently. The
-    export front end sees the logits span the batch twice (its batch symbols;
-    each input's batch is a symbol of its own there, now all of them count),
-    and a split batch is refused in words; tp runs (equal to one process, in
-    the CLIP run of this change's session)."""
+class _TwoTower:
+    """A two-tower contrastive model (CLIP's shape: token ids and pixels,
+    logits image x text over the batch), as fx traces it (``control=False``)
+    or only torch.export does (a branch on a size)."""
+
+    @staticmethod
+    def build(control: bool):
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class TwoTower(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.text, self.image = nn.Embedding(16, 8), nn.Linear(12, 8)
+                self.scale = nn.Parameter(torch.tensor([2.0]))
+                self.cls = nn.Parameter(torch.randn(8))
+
+            def forward(self, ids, pixels):
+                if control and ids.shape[0] > 1:   # control flow on a size: torch.fx cannot trace it
+                    pixels = pixels * 1.0
+                t = F.normalize(self.text(ids).mean(1), dim=-1)
+                # a weight made the batch's size (timm's and CLIP's class token): a value of the weight alone
+                i = F.normalize(self.image(pixels) + self.cls.expand(pixels.shape[0], -1), dim=-1)
+                return self.scale * i @ t.t()
+
+        torch.manual_seed(0)
+        return TwoTower()
+
+    @staticmethod
+    def batch():
+        import torch
+        g = torch.Generator().manual_seed(1)
+        return (torch.randint(0, 16, (8, 5), generator=g), torch.randn(8, 12, generator=g)), torch.arange(8)
+
+    @staticmethod
+    def loss(logits, target):
+        """CLIP's symmetric loss, the labels made in the loss from the logits' size."""
+        import torch
+        import torch.nn.functional as F
+        labels = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2 + 0 * target.sum()
+
+
+def _hf_clip():
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    import transformers as T
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = T.CLIPConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=16),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, image_size=16, patch_size=8), projection_dim=16)
 
-    import autopar
-    from autopar.errors import UnsupportedError
-    from autopar.parallelize import check_runnable
-    from autopar.spec import parse_strategy
-
-    class TwoTower(nn.Module):
+    class Clip(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.text, self.image = nn.Embedding(16, 8), nn.Linear(12, 8)
+            self.m = T.CLIPModel(cfg)
 
-        def forward(self, ids, pixels):
-            if ids.shape[0] > 1:       # control flow on a size: torch.fx cannot trace it, export can
-                pixels = pixels * 1.0
-            t = F.normalize(self.text(ids).mean(1), dim=-1)
-            i = F.normalize(self.image(pixels), dim=-1)
-            return i @ t.t()
+        def forward(self, ids, px):
+            return self.m(input_ids=ids, pixel_values=px).logits_per_image
 
-    def loss(logits, target):
-        return F.cross_entropy(logits, target)
+    g = torch.Generator().manual_seed(1)
+    return Clip(), (torch.randint(0, 64, (8, 16), generator=g), torch.randn(8, 3, 16, 16, generator=g)), \
+        torch.arange(8)
 
-    ids, pixels = torch.randint(0, 16, (8, 5)), torch.randn(8, 12)
-    g = autopar.trace(TwoTower(), (ids, pixels), loss_fn=loss, target=torch.arange(8))
-    assert g.frontend == "export" and g.cross_sample is not None
-    assert g.traced_batch_dims[g.cross_sample] == 0
-    for strategy in ("dp=2", "dp=2,zero=1", "microbatches=2"):
-        with pytest.raises(UnsupportedError, match="mixes samples"):
+
+def _contrastive(name: str):
+    """(model, inputs, target, loss) of a model whose samples meet."""
+    import torch.nn.functional as F
+    if name == "hf-clip":
+        import autopar  # noqa: F401 - its torchvision shim before transformers
+        model, inputs, target = _hf_clip()
+        return model, inputs, target, F.cross_entropy
+    inputs, target = _TwoTower.batch()
+    return _TwoTower.build(control=name == "two-tower-export"), inputs, target, _TwoTower.loss
+
+
+CONTRASTIVE = [("two-tower-fx", "dp=2"), ("two-tower-export", "dp=2,zero=1"), ("hf-clip", "dp=2")]
+
+
+def _contrastive_steps(name: str, strategy: str | None):
+    """Three SGD steps of ``name``: (losses, final weights, the kinds of the
+    program's collectives), in one process when ``strategy`` is None."""
+    import torch
+    import autopar
+    model, inputs, target, loss = _contrastive(name)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.5)   # noqa: E731
+    if strategy is None:
+        o = opt(model.parameters())
+        losses = []
+        for _ in range(3):
+            o.zero_grad()
+            out = loss(model(*inputs), target)
+            out.backward()
+            o.step()
+            losses.append(out.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, []
+    pm = autopar.parallelize(model, inputs, loss_fn=loss, example_target=target, optimizer=opt, strategy=strategy)
+    losses = [pm.train_step(inputs, target) for _ in range(3)]
+    kinds = sorted(m.kind for m in pm.program.modules() if type(m).__name__ == "Comm")
+    return losses, {k.removeprefix("model."): v.clone() for k, v in pm.full_state_dict().items()}, kinds
+
+
+def _contrastive_worker(rank: int, world: int) -> list:
+    return [_contrastive_steps(name, strategy) for name, strategy in CONTRASTIVE]
+
+
+def test_a_model_whose_samples_meet_trains_under_data_parallelism():
+    """A contrastive model (an image x text similarity over the batch) under
+    dp trains what one process does. Before, a torch.fx-traced one ran on
+    silently with each rank's own samples only (first loss 1.42 against
+    2.07), and torch.export ones were refused. Now the data-parallel axis is
+    compiled in like a tensor axis where samples meet: each rank gathers the
+    other ranks' text features, the loss is the whole batch's, and each
+    weight's gradient is reduced once, by the runtime (no all-reduce of
+    weights in the program: only the gathers and the loss's all-reduce)."""
+    import torch
+    got = run_distributed(_contrastive_worker, 2, timeout=300)[0]
+    for (name, strategy), (losses, weights, kinds) in zip(CONTRASTIVE, got):
+        ref_losses, ref_weights, _ = _contrastive_steps(name, None)
+        assert losses == pytest.approx(ref_losses, abs=1e-5), (name, strategy)
+        for k, w in ref_weights.items():
+            assert torch.allclose(weights[k], w, atol=1e-5), (name, strategy, k)
+        assert "all_gather" in kinds or "all_gather_reduce_grad" in kinds, (name, kinds)
+        assert "reduce_grad" not in kinds, (name, kinds)     # no weight gradient reduced in the program
+
+
+def test_where_samples_meet_is_found_by_either_front_end():
+    """The value where samples meet: torch.export's batch symbols, an fx
+    graph's shapes at twice the batch (:func:`autopar.trace.batch_meets`), and
+    a batch mean reduced before a product on either (:func:`samples_meet`); a
+    model whose samples never meet has none, and its plain data parallelism
+    is kept (no gathers)."""
+    import torch
+    import torch.nn as nn
+
+    import autopar
+    from autopar import zoo
+    from autopar.sharding import samples_meet
+    from autopar.trace import batch_meets
+
+    inputs, target = _TwoTower.batch()
+    fx = autopar.trace(_TwoTower.build(control=False), inputs, loss_fn=_TwoTower.loss, target=target)
+    ex = autopar.trace(_TwoTower.build(control=True), inputs, loss_fn=_TwoTower.loss, target=target)
+    assert fx.frontend == "fx" and ex.frontend == "export"
+    assert batch_meets(fx) is not None and fx[batch_meets(fx)].out.shape == (8, 8)
+    # the batch walk sees it too: the logits' product reads one tower's batch-split features whole
+    single = autopar.trace(_TwoTower.build(control=False), inputs, loss_fn=nn.functional.cross_entropy,
+                           target=target)
+    assert single[samples_meet(single)].kind == "matmul"
+    assert ex.cross_sample is not None and batch_meets(ex) == ex.cross_sample
+
+    class Centered(nn.Module):       # a loss of batch statistics: samples meet without a [B, B] value
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            z = self.lin(x)
+            return ((z.mean(0) - 1.0) ** 2).sum() + (z ** 2).mean()
+
+    g = autopar.trace(Centered(), (torch.randn(8, 4),))
+    assert samples_meet(g) is not None and batch_meets(g) is None
+    for spec in ("gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64", "cnn", "hf-gpt2"):
+        g = autopar.api.as_graph(spec)
+        assert samples_meet(g) is None and batch_meets(g) is None, spec
+    z = zoo.build("mlp", batch=4)
+    g = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    assert samples_meet(g) is None and batch_meets(g) is None
+
+
+def test_where_samples_meet_a_split_batch_is_data_parallelism_or_refused():
+    """Microbatches and copies would train another loss (a loss over part of
+    the batch), so they are refused in words, as are the combinations not run
+    yet (a tp_mode grid's rows, cp, pp with dp); dp, tp and pp alone run."""
+    from autopar.errors import UnsupportedError
+    from autopar.parallelize import check_runnable
+    from autopar.sharding import meeting_limits
+    from autopar.spec import parse_strategy
+    from autopar.errors import NoFeasibleStrategyError
+    from cost_models.presets import load_cluster
+
+    import autopar
+    cpu = load_cluster("cpu")
+    small = dataclasses.replace(cpu, name="cpu-small", device=dataclasses.replace(cpu.device, memory_bytes=2**18))
+    inputs, target = _TwoTower.batch()
+    for control in (False, True):
+        g = autopar.trace(_TwoTower.build(control), inputs, loss_fn=_TwoTower.loss, target=target)
+        for strategy in ("microbatches=2", "dp=2,microbatches=2"):
+            with pytest.raises(UnsupportedError, match="mixes samples"):
+                check_runnable(g, parse_strategy(strategy))
+        with pytest.raises(UnsupportedError, match="not with a tp_mode grid"):
+            check_runnable(g, parse_strategy("tp=4,tp_mode=2d"))
+        for strategy in ("dp=2", "dp=2,zero=1", "tp=2", "dp=2,tp=2"):
             check_runnable(g, parse_strategy(strategy))
-    check_runnable(g, parse_strategy("tp=2"))
+        plan = autopar.plan(g, cluster="cpu", devices=4, global_batch=8)
+        assert not meeting_limits(plan.config), plan.strategy
+        check_runnable(g, plan.config)
+        # the automatic search leaves out what would be refused: on devices of 256 KiB, 2 microbatches
+        # fit (which it picked before), 1 does not
+        with pytest.raises(NoFeasibleStrategyError, match="microbatches=1.* samples meet"):
+            autopar.plan(g, cluster=small, devices=2, global_batch=1024)
+
 
 def test_parallel_branches_are_no_layer_stack():
     """Siblings that do not run one after another (branches reading the same

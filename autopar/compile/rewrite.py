@@ -184,12 +184,17 @@ class LocalProgram:
 class Axis:
     """One tensor axis of this rank's program: its decisions, this rank's
     coordinate on it and its process group. The graph's inputs arrive whole
-    along every axis: one whose decisions split an input splits it first."""
+    along every axis but one of ``inputs_split`` (the data-parallel ranks'
+    own samples): one whose decisions split an input splits it first."""
 
     sh: AxisSharding
     rank: int
     group: Any
     whole_sizes: bool = False    # a size read off a value this axis splits is the whole one (x n)
+    inputs_split: bool = False   # the inputs arrive as this rank's chunk of what the decisions split
+    # the runtime reduces the weights' gradients over this axis (data parallelism): a value made from
+    # weights alone reads no Megatron f (no gradient all-reduce) before split work
+    weight_grads_outside: bool = False
 
     @property
     def n(self) -> int:
@@ -213,6 +218,12 @@ def _local_pieces(fnode: fx.Node, args: tuple, n: int) -> tuple:
     return (args[0], local, *args[2:])
 
 
+def own_chunk(x: torch.Tensor, n: int, rank: int, dim: int) -> torch.Tensor:
+    """Chunk ``rank`` of ``n`` of ``x`` along ``dim``; its backward leaves the
+    other chunks' gradient zero (this rank's part of a sum over the axis)."""
+    return x.chunk(n, dim)[rank]
+
+
 def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, ...]:
     if is_shard(placement):
         d = shard_dim(placement)
@@ -224,7 +235,7 @@ def _local_shape(shape: tuple[int, ...], placement: str, n: int) -> tuple[int, .
 
 def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, ...] | None], *,
                   tp_rank: int, tp_group: Any, params: dict[str, torch.Tensor],
-                  grid: Sequence[Axis] = (), batch_group: Any = None) -> LocalProgram:
+                  grid: Sequence[Axis] = (), batch_group: Any = None, batch: Axis | None = None) -> LocalProgram:
     """Build this rank's GraphModule.
 
     ``shapes`` are the node shapes local to the data-parallel axis (at the
@@ -238,10 +249,14 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     training-mode batch norm then takes its statistics over the whole batch
     of that group (:class:`SyncBatchNorm`), so data parallelism computes what
     one process does on the global batch.
+    ``batch``: the data-parallel axis, outermost, for a model whose samples
+    meet (:func:`autopar.sharding.samples_meet`): its inputs arrive split, and
+    the values its decisions gather are moved like any other axis's; then
+    ``shapes`` are whole along it too.
     """
     if graph.gm is None:
         raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
-    axes = [*grid, Axis(tp, tp_rank, tp_group)]
+    axes = [*([batch] if batch is not None else []), *grid, Axis(tp, tp_rank, tp_group)]
     rw = _Rewriter(graph, axes, shapes, params, batch_group)
     for fnode in graph.gm.graph.nodes:
         rw.node(fnode)
@@ -268,6 +283,12 @@ class _Rewriter:
         self.root: dict[str, Any] = {}
         self.placement: list[dict[str, str]] = [{} for _ in axes]
         self.grad = needs_grad(graph)
+        # the values the data flows into (a size read off an input is no data: an expand of a
+        # weight to the batch's size is made of the weight alone)
+        self.from_data: set[str] = set()
+        for nd in graph.nodes:
+            if nd.kind == "input" or nd.kind != "shape" and any(i in self.from_data for i in nd.inputs):
+                self.from_data.add(nd.name)
         self.cache: dict[tuple, fx.Node] = {}
         self.count = 0
 
@@ -285,6 +306,9 @@ class _Rewriter:
         redistribution table, one Comm module each (shared by the consumers
         that read it alike)."""
         g = self.grad.get(name, False)
+        weights_only = name not in self.from_data
+        if weights_only:
+            splits = tuple(s and not ax.weight_grads_outside for ax, s in zip(self.axes, splits))
         key = (name, wants, tuple(s and g and w == R and ax.n > 1 for ax, w, s in zip(self.axes, wants, splits)))
         if key in self.cache:
             return self.cache[key]
@@ -296,7 +320,12 @@ class _Rewriter:
             except CompileError as e:
                 raise CompileError(f"{name}: {e}") from None
             for step in steps:
-                x = self.comm(x, ax, step.kind, *step.dims)
+                if step.kind == "split" and weights_only and ax.weight_grads_outside:
+                    # a value of the weights alone: its gradient stays this rank's part, which the
+                    # runtime sums with the other ranks' (a split's backward would gather it whole)
+                    x = self._inserted(own_chunk, (x, ax.n, ax.rank, *step.dims), f"{name}_own")
+                else:
+                    x = self.comm(x, ax, step.kind, *step.dims)
         self.cache[key] = x
         return x
 
@@ -318,7 +347,7 @@ class _Rewriter:
         if fnode.op == "placeholder":
             x = self.new.placeholder(fnode.name)
             for ax in self.axes:      # inputs arrive whole: an axis that splits one takes its chunk
-                if is_shard(ax.out(fnode.name)):
+                if is_shard(ax.out(fnode.name)) and not ax.inputs_split:
                     x = self.comm(x, ax, "split", shard_dim(ax.out(fnode.name)))
             self.env[fnode.name] = x
         elif fnode.op == "get_attr":

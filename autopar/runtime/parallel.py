@@ -177,6 +177,9 @@ class ParallelModule(nn.Module):
         self.optimizer = optimizer
         self.dist_optimizer = dist_optimizer
         self._draw_timeline = draw_timeline
+        # each rank's loss backward is scaled by it: dp where the program holds the whole loss on every
+        # rank and each rank's gradient is its samples' part of the sum (a model whose samples meet)
+        self.grad_scale = 1.0
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program."""
@@ -346,12 +349,12 @@ class ParallelModule(nn.Module):
                     dopt.start_microbatch(last=i == m - 1)
                 with regather.scope():      # sequence parallel: saved as shards, gathered again
                     loss = self.program(*xs, tg)
-                (loss * (scale / m)).backward()
+                (loss * (scale * self.grad_scale / m)).backward()
                 total += loss.detach().float() / m
         else:
             if dopt is not None:    # a pipeline's backwards interleave: reduce after the flush
                 dopt.start_microbatch(last=False)
-            self.pipeline.loss_scale = scale
+            self.pipeline.loss_scale = scale * self.grad_scale
             loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
             if loss is not None:   # this rank holds the last stage
                 total += loss.float()

@@ -55,6 +55,7 @@ from ..cost import MEMORY_HEADROOM, Estimate, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
+from ..sharding import meeting_limits, samples_meet
 from ..spec import ParallelConfig, divisors
 from ..strategies.context import cp_choices
 from .ilp import InfeasiblePins
@@ -344,6 +345,10 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     piped = pipeline_configs(graph, devices, global_batch, schedules=schedules, offload=offload,
                              memory_options=memory_options, devices_per_node=planner.cluster.devices_per_node,
                              tp_modes=tp_modes) if pipeline else []
+    meet = samples_meet(graph)
+    if meet is not None:    # a split batch only by data parallelism (autopar.parallelize)
+        lines = [kept for line in lines if (kept := [c for c in line if not meeting_limits(c)])]
+        piped = [c for c in piped if not meeting_limits(c)]
     steps = len(lines) + (PIPE_PROGRESS if piped else 0)
     if not lines and not piped:
         raise StrategyError(f"no dp x tp split of {devices} devices divides global batch {global_batch}; "
@@ -388,7 +393,9 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         assert closest is not None
         raise NoFeasibleStrategyError(
             f"no strategy fits in device memory ({closest.device_memory_bytes / 2**30:.3g} GiB); the closest, "
-            f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device")
+            f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device" +
+            (f" (microbatches, copies and pipelines with dp were left out: {graph.name}'s samples meet at "
+             f"{meet}, so a loss over part of the batch would be another loss)" if meet is not None else ""))
     feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].pp, ec[1].tp, ec[1].microbatches, ec[1].zero,
                                   ec[1].recompute, ec[1].copies))
     best, cfg, sh = feasible[0]
@@ -424,7 +431,8 @@ def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:
     count = 0
     pairs = []
     for est, cfg, sh in feasible:
-        if cfg.tp == 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or cfg.copies > 1:
+        if cfg.tp == 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or cfg.copies > 1 or \
+                samples_meet(planner.graph) is not None:
             continue
         if not any(planner.global_batch // (cfg.dp * cfg.microbatches) % n == 0 for n in COPIES):
             continue

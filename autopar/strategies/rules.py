@@ -460,7 +460,9 @@ def _transpose(ctx: Ctx) -> list[Strategy]:
 
 @ops.register_rule("expand")
 def _expand(ctx: Ctx) -> list[Strategy]:
-    """unsqueeze / squeeze / expand / repeat_interleave / repeat."""
+    """unsqueeze / squeeze / expand / repeat_interleave / repeat; expand_as
+    (x, other): the output has other's shape, so other is read as the
+    output is placed."""
     x, o = ctx.ins[0], ctx.out
     out = [Strategy("replicate", _all(ctx, R), R, False)]
     if x is None or o is None:
@@ -474,7 +476,8 @@ def _expand(ctx: Ctx) -> list[Strategy]:
         if ctx.div(x, di) and ctx.div(o, do):
             if t in ("expand", "expand_as", "repeat") and x[di] != o[do]:
                 continue
-            out.append(Strategy(f"dim{di}", (S(di),) + extra, S(do), False))
+            other = (S(do),) * (len(ctx.ins) - 1) if t == "expand_as" else extra
+            out.append(Strategy(f"dim{di}", (S(di),) + other, S(do), False))
     if t in ("unsqueeze", "squeeze"):
         out.append(Strategy("partial", (P,) + extra, P, False))
     return out
