@@ -305,7 +305,7 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     """Raise :class:`UnsupportedError` for a valid strategy this release
     cannot run on ``graph``: fp16 with ZeRO-3; on a model whose samples meet
     (:func:`samples_cross_ranks`), a batch split otherwise than over plain
-    data parallelism (microbatches, copies, a grid's rows, cp, a pipeline).
+    data parallelism (microbatches, so pipelines too, copies, a grid's rows, cp).
     (Graphs from either front end run every other strategy.)"""
     if cfg.zero == 3 and cfg.precision == "fp16":
         raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
@@ -322,11 +322,11 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
             f"{cfg.to_string()} runs the batch in parts one after another, but {graph.name} mixes samples: "
             f"its value {meet} depends on several samples (an image x text similarity, a pairwise distance, a "
             f"loss of batch means), so a loss over part of the batch is another loss than one process's; use "
-            f"microbatches=1 and copies=1 (data parallelism gathers what the samples share)")
+            f"microbatches=1 (so no pipeline) and copies=1 (data parallelism gathers what the samples share)")
     if limits:
         raise UnsupportedError(
             f"{cfg.to_string()}: {graph.name} mixes samples (its value {meet} depends on several), which this "
-            f"release runs under data parallelism, tp and pp without dp, but not with {' or '.join(limits)}")
+            f"release runs under data parallelism, ZeRO and tp, but not with {' or '.join(limits)}")
 
 
 def samples_cross_ranks(graph: Graph, cfg: ParallelConfig) -> str | None:

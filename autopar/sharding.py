@@ -371,12 +371,11 @@ def samples_meet(graph: Graph) -> str | None:
 
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:
     """What of ``cfg`` does not run a model whose samples meet: microbatches
-    and copies (a loss over part of the batch is another loss), and what is
-    not run yet with it (a tp_mode grid's rows, cp, pp with dp). Empty: it
-    runs (dp, tp, pp without dp)."""
+    (so pipelines too) and copies (a loss over part of the batch is another
+    loss), and what is not run yet with it (a tp_mode grid's rows, cp).
+    Empty: it runs (dp, tp, ZeRO)."""
     return [k for k, on in (("microbatches", cfg.microbatches > 1), ("copies", cfg.copies > 1),
-                            ("a tp_mode grid", cfg.tp_mode != "1d"), ("cp", cfg.cp > 1),
-                            ("pp with dp", cfg.pp > 1 and cfg.dp > 1)) if on]
+                            ("a tp_mode grid", cfg.tp_mode != "1d"), ("cp", cfg.cp > 1)) if on]
 
 
 def _track_batch(graph: Graph) -> AxisSharding:

@@ -484,7 +484,7 @@ def test_where_samples_meet_is_found_by_either_front_end():
 def test_where_samples_meet_a_split_batch_is_data_parallelism_or_refused():
     """Microbatches and copies would train another loss (a loss over part of
     the batch), so they are refused in words, as are the combinations not run
-    yet (a tp_mode grid's rows, cp, pp with dp); dp, tp and pp alone run."""
+    yet (a tp_mode grid's rows, cp); dp, ZeRO and tp run."""
     from autopar.errors import UnsupportedError
     from autopar.parallelize import check_runnable
     from autopar.sharding import meeting_limits
@@ -498,7 +498,7 @@ def test_where_samples_meet_a_split_batch_is_data_parallelism_or_refused():
     inputs, target = _TwoTower.batch()
     for control in (False, True):
         g = autopar.trace(_TwoTower.build(control), inputs, loss_fn=_TwoTower.loss, target=target)
-        for strategy in ("microbatches=2", "dp=2,microbatches=2"):
+        for strategy in ("microbatches=2", "dp=2,microbatches=2", "pp=2"):
             with pytest.raises(UnsupportedError, match="mixes samples"):
                 check_runnable(g, parse_strategy(strategy))
         with pytest.raises(UnsupportedError, match="not with a tp_mode grid"):

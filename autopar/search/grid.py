@@ -394,7 +394,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         raise NoFeasibleStrategyError(
             f"no strategy fits in device memory ({closest.device_memory_bytes / 2**30:.3g} GiB); the closest, "
             f"{closest.strategy}, needs {closest.peak_memory_bytes / 2**30:.3g} GiB per device" +
-            (f" (microbatches, copies and pipelines with dp were left out: {graph.name}'s samples meet at "
+            (f" (microbatches, so pipelines, and copies were left out: {graph.name}'s samples meet at "
              f"{meet}, so a loss over part of the batch would be another loss)" if meet is not None else ""))
     feasible.sort(key=lambda ec: (ec[0].step_time_s, ec[1].pp, ec[1].tp, ec[1].microbatches, ec[1].zero,
                                   ec[1].recompute, ec[1].copies))
