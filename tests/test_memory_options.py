@@ -136,3 +136,68 @@ def test_sequence_parallel_saves_shards_and_gathers_again(results):
         else:
             layers = 0 if "recompute=full" in strategy else 2
             assert n >= STEPS * (layers + 1), (strategy, n)
+
+
+class _Tempered(torch.nn.Module):
+    """An MLP with a learnable 0-d temperature (CLIP's ``logit_scale``), which
+    FSDP2 cannot shard ("fully_shard doesn't support scalar parameters")."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * self.temp
+
+
+def _tempered_batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _tempered_loss(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _tempered_steps(strategy: str | None, clip: float):
+    """Three AdamW steps with the gradients clipped to ``clip`` (one process when ``strategy`` is None)."""
+    import autopar
+    model, (x, y) = _Tempered(), _tempered_batch()
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)   # noqa: E731
+    if strategy is None:
+        o, losses, norms = opt(model.parameters()), [], []
+        for _ in range(3):
+            o.zero_grad()
+            loss = _tempered_loss(model(x), y)
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            o.step()
+            losses.append(loss.item())
+        return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pm = autopar.parallelize(model, (x,), loss_fn=_tempered_loss, example_target=y, optimizer=opt,
+                             strategy=strategy, max_grad_norm=clip)
+    losses, norms = [], []
+    for _ in range(3):
+        losses.append(pm.train_step((x,), y))
+        norms.append(pm.grad_norm)
+    return losses, norms, {k.removeprefix("model."): v for k, v in pm.full_state_dict().items()}
+
+
+def _tempered_worker(rank: int, world: int) -> list:
+    return [_tempered_steps("dp=2,zero=3", 0.5)]
+
+
+def test_zero3_keeps_a_scalar_parameter_whole_and_averages_its_gradient():
+    """ZeRO-3 of a model with a 0-d parameter failed in FSDP2 (HF CLIP's
+    ``logit_scale``): it is left whole on every rank, its gradient averaged
+    over dp, and counted once in the clipped norm; the training equals one
+    process (the clip is active)."""
+    ref_losses, ref_norms, ref_w = _tempered_steps(None, 0.5)
+    assert min(ref_norms) > 0.5
+    for losses, norms, w in run_distributed(_tempered_worker, 2, timeout=240)[0]:
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        for k, v in ref_w.items():
+            assert torch.allclose(w[k], v, atol=1e-5), k

@@ -31,7 +31,7 @@ from .faults import FaultBoard
 from .faults import activate as activate_faults
 from .optim import DistributedOptimizer, clip_grad_norm_
 from .pipeline import PipelineExecutor
-from .regions import full_tensor
+from .regions import full_tensor, unsharded_params
 
 __all__ = ["ParallelModule", "StateNames", "LOW_PRECISION", "local_tensors", "as_tuple"]
 
@@ -360,6 +360,8 @@ class ParallelModule(nn.Module):
                 total += loss.float()
         if self.pipeline is not None:
             dist.broadcast(total, self.mesh.group_ranks("pp")[-1], group=self.pp_group)
+        if self.fsdp:
+            self._average_unsharded()
         total = self._mean_over_replicas(total)
         # the loss is now the same on every rank, so every rank takes the same branch
         if not math.isfinite(float(total)) and self.config.precision != "fp16":   # fp16: the scaler skips
@@ -386,12 +388,34 @@ class ParallelModule(nn.Module):
 
     _fsdp_grad_norm: float | None = None
 
+    def _unsharded(self) -> list[nn.Parameter]:
+        """The parameters FSDP2 left whole (0-d ones), kept per step's program."""
+        if self._unsharded_params is None:
+            self._unsharded_params = unsharded_params(
+                [self.program] if self.program is not None else list(self.stage_modules))
+        return self._unsharded_params
+
+    _unsharded_params: list[nn.Parameter] | None = None
+
+    def _average_unsharded(self) -> None:
+        """ZeRO-3: average the gradients of the parameters FSDP2 left whole
+        over the data-parallel (and context-parallel) ranks, as FSDP2's
+        reduce-scatter does for the others."""
+        grads = [p.grad for p in self._unsharded() if p.grad is not None]
+        for group in (self.dp_group if self.config.dp > 1 else None, self.cp_group):
+            if group is not None and grads:
+                C.all_reduce_mean_(grads, group)
+
     def _clip_fsdp(self) -> None:
-        """Clip under FSDP2 (zero=3): each dp rank holds its own shard of every grad."""
+        """Clip under FSDP2 (zero=3): each dp rank holds its own shard of every
+        grad, and the whole of those FSDP2 left whole (counted once)."""
         grads = [(name, p.grad) for name, p in self._local_tensors().items()
                  if isinstance(p, nn.Parameter) and p.grad is not None]
+        whole = {id(p.grad) for p in self._unsharded() if p.grad is not None}
         local = [(name, g.to_local() if hasattr(g, "to_local") else g) for name, g in grads]
-        terms = [(g, 1.0 / self.grad_copies.get(name, 1)) for name, g in local]
+        replicas = self.config.dp * self.config.cp
+        terms = [(g, 1.0 / (self.grad_copies.get(name, 1) * (replicas if id(h) in whole else 1)))
+                 for (name, g), (_, h) in zip(local, grads)]
         self._fsdp_grad_norm = clip_grad_norm_(terms, [g for _, g in local], self.max_grad_norm, device=self.device)
 
     def _non_finite(self, loss: float) -> None:

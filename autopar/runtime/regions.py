@@ -223,7 +223,9 @@ def fully_shard_regions(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.d
     host memory (``CPUOffloadPolicy``). Parameters already sharded for tensor
     parallelism are plain local tensors and are sharded again along dp.
     Returns ``module``, now an ``FSDPModule`` (``set_requires_gradient_sync``,
-    ``reshard``, ...).
+    ``reshard``, ...). FSDP2 shards no 0-d parameter (a learnable
+    temperature: CLIP's ``logit_scale``): those stay whole on every rank
+    (:func:`unsharded_params`), their gradients averaged by the runtime.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     if dp_mesh is None or dp_mesh.ndim != 1:
@@ -231,12 +233,26 @@ def fully_shard_regions(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.d
                            "(e.g. Mesh.device_mesh['dp'])")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     off = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    scalars = {p for p in module.parameters() if p.dim() == 0} or None
     for r in regions(module).values():
-        if next(r.parameters(), None) is not None:
+        if any(p.dim() for p in r.parameters()):
             fully_shard(r, mesh=dp_mesh, mp_policy=mp, offload_policy=off,
-                        reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
+                        reshard_after_forward=reshard_after_forward, ignored_params=scalars)
+    fully_shard(module, mesh=dp_mesh, mp_policy=mp, offload_policy=off, ignored_params=scalars)
     return module
+
+
+def unsharded_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters :func:`fully_shard_regions` left whole in
+    ``modules`` (plain tensors among FSDP2's DTensors): their gradients are
+    each rank's own until the runtime averages them over the data-parallel ranks."""
+    from torch.distributed.tensor import DTensor
+    seen: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad and not isinstance(p, DTensor):
+                seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
