@@ -68,8 +68,9 @@ from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, z
 from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node, checkpoint_dispatches
-from .sharding import AxisSharding, attention_output_aliases, backward_reads, batch_dims, depth_placement, \
-    needs_grad, numel as _numel, row_placement, instances, scaled_shapes, selective_keeps, track_batch
+from .sharding import AxisSharding, attention_output_aliases, backward_reads, batch_dims, data_values, \
+    depth_placement, follow_batch, needs_grad, numel as _numel, row_placement, instances, samples_meet, \
+    scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
@@ -78,7 +79,7 @@ from .spec.placement import P, R
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time, shared_key
 from .strategies.context import attentions, check_cp
-from .strategies.redistribute import feasible, output_time, transition_steps
+from .strategies.redistribute import feasible, output_time, transition_steps, transition_time
 
 
 MEMORY_HEADROOM = 0.9
@@ -889,6 +890,7 @@ class CostModel:
         mb_fwd = fwd + tp_comm / 2
         dp_comm, opt_time, states = self._dp_tail(cfg, local_params, n_tensors, topo, 0, mb_fwd,
                                                   (passes - 1) * fwd + tp_comm / 2, self._fsdp_units())
+        dp_comm += m * self._meeting_comm(cfg, global_batch // m, topo)
         activations = saved_outside + sum(inst_saved.values())
         recomputed = 0.0     # one layer's values materialised again while its backward runs
         if cfg.recompute == "full" and inst_saved:
@@ -921,6 +923,34 @@ class CostModel:
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )
+
+    def _meeting_comm(self, cfg: ParallelConfig, mb_global: int, topo: MeshTopology) -> float:
+        """Seconds per microbatch of ``mb_global`` samples the data-parallel
+        axis spends moving values where the model's samples meet
+        (:func:`~autopar.sharding.samples_meet`; the compiler gathers them
+        there, :func:`autopar.parallelize.apply_tp`): every transition of
+        the batch walk at ``dp`` on the whole shapes that carries data (a
+        weight's own do not move), forward and backward, priced by the
+        redistribution table on the dp link, at the values' size before any
+        tensor-parallel split (an upper bound under tp). 0 without dp or
+        where samples do not meet."""
+        g = self.graph
+        if cfg.dp == 1 or samples_meet(g) is None:
+            return 0.0
+        key = ("meeting", cfg.dp, mb_global, topo.spans_nodes(0))
+        if key not in self.cache.sums:
+            whole = scaled_shapes(g, mb_global, 1)
+            walk, data, grad = follow_batch(g, cfg.dp, whole, batch_axis=True), data_values(g), needs_grad(g)
+            t = 0.0
+            for nd in g.nodes:
+                st = walk.strategy.get(nd.name)
+                for i, want in zip(nd.inputs, st.ins if st is not None else ()):
+                    have = walk.out.get(i, R)
+                    if have != want and i in data:
+                        t += transition_time(have, want, _numel(whole.get(i)) * self.itemsize, grad.get(i, False),
+                                             st.split, lambda kind, b: topo.collective_time(kind, b, 0))
+            self.cache.sums[key] = (t,)
+        return self.cache.sums[key][0]
 
     def pipeline_lower_bound(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int) -> float:
         """A lower bound on the step time :meth:`estimate` gives the pipelined

@@ -369,6 +369,20 @@ def samples_meet(graph: Graph) -> str | None:
     return graph.memo(("samples_meet",), find)
 
 
+def data_values(graph: Graph) -> frozenset[str]:
+    """The values the graph's inputs flow into; a size read off an input is no
+    data (an expand of a weight to the batch's size is made of the weight
+    alone, whose gradient the data-parallel reduction owns). Memoised."""
+    def build() -> frozenset[str]:
+        out: set[str] = set()
+        for nd in graph.nodes:
+            if nd.kind == "input" or nd.kind != "shape" and any(i in out for i in nd.inputs):
+                out.add(nd.name)
+        return frozenset(out)
+
+    return graph.memo(("data_values",), build)
+
+
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:
     """What of ``cfg`` does not run a model whose samples meet: microbatches
     (so pipelines too) and copies (a loss over part of the batch is another

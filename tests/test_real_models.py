@@ -387,7 +387,8 @@ def _contrastive(name: str):
     return _TwoTower.build(control=name == "two-tower-export"), inputs, target, _TwoTower.loss
 
 
-CONTRASTIVE = [("two-tower-fx", "dp=2"), ("two-tower-export", "dp=2,zero=1"), ("hf-clip", "dp=2")]
+CONTRASTIVE = [("two-tower-fx", "dp=2"), ("two-tower-export", "dp=2,zero=1"), ("hf-clip", "dp=2"),
+               ("hf-clip", "dp=2,zero=3")]    # FSDP2 leaves CLIP's 0-d logit_scale whole
 
 
 def _contrastive_steps(name: str, strategy: str | None):
@@ -602,3 +603,27 @@ def test_a_step_that_raises_in_a_no_grad_region_leaves_autograd_on():
         pm.train_step((x, torch.tensor([0, 9])), y)       # out of the table, inside the no-grad region
     assert torch.is_grad_enabled()
     assert pm.train_step((x, i), y) > 0
+
+
+def test_the_cost_model_charges_the_gathers_where_samples_meet(monkeypatch):
+    """Under dp a model whose samples meet moves the text features (and
+    the loss's partial sums) over the dp link each step: the estimate's dp
+    communication holds that time (priced by the redistribution table on the
+    batch walk's transitions), more with more ranks, none without dp."""
+    import autopar
+    import autopar.cost as cost
+
+    inputs, target = _TwoTower.batch()
+    g = autopar.trace(_TwoTower.build(control=False), inputs, loss_fn=_TwoTower.loss, target=target)
+
+    def dp_comm(strategy: str, devices: int) -> float:
+        autopar.api.WARM.clear(g)
+        return autopar.evaluate(g, strategy=strategy, cluster="dgx-a100-80g", devices=devices,
+                                global_batch=1024).dp_comm_time_s
+
+    with_meet = {s: dp_comm(s, d) for s, d in (("dp=2", 2), ("dp=4", 4), ("tp=2", 2))}
+    monkeypatch.setattr(cost, "samples_meet", lambda graph: None)
+    without = {s: dp_comm(s, d) for s, d in (("dp=2", 2), ("dp=4", 4), ("tp=2", 2))}
+    assert with_meet["tp=2"] == without["tp=2"] == 0.0
+    extra = {s: with_meet[s] - without[s] for s in ("dp=2", "dp=4")}
+    assert 0 < extra["dp=2"] < extra["dp=4"]

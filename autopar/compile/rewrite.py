@@ -41,7 +41,7 @@ from ..errors import CompileError
 from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
-from ..sharding import AxisSharding, needs_grad, selective_keeps
+from ..sharding import AxisSharding, data_values, needs_grad, selective_keeps
 from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import transition_steps
@@ -283,12 +283,7 @@ class _Rewriter:
         self.root: dict[str, Any] = {}
         self.placement: list[dict[str, str]] = [{} for _ in axes]
         self.grad = needs_grad(graph)
-        # the values the data flows into (a size read off an input is no data: an expand of a
-        # weight to the batch's size is made of the weight alone)
-        self.from_data: set[str] = set()
-        for nd in graph.nodes:
-            if nd.kind == "input" or nd.kind != "shape" and any(i in self.from_data for i in nd.inputs):
-                self.from_data.add(nd.name)
+        self.from_data = data_values(graph)
         self.cache: dict[tuple, fx.Node] = {}
         self.count = 0
 
