@@ -69,7 +69,7 @@ from . import ops
 from .errors import StrategyError
 from .graph import NO_DISPATCH, Graph, Node, checkpoint_dispatches
 from .sharding import AxisSharding, attention_output_aliases, backward_reads, batch_dims, data_values, \
-    depth_placement, follow_batch, needs_grad, numel as _numel, row_placement, instances, samples_meet, \
+    depth_placement, follow_batch, has_layers, needs_grad, numel as _numel, row_placement, instances, samples_meet, \
     scaled_shapes, selective_keeps, track_batch
 from .pipeline import partition as pipe
 from .pipeline.partition import units
@@ -192,6 +192,10 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
         if cfg.stages > n_layers:
             raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
                                 f"{cfg.stages} repeated layers; {graph.name} has {n_layers}")
+    if cfg.recompute != "none" and not has_layers(graph):
+        raise StrategyError(f"recompute={cfg.recompute} runs each layer's forward again in its backward, but "
+                            f"{graph.name} has no layers to cut it into (layers are repeated blocks, such as a "
+                            f"ModuleList of alike transformer blocks); use recompute=none")
     if global_batch < 1 or global_batch % (cfg.dp * cfg.microbatches):
         raise StrategyError(f"global batch {global_batch} is not divisible by dp={cfg.dp} x "
                             f"microbatches={cfg.microbatches} = {cfg.dp * cfg.microbatches}")

@@ -101,6 +101,12 @@ def instances(graph: Graph) -> dict[str, list[Node]]:
     return inst
 
 
+def has_layers(graph: Graph) -> bool:
+    """Whether ``graph`` has a layer instance (a repeated layer, or an unlike
+    one of a numbered stack): the recompute regions and FSDP units. Memoised."""
+    return graph.memo(("has_layers",), lambda: any(nd.group is not None for nd in graph.nodes))
+
+
 def pin_signature(nodes: list[Node], pins: dict[str, str]) -> tuple:
     """The pins of a layer instance by position, its nodes' and those of what they read (a layer's
     parameters are outside its instance in torch.export graphs): instances pinned alike may share

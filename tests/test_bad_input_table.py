@@ -323,6 +323,8 @@ CASES: list[Case] = [
     Case(PZ, 'strategy "zero=3,precision=fp16"', lambda fx: _parallelize(strategy="zero=3,precision=fp16"),
          r"fp16"),
     Case(PZ, 'strategy "tp=two"', lambda fx: _parallelize(strategy="tp=two"), r"integer"),
+    Case(PZ, 'strategy "recompute=full" on a model without layers',
+         lambda fx: _parallelize(strategy="recompute=full"), r"no layers", autopar.StrategyError),
     Case(PZ, 'search_mode="genetic"', lambda fx: _parallelize(search_mode="genetic"), r"search_mode"),
     Case(PZ, "a keyword batch with labels and loss_fn=_mse",
          lambda fx: _parallelize(inputs={"x": torch.randn(4, 8), "labels": torch.randn(4, 8)}), r"labels"),

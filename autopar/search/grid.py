@@ -55,7 +55,7 @@ from ..cost import MEMORY_HEADROOM, Estimate, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
-from ..sharding import meeting_limits, samples_meet
+from ..sharding import has_layers, meeting_limits, samples_meet
 from ..spec import ParallelConfig, divisors
 from ..strategies.context import cp_choices
 from .ilp import InfeasiblePins
@@ -111,7 +111,7 @@ def grid_configs(graph: Graph, devices: int, global_batch: int, *,
     tensor parallelism to give every device a part (dataset slicing), so
     short-sequence grids at ample batches are unchanged."""
     tps = [t for t in tp_valid_sizes(graph) if devices % t == 0]
-    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    recomputes = ("none", "selective", "full") if memory_options and has_layers(graph) else ("none",)
     zeros = (0, 1, 2, 3) if memory_options else (0,)
     cps = cp_choices(graph, devices, small_batch=bool(tps) and global_batch * max(tps) < devices)
     out = []
@@ -145,7 +145,7 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
-    recomputes = ("none", "selective", "full") if memory_options else ("none",)
+    recomputes = ("none", "selective", "full") if memory_options and has_layers(graph) else ("none",)
     zeros = (0, 1, 2, 3) if memory_options else (0,)
     out = []
     for q in tp_valid_sizes(graph):
