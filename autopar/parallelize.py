@@ -51,7 +51,7 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import follow_batch, grid_rows, meeting_limits, samples_meet, scaled_shapes
+from .sharding import batch_reduction, follow_batch, grid_rows, meeting_limits, samples_meet, scaled_shapes
 from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
@@ -128,6 +128,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                                      shardings=shardings)
     check_runnable(graph, cfg)
     batch_moves = cfg.dp > 1 and samples_cross_ranks(graph, cfg) is not None
+    parts = cfg.dp * cfg.microbatches * cfg.copies   # the losses the runtime averages
     graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
@@ -172,6 +173,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.on_nonfinite = on_nonfinite
     if batch_moves:    # the program's loss is the whole batch's; each rank's gradient, its samples' part
         pm.grad_scale = float(cfg.dp)
+    elif parts > 1 and batch_reduction(graph) == "sum":
+        # a loss summed over the batch: the parts' losses add up to one process's, not average to it
+        pm.grad_scale = pm.loss_factor = float(parts)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
                          mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
@@ -315,6 +319,11 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
+    if cfg.dp * cfg.microbatches * cfg.copies > 1 and batch_reduction(graph) == "mixed":
+        raise UnsupportedError(
+            f"{cfg.to_string()} splits the batch, but {graph.name}'s loss adds terms that average the batch to "
+            f"terms that sum it, which no one scale of the parts' losses makes the whole batch's; make every "
+            f"term a mean (or every one a sum), or keep the batch whole (dp=1, microbatches=1)")
     meet = samples_cross_ranks(graph, cfg)
     limits = meeting_limits(cfg) if meet is not None else []
     if "microbatches" in limits or "copies" in limits:

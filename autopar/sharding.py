@@ -357,17 +357,17 @@ def samples_meet(graph: Graph) -> str | None:
     batch axis moves them (:func:`autopar.parallelize.apply_tp` compiles it
     so). Memoised on the graph."""
     def find() -> str | None:
-        sh = track_batch(graph)
+        sh, data = track_batch(graph), data_values(graph)
         for nd in graph.nodes:
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
             haves = [sh.out.get(i, R) for i in nd.inputs]
             split = [is_shard(h) or h == P for h in haves]
-            for have, want, s in zip(haves, st.ins, split):
-                # a batch sum read otherwise; or a product of two batch-split operands whose batch
-                # dims do not meet (aligned ones keep the batch split: a batched matmul)
-                if have == P and want != P or \
+            for k, (have, want, s) in enumerate(zip(haves, st.ins, split)):
+                # a batch sum read otherwise than affinely; or a product of two batch-split operands
+                # whose batch dims do not meet (aligned ones keep the batch split: a batched matmul)
+                if have == P and want != P and not _affine_in(nd, k, data) or \
                         s and have != want and nd.kind == "matmul" and sum(split) > 1:
                     return nd.name
         return graph.cross_sample
@@ -387,6 +387,38 @@ def data_values(graph: Graph) -> frozenset[str]:
         return frozenset(out)
 
     return graph.memo(("data_values",), build)
+
+
+def _affine_in(nd: Node, k: int, data: frozenset[str]) -> bool:
+    """Whether ``nd`` is affine in its input ``k`` given its other inputs are
+    no data (weights, constants): a sum with them (a loss plus an L2 term of
+    the weights) or, in its first operand, a product or quotient by them. A
+    batch sum read so is still one once each rank's value is averaged over
+    the ranks, as data parallelism does."""
+    info = ops.op_info(nd.target)
+    lin = info.linear_in if info is not None else ""
+    others_constant = all(i not in data for j, i in enumerate(nd.inputs) if j != k)
+    return others_constant and (lin == "all" or lin == "first" and k == 0)
+
+
+def batch_reduction(graph: Graph) -> str | None:
+    """How ``graph``'s loss reduces the batch, from the batch walk at two
+    ranks (:func:`follow_batch` on twice the traced batch): ``"mean"``
+    (every batch reduction a mean: each rank's loss averaged over the ranks
+    is the whole batch's), ``"sum"`` (every one a sum: the ranks' losses
+    add up to it), ``"mixed"``, or None where the walk sees no batch
+    reduction (a loss op without a rule). Memoised."""
+    def find() -> str | None:
+        if not graph.batch_size:
+            return None
+        walk = follow_batch(graph, 2, scaled_shapes(graph, 2 * graph.batch_size, 1), batch_axis=True)
+        scales = {st.scale for nd in graph.nodes if (st := walk.strategy.get(nd.name)) is not None and
+                  st.out == P and any(is_shard(walk.out.get(i, R)) for i in nd.inputs)}
+        if not scales:
+            return None
+        return "mean" if scales == {0.5} else "sum" if scales == {1.0} else "mixed"
+
+    return graph.memo(("batch_reduction",), find)
 
 
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:

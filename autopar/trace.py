@@ -449,6 +449,7 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     # interpreter, the compiler builds its own graph), so it is generated lazily, on
     # first call, where this torch has lazy graph modules
     gm = _graph_module(root, graph, type(root).__name__)
+    _check_no_folded_weights(gm)
     _functionalize_modules(gm)
     aliases = _merge_tied(gm)
     _propagate_shapes(gm, args)
@@ -457,6 +458,22 @@ def _trace_fx(root: nn.Module, args: tuple, name: str) -> Graph:
     g.loss_prefix = prefix
     g.aliases = aliases
     return g
+
+
+def _check_no_folded_weights(gm: fx.GraphModule) -> None:
+    """Raise :class:`TraceError` where torch.fx computed something from the
+    weights at trace time: a computation that reads no traced input (an L2
+    term of a weight written in the loss, ``1e-2 * (w ** 2).sum()``) runs
+    once, eagerly, and the graph keeps its value as a constant, with no
+    gradient to the weight, so training would silently drop it. torch.export
+    records such terms; the automatic front end takes it instead."""
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target.startswith("_tensor_constant"):
+            t = getattr(gm, n.target, None)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise TraceError(f"torch.fx computed {n.target} {tuple(t.shape)} from trainable weights at trace "
+                                 f"time (a term that reads no input, such as an L2 term of a weight in the loss): "
+                                 f"its gradient would be lost")
 
 
 def _tied_names(m: nn.Module) -> dict[str, str]:
@@ -493,6 +510,25 @@ def _merge_tied(gm: fx.GraphModule, aliases: dict[str, str] | None = None) -> di
     gm.graph.lint()
     gm.recompile()
     return aliases
+
+
+def _weights_read_as_constants(gm: fx.GraphModule, root: nn.Module) -> dict[str, str]:
+    """``{constant: parameter}`` for the tensor constants of an exported
+    program that are a parameter of ``root`` (the same storage, shape and
+    strides): torch.export lifts a weight the loss reads from a closure (an
+    L2 term, ``(w ** 2).sum()``) as a constant, which would take no gradient.
+    Read as the parameter, it trains as in one process."""
+    params = {(p.data_ptr(), tuple(p.shape), p.stride()): name
+              for name, p in root.named_parameters() if p.requires_grad and not p.is_meta}
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(n.target, str) and n.target not in out:
+            t = getattr(gm, n.target, None)
+            if type(t) is torch.Tensor and not t.is_meta and t.numel():
+                name = params.get((t.data_ptr(), tuple(t.shape), t.stride()))
+                if name is not None and name != n.target:
+                    out[n.target] = name
+    return out
 
 
 def _is_meta_model(m: nn.Module) -> bool:
@@ -712,6 +748,7 @@ def _trace_export(root: nn.Module, args: tuple, name: str) -> Graph:
             msg += " (a Hugging Face model returns its KV cache: build it with config.use_cache=False)"
         raise TraceError(f"torch.export cannot trace {type(root).__name__}: {type(e).__name__}: {msg}") from None
     _clean_export(gm)
+    _merge_tied(gm, _weights_read_as_constants(gm, root))
     out_of_place(gm)
     batch_sym = _batch_symbol(gm)
     dims: dict[str, int | None] = {}

@@ -180,6 +180,9 @@ class ParallelModule(nn.Module):
         # each rank's loss backward is scaled by it: dp where the program holds the whole loss on every
         # rank and each rank's gradient is its samples' part of the sum (a model whose samples meet)
         self.grad_scale = 1.0
+        # the reported loss is the ranks' and microbatches' mean times it: their number where the loss
+        # sums the batch (their losses add up to one process's)
+        self.loss_factor = 1.0
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program."""
@@ -213,14 +216,15 @@ class ParallelModule(nn.Module):
         return t.chunk(self.config.dp, dim=0)[self.dp_rank]
 
     def _mean_over_replicas(self, total: torch.Tensor) -> torch.Tensor:
-        """The loss averaged over the data-parallel and context-parallel ranks."""
+        """The loss averaged over the data-parallel and context-parallel ranks
+        (times :attr:`loss_factor`: a loss that sums the batch adds up)."""
         if self.config.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.config.dp
         if self.cp_group is not None:     # every cp rank holds as many tokens: the mean of the means
             dist.all_reduce(total, group=self.cp_group)
             total /= self.config.cp
-        return total
+        return total * self.loss_factor if self.loss_factor != 1.0 else total
 
     def forward(self, *inputs_and_target: torch.Tensor) -> torch.Tensor:
         """The local loss of one (local) microbatch (without a pipeline: a

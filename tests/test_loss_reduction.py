@@ -1,0 +1,114 @@
+"""Losses that sum the batch, and losses with terms of the weights, under a
+split batch (dp, microbatches, copies, pipelines): each part's loss is a
+part of the sum, not a sample of the mean, so the runtime scales the
+backward and the reported loss by the number of parts; a loss plus an L2
+term of the weights stays plain data parallelism. Every run equals one
+process. Before, a summed loss trained under dp=2 with half the gradient
+and reported half the loss (76.6 against 38.3), without a word; and an L2
+term of a weight written in the loss was a constant in the program (torch.fx
+computed it at trace time; torch.export lifted the weight as a constant), so
+it took no gradient, under every strategy, tp=2 included."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.sharding import batch_reduction, samples_meet
+from distributed import run_distributed
+
+GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _mlp_batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(8, 8, generator=g),), torch.randn(8, 8, generator=g)
+
+
+def _sq_sum(out, target):
+    return ((out - target) ** 2).sum()
+
+
+def _gpt():
+    z = autopar.zoo.build(GPT, device="cpu", seed=0, batch=4)
+    return z.model
+
+
+def _gpt_batch():
+    g = torch.Generator().manual_seed(2)
+    return (torch.randint(0, 64, (4, 8), generator=g),), torch.randint(0, 64, (4, 8), generator=g)
+
+
+def _ce_sum(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")
+
+
+_L2 = {}
+
+
+def _ce_plus_l2(logits, target):
+    """A mean loss plus an L2 term of a weight (no data): stays a mean."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) + \
+        1e-2 * (_L2["w"] ** 2).sum()
+
+
+CASES = {"mlp-sum": (_mlp, _mlp_batch, _sq_sum), "gpt-ce-sum": (_gpt, _gpt_batch, _ce_sum),
+         "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2)}
+RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce-sum", "pp=2,microbatches=2"),
+        ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2")]
+
+
+def _make(name: str):
+    make, batch, loss = CASES[name]
+    model = make()
+    if name == "gpt-ce-l2":
+        _L2["w"] = next(p for p in model.parameters() if p.dim() == 2)
+    return model, batch(), loss
+
+
+def _steps(name: str, strategy: str | None) -> list[float]:
+    model, (inputs, target), loss = _make(name)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.01)   # noqa: E731
+    if strategy is None:
+        o, out = opt(model.parameters()), []
+        for _ in range(3):
+            o.zero_grad()
+            v = loss(model(*inputs), target)
+            v.backward()
+            o.step()
+            out.append(v.item())
+        return out
+    pm = autopar.parallelize(model, inputs, loss_fn=loss, example_target=target, optimizer=opt, strategy=strategy)
+    return [pm.train_step(inputs, target) for _ in range(3)]
+
+
+def _worker(rank: int, world: int) -> list:
+    return [_steps(name, strategy) for name, strategy in RUNS]
+
+
+def test_the_loss_reduction_is_read_off_the_batch_walk():
+    def graph(name):
+        model, (inputs, target), loss = _make(name)
+        return autopar.trace(model, inputs, loss_fn=loss, target=target)
+
+    assert batch_reduction(graph("mlp-sum")) == batch_reduction(graph("gpt-ce-sum")) == "sum"
+    l2 = graph("gpt-ce-l2")
+    assert batch_reduction(l2) == "mean" and samples_meet(l2) is None   # the weight's term is no meeting
+    # torch.fx would fold the weight's term into a constant: export traces it, reading the parameter
+    assert l2.frontend == "export" and "trainable weights at trace time" in l2.fallback_reason
+    reads = [n.target for n in l2.gm.graph.nodes if n.op == "get_attr"]
+    assert not any(t.startswith(("lifted_tensor", "_tensor_constant")) for t in reads), reads
+    assert batch_reduction(autopar.api.as_graph(GPT)) == "mean"
+
+
+def test_a_summed_loss_under_a_split_batch_equals_one_process():
+    got = run_distributed(_worker, 2, timeout=300)[0]
+    for (name, strategy), losses in zip(RUNS, got):
+        assert losses == pytest.approx(_steps(name, None), rel=1e-5, abs=1e-5), (name, strategy)
