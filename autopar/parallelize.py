@@ -39,6 +39,7 @@ from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
 from .compile.rewrite import Axis, LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
+from .compile.tokens import token_counter
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
 from .pipeline.partition import assign, even_layers, units
@@ -176,6 +177,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     elif parts > 1 and batch_reduction(graph) == "sum":
         # a loss summed over the batch: the parts' losses add up to one process's, not average to it
         pm.grad_scale = pm.loss_factor = float(parts)
+    elif cfg.dp * cfg.microbatches > 1 and cfg.copies == 1 and cfg.cp == 1:
+        # a loss averaged over its target's counted tokens: each part weighted by its share of them
+        pm.token_counter = token_counter(run_graph)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
                          mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)

@@ -421,6 +421,40 @@ def batch_reduction(graph: Graph) -> str | None:
     return graph.memo(("batch_reduction",), find)
 
 
+def token_mean_loss(graph: Graph) -> tuple[str, int] | None:
+    """``(cross-entropy node, ignored index)`` where ``graph``'s loss is one
+    cross-entropy averaged over its target's tokens (reduction ``mean``, no
+    class weights or label smoothing; the output that value up to sums and
+    products with weights or constants) and the target is made of the inputs
+    alone: the loss a rank computes over part of the batch is then a mean over
+    that part's counted tokens, which differ between parts where the target
+    ignores some (padding, masked prompts). None otherwise. Memoised."""
+    def find() -> tuple[str, int] | None:
+        ces = [nd for nd in graph.nodes if nd.kind == "cross_entropy"]
+        if len(ces) != 1 or ces[0].attrs.get("reduction", "mean") != "mean" or len(ces[0].inputs) != 2 or \
+                batch_reduction(graph) != "mean":
+            return None
+        ce, data, by_name = ces[0], data_values(graph), graph._by_name
+        cur = ce.name
+        while cur != graph.output:
+            readers = [c for c in graph.consumers(cur) if c in data]
+            if len(readers) != 1 or not _affine_in(by_name[readers[0]], by_name[readers[0]].inputs.index(cur), data):
+                return None
+            cur = readers[0]
+        todo, seen = [ce.inputs[1]], set()
+        while todo:
+            nd = by_name[todo.pop()]
+            if nd.name in seen:
+                continue
+            if nd.kind not in ("input", "shape") and not nd.inputs or nd.is_state:
+                return None     # a weight, buffer or constant among what makes the target
+            seen.add(nd.name)
+            todo.extend(nd.inputs)
+        return ce.name, int(ce.attrs.get("ignore_index", -100))
+
+    return graph.memo(("token_mean_loss",), find)
+
+
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:
     """What of ``cfg`` does not run a model whose samples meet: microbatches
     (so pipelines too) and copies (a loss over part of the batch is another

@@ -4,7 +4,11 @@ part of the sum, not a sample of the mean, so the runtime scales the
 backward and the reported loss by the number of parts; a loss plus an L2
 term of the weights stays plain data parallelism. Every run equals one
 process. Before, a summed loss trained under dp=2 with half the gradient
-and reported half the loss (76.6 against 38.3), without a word; and an L2
+and reported half the loss (76.6 against 38.3), without a word; a
+token-mean cross-entropy whose targets ignore tokens unevenly (padding,
+masked prompts) averaged the parts' means, not the tokens (4.357 against
+4.306 at the first step: each part is now weighted by its share of the
+counted tokens); and an L2
 term of a weight written in the loss was a constant in the program (torch.fx
 computed it at trace time; torch.export lifted the weight as a constant), so
 it took no gradient, under every strategy, tp=2 included."""
@@ -59,10 +63,24 @@ def _ce_plus_l2(logits, target):
         1e-2 * (_L2["w"] ** 2).sum()
 
 
+def _gpt_padded_batch():
+    """Targets with ignored tokens, unevenly: sample 0 keeps 2 of 8, sample 1 keeps 5 (SFT-style masks)."""
+    inputs, target = _gpt_batch()
+    target[0, 2:] = -100
+    target[1, 5:] = -100
+    return inputs, target
+
+
+def _ce_mean(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
 CASES = {"mlp-sum": (_mlp, _mlp_batch, _sq_sum), "gpt-ce-sum": (_gpt, _gpt_batch, _ce_sum),
-         "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2)}
+         "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2), "gpt-ce-padded": (_gpt, _gpt_padded_batch, _ce_mean)}
 RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce-sum", "pp=2,microbatches=2"),
-        ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2")]
+        ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2"),
+        ("gpt-ce-padded", "dp=2"), ("gpt-ce-padded", "dp=2,microbatches=2,zero=1"),
+        ("gpt-ce-padded", "pp=2,microbatches=2")]
 
 
 def _make(name: str):
@@ -106,6 +124,20 @@ def test_the_loss_reduction_is_read_off_the_batch_walk():
     reads = [n.target for n in l2.gm.graph.nodes if n.op == "get_attr"]
     assert not any(t.startswith(("lifted_tensor", "_tensor_constant")) for t in reads), reads
     assert batch_reduction(autopar.api.as_graph(GPT)) == "mean"
+
+
+def test_a_token_mean_loss_is_counted():
+    """The token counter: a cross-entropy averaged over its target's tokens
+    whose target is made of the inputs (found on either front end); it counts
+    what the loss counts."""
+    from autopar.compile.tokens import token_counter
+    model, (inputs, target), loss = _make("gpt-ce-padded")
+    g = autopar.trace(model, inputs, loss_fn=loss, target=target)
+    counter = token_counter(g)
+    assert counter is not None and int(counter(*inputs, target)) == 2 + 5 + 8 + 8
+    assert int(counter(inputs[0][2:], target[2:])) == 16
+    for other in (_ce_sum, lambda o, t: F.cross_entropy(o.reshape(-1, 64), t.reshape(-1), label_smoothing=0.1)):
+        assert token_counter(autopar.trace(_gpt(), inputs, loss_fn=other, target=target)) is None
 
 
 def test_a_summed_loss_under_a_split_batch_equals_one_process():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -183,6 +184,10 @@ class ParallelModule(nn.Module):
         # the reported loss is the ranks' and microbatches' mean times it: their number where the loss
         # sums the batch (their losses add up to one process's)
         self.loss_factor = 1.0
+        # counts the loss's target tokens of a part of the batch (compile/tokens.py), where the loss
+        # averages over them and the batch is split: each part is weighted by its share of the tokens
+        self.token_counter: Any = None
+        self._warned_empty_part = False
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program."""
@@ -347,18 +352,20 @@ class ParallelModule(nn.Module):
         scale = dopt.loss_scale if dopt is not None else 1.0
         total = torch.zeros((), device=self.device)
         micro = list(zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)))
+        weights = self._token_weights(micro)
         if self.pipeline is None:
             for i, (xs, tg) in enumerate(micro):
                 if dopt is not None:   # the gradient buckets are reduced during the last backward
                     dopt.start_microbatch(last=i == m - 1)
                 with regather.scope():      # sequence parallel: saved as shards, gathered again
                     loss = self.program(*xs, tg)
-                (loss * (scale * self.grad_scale / m)).backward()
-                total += loss.detach().float() / m
+                (loss * (scale * self.grad_scale * weights[i] / m)).backward()
+                total += loss.detach().float() * weights[i] / m
         else:
             if dopt is not None:    # a pipeline's backwards interleave: reduce after the flush
                 dopt.start_microbatch(last=False)
             self.pipeline.loss_scale = scale * self.grad_scale
+            self.pipeline.weights = weights
             loss = self.pipeline.run([(*xs, tg) for xs, tg in micro], t0)
             if loss is not None:   # this rank holds the last stage
                 total += loss.float()
@@ -391,6 +398,31 @@ class ParallelModule(nn.Module):
         return self.dist_optimizer.grad_norm if self.dist_optimizer is not None else self._fsdp_grad_norm
 
     _fsdp_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def _token_weights(self, micro: list) -> list[float]:
+        """Each microbatch's weight in the step's mean loss: 1, or where the
+        loss averages its target's counted tokens (:attr:`token_counter`),
+        the microbatch's share of the tokens of the whole batch (summed over
+        the data-parallel ranks, one small all-reduce) times the parts, so
+        that the ranks' and microbatches' mean is one process's loss. A part
+        with no counted token has a loss of 0/0 whatever its weight: the
+        parts are then weighted alike, with a warning."""
+        m = len(micro)
+        if self.token_counter is None:
+            return [1.0] * m
+        counts = torch.stack([self.token_counter(*xs, tg).to(torch.float64) for xs, tg in micro])
+        sums = torch.stack([counts.sum(), (counts == 0).sum().to(torch.float64)])
+        if self.config.dp > 1:
+            dist.all_reduce(sums, group=self.dp_group)
+        if bool(sums[1] > 0):    # the same on every rank
+            if not self._warned_empty_part:
+                warnings.warn("autopar: a part of the batch (a microbatch on a data-parallel rank) has no token the "
+                              "loss counts (every target ignore_index): its loss is 0/0; the parts are weighted "
+                              "alike", stacklevel=3)
+                self._warned_empty_part = True
+            return [1.0] * m
+        return (counts * (m * self.config.dp) / sums[0]).tolist()
 
     def _unsharded(self) -> list[nn.Parameter]:
         """The parameters FSDP2 left whole (0-d ones), kept per step's program."""
@@ -449,8 +481,9 @@ class ParallelModule(nn.Module):
         inputs, target = self._prepare(inputs, target, "eval_step")
         m = self.config.microbatches
         total = torch.zeros((), device=self.device)
-        for xs, tg in zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)):
-            total += self.program(*xs, tg).float() / m
+        micro = list(zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)))
+        for (xs, tg), w in zip(micro, self._token_weights(micro)):
+            total += self.program(*xs, tg).float() * w / m
         return float(self._mean_over_replicas(total))
 
     # -- checkpoints ----------------------------------------------------------

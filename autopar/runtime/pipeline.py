@@ -101,13 +101,15 @@ class PipelineExecutor:
         self.device = device
         self.events: list[Event] = []       # the last step's actions as they ran on this rank
         self.loss_scale = 1.0               # fp16: the backward of the loss is scaled by it
+        self.weights: list[float] | None = None   # each microbatch's weight in the mean loss (None: alike)
         #: bound on every receive and send (gloo's blocking receive has none of its own)
         self.timeout: datetime.timedelta | None = None
 
     def run(self, micro: Sequence[Sequence[torch.Tensor]], t0: float) -> torch.Tensor | None:
         """One step over the microbatches ``micro`` (each the graph inputs in
         order); ``t0``: the step's start, for the event times. Returns the mean
-        loss over the microbatches on the rank holding the last stage, else None."""
+        loss over the microbatches (weighted by :attr:`weights`) on the rank
+        holding the last stage, else None."""
         step = _Step(micro=[dict(zip(self.input_names, xs)) for xs in micro])
         self.events = []
         for a in self.actions:
@@ -119,7 +121,12 @@ class PipelineExecutor:
             self.events.append(Event(self.pp_rank, v, a.kind, a.microbatch, a.chunk, start - t0, end - t0))
         for work, _ in step.sends:
             self._wait(work)
-        return torch.stack(step.losses).mean() if step.losses else None
+        if not step.losses:
+            return None
+        losses = torch.stack(step.losses)
+        if self.weights is not None:
+            losses = losses * torch.tensor(self.weights, dtype=losses.dtype, device=losses.device)
+        return losses.mean()
 
     def _wait(self, work: Any) -> None:
         """Wait for a send or receive, at most :attr:`timeout`."""
@@ -149,7 +156,8 @@ class PipelineExecutor:
         leaves, out = step.ins.pop((st.stage, i)), step.outs.pop((st.stage, i))
         if st.last:
             start = time.perf_counter()
-            torch.autograd.backward(out * (self.loss_scale / self.m))
+            w = self.weights[i] if self.weights is not None else 1.0
+            torch.autograd.backward(out * (self.loss_scale * w / self.m))
         else:
             tensors = [out[name] for name in st.outputs if out[name].requires_grad]
             grads = [self._recv_grad(step, st, name, out[name], i) for name in st.outputs if out[name].requires_grad]
