@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.sharding import batch_reduction, samples_meet
-from distributed import run_distributed
+from distributed import eager_steps, run_distributed
 
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
 
@@ -95,14 +95,7 @@ def _steps(name: str, strategy: str | None) -> list[float]:
     model, (inputs, target), loss = _make(name)
     opt = lambda ps: torch.optim.SGD(ps, lr=0.01)   # noqa: E731
     if strategy is None:
-        o, out = opt(model.parameters()), []
-        for _ in range(3):
-            o.zero_grad()
-            v = loss(model(*inputs), target)
-            v.backward()
-            o.step()
-            out.append(v.item())
-        return out
+        return eager_steps(model, inputs, target, loss, opt)
     pm = autopar.parallelize(model, inputs, loss_fn=loss, example_target=target, optimizer=opt, strategy=strategy)
     return [pm.train_step(inputs, target) for _ in range(3)]
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from benchmarks import matrix  # noqa: E402
 from benchmarks.real_models import VISION  # noqa: E402
-from distributed import run_distributed  # noqa: E402
+from distributed import eager_steps, run_distributed  # noqa: E402
 
 # the vision models (torchvision, timm) trace with torch.fx: tests/test_vision.py runs them
 EXPORT_MODELS = sorted(set(matrix.MODELS) - set(VISION))
@@ -399,14 +399,7 @@ def _contrastive_steps(name: str, strategy: str | None):
     model, inputs, target, loss = _contrastive(name)
     opt = lambda ps: torch.optim.SGD(ps, lr=0.5)   # noqa: E731
     if strategy is None:
-        o = opt(model.parameters())
-        losses = []
-        for _ in range(3):
-            o.zero_grad()
-            out = loss(model(*inputs), target)
-            out.backward()
-            o.step()
-            losses.append(out.item())
+        losses = eager_steps(model, inputs, target, loss, opt)
         return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, []
     pm = autopar.parallelize(model, inputs, loss_fn=loss, example_target=target, optimizer=opt, strategy=strategy)
     losses = [pm.train_step(inputs, target) for _ in range(3)]
