@@ -323,12 +323,12 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
-    if cfg.dp * cfg.microbatches * cfg.copies > 1 and batch_reduction(graph) == "mixed":
+    meet = samples_cross_ranks(graph, cfg)
+    if meet is None and cfg.dp * cfg.microbatches * cfg.copies > 1 and batch_reduction(graph) == "mixed":
         raise UnsupportedError(
             f"{cfg.to_string()} splits the batch, but {graph.name}'s loss adds terms that average the batch to "
             f"terms that sum it, which no one scale of the parts' losses makes the whole batch's; make every "
             f"term a mean (or every one a sum), or keep the batch whole (dp=1, microbatches=1)")
-    meet = samples_cross_ranks(graph, cfg)
     limits = meeting_limits(cfg) if meet is not None else []
     if "microbatches" in limits or "copies" in limits:
         raise UnsupportedError(

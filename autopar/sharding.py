@@ -358,17 +358,25 @@ def samples_meet(graph: Graph) -> str | None:
     so). Memoised on the graph."""
     def find() -> str | None:
         sh, data = track_batch(graph), data_values(graph)
+        partial: set[str] = set()     # batch sums, and what is affine in them (a loss plus constants)
         for nd in graph.nodes:
             st = sh.strategy.get(nd.name)
             if st is None:
                 continue
             haves = [sh.out.get(i, R) for i in nd.inputs]
             split = [is_shard(h) or h == P for h in haves]
-            for k, (have, want, s) in enumerate(zip(haves, st.ins, split)):
-                # a batch sum read otherwise than affinely; or a product of two batch-split operands
-                # whose batch dims do not meet (aligned ones keep the batch split: a batched matmul)
-                if have == P and want != P and not _affine_in(nd, k, data) or \
-                        s and have != want and nd.kind == "matmul" and sum(split) > 1:
+            if sh.out.get(nd.name) == P:
+                partial.add(nd.name)
+            for k, (i, have, want, s) in enumerate(zip(nd.inputs, haves, st.ins, split)):
+                if i in partial and not have == want == P:
+                    # a batch sum read otherwise than as one: affinely with weights or constants it
+                    # stays one under the ranks' averaging; any other way (a square, a product) not
+                    if not _affine_in(nd, k, data):
+                        return nd.name
+                    partial.add(nd.name)
+                # a product of two batch-split operands whose batch dims do not meet (aligned ones
+                # keep the batch split: a batched matmul)
+                elif s and have != want and nd.kind == "matmul" and sum(split) > 1:
                     return nd.name
         return graph.cross_sample
 
