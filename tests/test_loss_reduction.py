@@ -137,3 +137,47 @@ def test_a_summed_loss_under_a_split_batch_equals_one_process():
     got = run_distributed(_worker, 2, timeout=300)[0]
     for (name, strategy), losses in zip(RUNS, got):
         assert losses == pytest.approx(_steps(name, None), rel=1e-5, abs=1e-5), (name, strategy)
+
+
+def _hf_gpt2_padded():
+    """Hugging Face GPT-2 with its own loss (``labels`` in the batch; the
+    model shifts them and averages the tokens not -100), the labels masked
+    unevenly as supervised fine-tuning masks prompts and padding."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 16), generator=g)
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    labels[1, 10:] = -100
+    return model, {"input_ids": ids, "labels": labels}
+
+
+def _hf_worker(rank: int, world: int) -> list:
+    out = []
+    for strategy in ("dp=2", "pp=2,microbatches=2"):
+        model, batch = _hf_gpt2_padded()
+        pm = autopar.parallelize(model, batch, loss_fn="labels", strategy=strategy,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+        out.append([pm.train_step(batch) for _ in range(3)])
+    return out
+
+
+def test_a_hugging_face_loss_over_masked_labels_equals_one_process():
+    """The model's own loss (a keyword batch with labels, torch.export) is
+    found as a token mean, and dp and a pipeline train as one process does."""
+    model, batch = _hf_gpt2_padded()
+    o = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref = []
+    for _ in range(3):
+        o.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        o.step()
+        ref.append(loss.item())
+    for losses in run_distributed(_hf_worker, 2, timeout=300)[0]:
+        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
