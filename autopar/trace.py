@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import operator
+import re
 import sys
 import warnings
 from collections import defaultdict
@@ -945,12 +946,7 @@ def _module_of(n: fx.Node) -> str:
     if not stack:
         return ""
     last = list(stack.values())[-1]
-    path = last[0] if isinstance(last, tuple) else str(last)
-    # export prefixes paths with "L['self']." style names in some versions
-    for prefix in ("L['self'].", "L__self__.", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return path
+    return _strip_self(last[0] if isinstance(last, tuple) else str(last))
 
 
 def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
@@ -1021,7 +1017,7 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
         if isinstance(a, torch.Tensor) and a.dim() > 0:
             batch = int(a.shape[0])
             break
-    groups = _find_groups(root if frontend == "fx" else module_root, nodes)
+    groups = _find_groups(root if frontend == "fx" else module_root, nodes, _repeated_calls(gm))
     g = Graph(name=name, nodes=nodes, params=params, inputs=inputs, output=output, groups=groups,
               batch_size=batch, frontend=frontend, gm=gm)
     return g
@@ -1361,7 +1357,70 @@ def _module_signature(m: nn.Module, cache: dict[int, str]) -> str:
     return cache[key]
 
 
-def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
+def _repeated_calls(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
+    """``{node: (module path, call)}`` for the nodes run by a module that the
+    model calls several times (ALBERT's one layer, run for every layer):
+    torch.export's module stack keys a module's second and later calls
+    ``path@1``, ``path@2``, ...; the outermost such module of each node, the
+    first call 0. Empty for fx graphs (their keys carry no call)."""
+    stacks = {n.name: list(st.items()) for n in gm.graph.nodes if (st := n.meta.get("nn_module_stack"))}
+    repeated = {_strip_self(v[0] if isinstance(v, tuple) else str(v))
+                for st in stacks.values() for key, v in st if re.search(r"@\d+$", key)}
+    if not repeated:
+        return {}
+    out = {}
+    for name, st in stacks.items():
+        for key, v in st:
+            path = _strip_self(v[0] if isinstance(v, tuple) else str(v))
+            if path in repeated:
+                m = re.search(r"@(\d+)$", key)
+                out[name] = (path, int(m.group(1)) if m else 0)
+                break
+    return out
+
+
+def _strip_self(path: str) -> str:
+    """A module path without the prefix export gives it in some versions (``L['self'].``)."""
+    for prefix in ("L['self'].", "L__self__.", "self."):
+        if path.startswith(prefix):
+            return path[len(prefix):]
+    return path
+
+
+def _call_groups(root: nn.Module, nodes: list[Node], calls: dict[str, tuple[str, int]]) -> list[LayerGroup]:
+    """The layers of a module the model calls several times, one after
+    another (ALBERT: one layer module shared by all its layers): each call is
+    a layer instance (``path``, ``path@1``, ...; ``Node.group`` names it),
+    the calls of one op sequence a group. Their weights are the one module's:
+    a pipeline holds them on every stage that runs a call, and sums their
+    gradients across those stages as it does a tied embedding's."""
+    by_call: dict[str, dict[int, list[Node]]] = defaultdict(lambda: defaultdict(list))
+    for nd in nodes:
+        if nd.name in calls and not nd.is_state:
+            path, k = calls[nd.name]
+            by_call[path][k].append(nd)
+    groups = []
+    cache: dict[int, str] = {}
+    for path, per in sorted(by_call.items()):
+        ks = sorted(per)
+        insts = [per[k] for k in ks]
+        pos = {nd.name: i for i, nd in enumerate(nodes)}
+        in_order = all(pos[b[0].name] > pos[a[-1].name] for a, b in zip(insts, insts[1:]))
+        if len(ks) < 2 or not in_order or len({tuple(n.kind for n in ns) for ns in insts}) > 1:
+            continue
+        names = [path if k == 0 else f"{path}@{k}" for k in ks]
+        for name, ns in zip(names, insts):
+            for nd in ns:
+                nd.group = name
+        m = root.get_submodule(path)
+        groups.append(LayerGroup(name=f"{path}@*", instances=names, signature=_module_signature(m, cache),
+                                 nodes_per_instance=len(insts[0]),
+                                 params_per_instance=sum(p.numel() for p in m.parameters())))
+    return groups
+
+
+def _find_groups(root: nn.Module | None, nodes: list[Node],
+                 calls: dict[str, tuple[str, int]] | None = None) -> list[LayerGroup]:
     """Siblings of identical structure (same parent, same signature, >= 2 of
     them, same op sequence) are one repeated-layer group; siblings of one
     signature whose op sequences differ make a group per sequence shared by
@@ -1392,9 +1451,11 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
             if mod in candidates:
                 instance_nodes[mod].append(nd)
             mod = parent_module(mod)
-    groups: list[LayerGroup] = []
+    # a module called several times is a stack of layers where it holds weights (not an activation
+    # or a rotary embedding every layer calls)
+    groups: list[LayerGroup] = _call_groups(root, nodes, {n: c for n, c in (calls or {}).items() if c[0] in held})
     singles: list[str] = []
-    taken: set[str] = set()
+    taken: set[str] = {g.instances[0] for g in groups}      # a called module's sub-modules are in its layers
     # outermost groups first: a block's sub-modules are not groups of their own
     for parent in sorted(by_parent, key=lambda p: (p.count("."), p)):
         if any(parent == t or parent.startswith(t + ".") for t in taken):
@@ -1418,6 +1479,15 @@ def _find_groups(root: nn.Module | None, nodes: list[Node]) -> list[LayerGroup]:
         for p in g.instances:
             for nd in instance_nodes.get(p, []):
                 nd.group = p
+    # a called module inside another group's instances (a shared module every block calls twice):
+    # those instances took its nodes, so its calls are no layers of their own
+    for g in [g for g in groups if g.name.endswith("@*")]:
+        mine = set(g.instances)
+        owned = [nd for nd in nodes if nd.group in mine]
+        if len(owned) != g.nodes_per_instance * len(g.instances):
+            groups.remove(g)
+            for nd in owned:
+                nd.group = None
     if singles:
         single = set(singles)
         for nd in nodes:    # under a layer of its own: the nearest module above it that is one

@@ -620,3 +620,40 @@ def test_the_cost_model_charges_the_gathers_where_samples_meet(monkeypatch):
     assert with_meet["tp=2"] == without["tp=2"] == 0.0
     extra = {s: with_meet[s] - without[s] for s in ("dp=2", "dp=4")}
     assert 0 < extra["dp=2"] < extra["dp=4"]
+
+
+def _albert_pp(rank: int, world: int) -> list[float]:
+    import torch
+    import autopar
+    from benchmarks.real_models import CASES
+    c = CASES["hf-albert"]()
+    pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="pp=2,microbatches=2")
+    return [pm.train_step(c.inputs, c.target) for _ in range(3)]
+
+
+def test_a_layer_module_called_for_every_layer_pipelines():
+    """ALBERT shares one layer module among its layers: torch.export keys its
+    second and later calls ``path@1``, ``path@2``, ...; each call is a layer
+    instance (a pipeline unit, a recompute region), the calls one group, and
+    a pipeline holds the shared weights on both stages and sums their
+    gradients there, as for a tied embedding. pp was refused before (no
+    repeated layers); now it trains as one process."""
+    import torch
+    import autopar
+    from autopar.pipeline.partition import units
+    from benchmarks.real_models import CASES
+    c = CASES["hf-albert"]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    layer = "model.albert.encoder.albert_layer_groups.0"
+    assert [gr.instances for gr in g.groups] == [[layer] + [f"{layer}@{k}" for k in range(1, 4)]]
+    assert units(g).labels[1:-1] == (layer, f"{layer}@1", f"{layer}@2", f"{layer}@3")
+    opt = torch.optim.SGD(c.model.parameters(), lr=0.1)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = c.loss()
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert run_distributed(_albert_pp, 2, timeout=300)[0] == pytest.approx(ref, abs=1e-5)
