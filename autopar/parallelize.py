@@ -52,7 +52,8 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import batch_reduction, follow_batch, grid_rows, meeting_limits, samples_meet, scaled_shapes
+from .sharding import batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, samples_meet, \
+    scaled_shapes
 from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
@@ -174,12 +175,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.on_nonfinite = on_nonfinite
     if batch_moves:    # the program's loss is the whole batch's; each rank's gradient, its samples' part
         pm.grad_scale = float(cfg.dp)
+    elif cfg.dp * cfg.microbatches > 1 and cfg.copies == 1 and cfg.cp == 1 and loss_denominator(graph):
+        # a loss divided by a count over the batch (its target's tokens, a mask's sum): each part is
+        # weighted by its share of the count
+        pm.token_counter = token_counter(run_graph)
     elif parts > 1 and batch_reduction(graph) == "sum":
         # a loss summed over the batch: the parts' losses add up to one process's, not average to it
         pm.grad_scale = pm.loss_factor = float(parts)
-    elif cfg.dp * cfg.microbatches > 1 and cfg.copies == 1 and cfg.cp == 1:
-        # a loss averaged over its target's counted tokens: each part weighted by its share of them
-        pm.token_counter = token_counter(run_graph)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
                          mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
@@ -324,7 +326,16 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     if cfg.tp_mode != "1d":
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
     meet = samples_cross_ranks(graph, cfg)
-    if meet is None and cfg.dp * cfg.microbatches * cfg.copies > 1 and batch_reduction(graph) == "mixed":
+    den = loss_denominator(graph)
+    if den is not None and den[0] == "sum" and meet is None and (cfg.copies > 1 or cfg.cp > 1 or
+                                                                  cfg.tp_mode != "1d"):
+        raise UnsupportedError(
+            f"{cfg.to_string()}: {graph.name}'s loss is a ratio of batch sums ({den[1]} divides it, a masked "
+            f"mean), which data parallelism, microbatches and pipelines weight by each part's share of "
+            f"{den[1]}, but copies, cp and a tp_mode grid's rows average their parts inside the program; "
+            f"leave them out")
+    if meet is None and den is None and cfg.dp * cfg.microbatches * cfg.copies > 1 and \
+            batch_reduction(graph) == "mixed":
         raise UnsupportedError(
             f"{cfg.to_string()} splits the batch, but {graph.name}'s loss adds terms that average the batch to "
             f"terms that sum it, which no one scale of the parts' losses makes the whole batch's; make every "

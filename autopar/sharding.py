@@ -358,6 +358,9 @@ def samples_meet(graph: Graph) -> str | None:
     so). Memoised on the graph."""
     def find() -> str | None:
         sh, data = track_batch(graph), data_values(graph)
+        den = loss_denominator(graph)
+        ratio = next((c for c in graph.consumers(den[1]) if graph[c].target in ("truediv", "div") and
+                      graph[c].inputs[1] == den[1]), None) if den is not None and den[0] == "sum" else None
         partial: set[str] = set()     # batch sums, and what is affine in them (a loss plus constants)
         for nd in graph.nodes:
             st = sh.strategy.get(nd.name)
@@ -370,8 +373,9 @@ def samples_meet(graph: Graph) -> str | None:
             for k, (i, have, want, s) in enumerate(zip(nd.inputs, haves, st.ins, split)):
                 if i in partial and not have == want == P:
                     # a batch sum read otherwise than as one: affinely with weights or constants it
-                    # stays one under the ranks' averaging; any other way (a square, a product) not
-                    if not _affine_in(nd, k, data):
+                    # stays one under the ranks' averaging; any other way (a square, a product) not,
+                    # but for the loss's ratio over a count the runtime weights (loss_denominator)
+                    if not _affine_in(nd, k, data) and nd.name != ratio:
                         return nd.name
                     partial.add(nd.name)
                 # a product of two batch-split operands whose batch dims do not meet (aligned ones
@@ -429,38 +433,53 @@ def batch_reduction(graph: Graph) -> str | None:
     return graph.memo(("batch_reduction",), find)
 
 
-def token_mean_loss(graph: Graph) -> tuple[str, int] | None:
-    """``(cross-entropy node, ignored index)`` where ``graph``'s loss is one
-    cross-entropy averaged over its target's tokens (reduction ``mean``, no
-    class weights or label smoothing; the output that value up to sums and
-    products with weights or constants) and the target is made of the inputs
-    alone: the loss a rank computes over part of the batch is then a mean over
-    that part's counted tokens, which differ between parts where the target
-    ignores some (padding, masked prompts). None otherwise. Memoised."""
-    def find() -> tuple[str, int] | None:
-        ces = [nd for nd in graph.nodes if nd.kind == "cross_entropy"]
-        if len(ces) != 1 or ces[0].attrs.get("reduction", "mean") != "mean" or len(ces[0].inputs) != 2 or \
-                batch_reduction(graph) != "mean":
-            return None
-        ce, data, by_name = ces[0], data_values(graph), graph._by_name
-        cur = ce.name
-        while cur != graph.output:
-            readers = [c for c in graph.consumers(cur) if c in data]
-            if len(readers) != 1 or not _affine_in(by_name[readers[0]], by_name[readers[0]].inputs.index(cur), data):
-                return None
-            cur = readers[0]
-        todo, seen = [ce.inputs[1]], set()
+def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
+    """What ``graph``'s loss divides by, where that is a count over the batch
+    made of the inputs alone, so that a part of the batch (a data-parallel
+    rank's samples, a microbatch) divides by its own share of it:
+
+    * ``("tokens", cross-entropy node, ignored index)``: one cross-entropy
+      averaged over its target's tokens (reduction ``mean``, no class
+      weights or label smoothing), which differ between parts where the
+      target ignores some (padding, masked prompts);
+    * ``("sum", denominator node, None)``: a ratio of two batch sums whose
+      denominator reads no weight (a masked mean written out,
+      ``(loss * mask).sum() / mask.sum()``).
+
+    The loss is that value up to sums and products with weights or
+    constants. None otherwise. Memoised."""
+    def target_only(name: str) -> bool:
+        todo, seen = [name], set()
         while todo:
-            nd = by_name[todo.pop()]
+            nd = graph[todo.pop()]
             if nd.name in seen:
                 continue
             if nd.kind not in ("input", "shape") and not nd.inputs or nd.is_state:
-                return None     # a weight, buffer or constant among what makes the target
+                return False     # a weight, buffer or constant among what makes it
             seen.add(nd.name)
             todo.extend(nd.inputs)
-        return ce.name, int(ce.attrs.get("ignore_index", -100))
+        return True
 
-    return graph.memo(("token_mean_loss",), find)
+    def find() -> tuple[str, str, int | None] | None:
+        data, sh = data_values(graph), track_batch(graph)
+        cur = graph.output   # down from the output through what is affine with weights or constants
+        while cur is not None and cur in graph:
+            nd = graph[cur]
+            ins = [i for i in nd.inputs if i in data]
+            if nd.kind == "cross_entropy":
+                ok = nd.attrs.get("reduction", "mean") == "mean" and len(nd.inputs) == 2 and \
+                    batch_reduction(graph) == "mean" and \
+                    sum(n.kind == "cross_entropy" for n in graph.nodes) == 1 and target_only(nd.inputs[1])
+                return ("tokens", nd.name, int(nd.attrs.get("ignore_index", -100))) if ok else None
+            if nd.kind == "elementwise" and str(nd.target) in ("truediv", "div") and len(nd.inputs) == 2 and \
+                    all(sh.out.get(i) == P for i in nd.inputs) and target_only(nd.inputs[1]):
+                return "sum", nd.inputs[1], None
+            if len(ins) != 1 or not _affine_in(nd, nd.inputs.index(ins[0]), data):
+                return None
+            cur = ins[0]
+        return None
+
+    return graph.memo(("loss_denominator",), find)
 
 
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:

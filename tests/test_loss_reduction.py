@@ -75,12 +75,30 @@ def _ce_mean(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
+def _gpt_masked_batch():
+    """The token ids and, stacked on the last dim, a mask that keeps 2 of 8 tokens of sample 0 and 5 of sample 1."""
+    inputs, target = _gpt_batch()
+    mask = torch.ones(4, 8)
+    mask[0, 2:] = 0
+    mask[1, 5:] = 0
+    return inputs, torch.stack([target.float(), mask], -1)
+
+
+def _masked_mean(logits, target):
+    """A masked mean written out, as custom training loops write it: a ratio of two batch sums."""
+    ids, mask = target[..., 0].long(), target[..., 1]
+    tokens = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1), reduction="none")
+    return (tokens.view_as(mask) * mask).sum() / mask.sum()
+
+
 CASES = {"mlp-sum": (_mlp, _mlp_batch, _sq_sum), "gpt-ce-sum": (_gpt, _gpt_batch, _ce_sum),
-         "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2), "gpt-ce-padded": (_gpt, _gpt_padded_batch, _ce_mean)}
+         "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2), "gpt-ce-padded": (_gpt, _gpt_padded_batch, _ce_mean),
+         "gpt-masked-mean": (_gpt, _gpt_masked_batch, _masked_mean)}
 RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce-sum", "pp=2,microbatches=2"),
         ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2"),
         ("gpt-ce-padded", "dp=2"), ("gpt-ce-padded", "dp=2,microbatches=2,zero=1"),
-        ("gpt-ce-padded", "pp=2,microbatches=2")]
+        ("gpt-ce-padded", "pp=2,microbatches=2"), ("gpt-masked-mean", "dp=2,microbatches=2"),
+        ("gpt-masked-mean", "pp=2,microbatches=2")]
 
 
 def _make(name: str):
@@ -131,6 +149,25 @@ def test_a_token_mean_loss_is_counted():
     assert int(counter(inputs[0][2:], target[2:])) == 16
     for other in (_ce_sum, lambda o, t: F.cross_entropy(o.reshape(-1, 64), t.reshape(-1), label_smoothing=0.1)):
         assert token_counter(autopar.trace(_gpt(), inputs, loss_fn=other, target=target)) is None
+
+
+def test_a_masked_mean_is_divided_by_the_whole_batch_mask():
+    """``(loss * mask).sum() / mask.sum()``: what it divides by is found
+    (a batch sum of the target alone), so it is no meeting of samples: dp,
+    microbatches and pipelines weight each part by its share of the mask
+    (before, dp gathered and microbatches were refused); copies, which
+    average their parts inside the program, are refused in words."""
+    from autopar.compile.tokens import token_counter
+    from autopar.errors import UnsupportedError
+    from autopar.parallelize import check_runnable
+    from autopar.sharding import loss_denominator
+    from autopar.spec import parse_strategy
+    model, (inputs, target), loss = _make("gpt-masked-mean")
+    g = autopar.trace(model, inputs, loss_fn=loss, target=target)
+    assert samples_meet(g) is None and loss_denominator(g)[0] == "sum"
+    assert float(token_counter(g)(*inputs, target)) == 2 + 5 + 8 + 8
+    with pytest.raises(UnsupportedError, match="ratio of batch sums"):
+        check_runnable(g, parse_strategy("tp=2,copies=2"))
 
 
 def test_a_summed_loss_under_a_split_batch_equals_one_process():

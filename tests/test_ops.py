@@ -63,7 +63,7 @@ OLD_KINDS = {
     "reduction": ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod"),
     "view": ("view", "reshape", "flatten", "unflatten", "view_as", "contiguous", "_unsafe_view",
              "clone", "alias", "detach", "lift_fresh_copy", "_to_copy", "to", "type", "type_as",
-             "float", "half", "bfloat16", "double"),
+             "float", "half", "bfloat16", "double", "long"),
     "transpose": ("transpose", "permute", "t"),
     "expand": ("expand", "unsqueeze", "squeeze", "expand_as", "repeat_interleave", "repeat"),
     "index": ("getitem", "narrow", "select", "slice"),
@@ -237,7 +237,7 @@ class _Pointwise(nn.Module):
                 x.var(dim=0), torch.logsumexp(a, dim=2), -a)
         joins = (torch.cat([a, b], dim=2), torch.stack([a, c], dim=1), torch.cat([x, x], dim=0))
         views = (x.reshape(4, 48), x.flatten(1), x.view(32, 6), x.unflatten(1, (2, 4)), x.permute(2, 0, 1),
-                 x.transpose(0, 1), y.unsqueeze(0).t(), a.unsqueeze(1).squeeze(1), z.expand(4, 8, 6), y.expand_as(x),
+                 x.transpose(0, 1), y.unsqueeze(0).t(), a.unsqueeze(1).squeeze(1), z.expand(4, 8, 6), y.expand_as(x), (x * 4).long(),
                  x.repeat(1, 1, 2), x.repeat_interleave(2, dim=1), x.to(torch.float64), x.clone())
         index = (x[:, 2:6], x.narrow(1, 0, 4), x.select(2, 1), x[None, :, 0], x[..., -6:], x[:, :, 1])
         p, q = x.chunk(2, dim=2)

@@ -1,15 +1,17 @@
-"""The token counter of a loss averaged over its target's tokens.
+"""The counter of what a loss divides by, per part of the batch.
 
 A cross-entropy with ``reduction="mean"`` divides by the tokens its target
-does not ignore (``ignore_index``: padding, masked prompts). A part of the
-batch (a data-parallel rank's samples, a microbatch) has its own count, so
-the mean of the parts' losses, which data parallelism and gradient
-accumulation take, is not the whole batch's loss when the counts differ.
-:func:`token_counter` cuts from the traced program what makes the target
-and counts its tokens; the runtime runs it on every part before the step
-and weights each part's loss by its share of the tokens
+does not ignore (``ignore_index``: padding, masked prompts), and a masked
+mean written out (``(loss * mask).sum() / mask.sum()``) by its mask's sum.
+A part of the batch (a data-parallel rank's samples, a microbatch) divides
+by its own share, so the mean of the parts' losses, which data parallelism
+and gradient accumulation take, is not the whole batch's loss when the
+shares differ. :func:`token_counter` cuts from the traced program what
+makes that count (:func:`autopar.sharding.loss_denominator`); the runtime
+runs it on every part before the step and weights each part's loss by its
+share of the whole batch's count
 (:meth:`autopar.runtime.parallel.ParallelModule._token_weights`), as one
-process averages over all of them.
+process divides by all of it.
 """
 from __future__ import annotations
 
@@ -19,25 +21,25 @@ import torch
 import torch.fx as fx
 
 from ..graph import Graph
-from ..sharding import token_mean_loss
+from ..sharding import loss_denominator
 
 __all__ = ["token_counter"]
 
 
 def token_counter(graph: Graph) -> fx.GraphModule | None:
     """A program of ``graph``'s inputs (the loss program's placeholders, in
-    order) returning how many tokens of the loss's target are counted (not
-    ``ignore_index``); None where the loss is not one token mean
-    (:func:`autopar.sharding.token_mean_loss`) or the graph has no program."""
-    found = token_mean_loss(graph)
+    order) returning what the loss divides by on those inputs: the tokens of
+    a cross-entropy's target not ``ignore_index``, or a ratio's denominator.
+    None where the loss divides by no such count or the graph has no program."""
+    found = loss_denominator(graph)
     if found is None or graph.gm is None:
         return None
-    name, ignore = found
+    how, name, ignore = found
     nodes = {n.name: n for n in graph.gm.graph.nodes}
-    target = nodes[name].args[1]
-    if not isinstance(target, fx.Node):
+    source = nodes[name].args[1] if how == "tokens" else nodes[name]
+    if not isinstance(source, fx.Node):
         return None
-    need, todo = set(), [target]
+    need, todo = set(), [source]
     while todo:
         n = todo.pop()
         if n not in need:
@@ -47,5 +49,8 @@ def token_counter(graph: Graph) -> fx.GraphModule | None:
     for n in graph.gm.graph.nodes:
         if n.op == "placeholder" or n in need:
             env[n] = new.node_copy(n, lambda a: env[a])
-    new.output(new.call_function(torch.sum, (new.call_function(operator.ne, (env[target], ignore)),)))
+    value = env[source]
+    if how == "tokens":
+        value = new.call_function(torch.sum, (new.call_function(operator.ne, (value, ignore)),))
+    new.output(value)
     return fx.GraphModule(torch.nn.Module(), new, class_name="TokenCounter")

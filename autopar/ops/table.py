@@ -75,7 +75,7 @@ _kind("reduction", ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "
 _kind("view", (_("view", _SHAPE), _("reshape", _SHAPE), "flatten", "unflatten", "view_as", _("contiguous", _FIRST),
                _("_unsafe_view", _SHAPE), _("clone", _FIRST),
                "alias", "detach", "lift_fresh_copy", "_to_copy", _("to", _FIRST), "type", _("type_as", _FIRST),
-               _("float", _FIRST), "half", "bfloat16", "double"),
+               _("float", _FIRST), "half", "bfloat16", "double", "long"),
       doc="same elements, new shape or dtype")
 _kind("transpose", ("transpose", "permute", "t"), doc="dim permutations")
 _kind("expand", (_("expand", _SHAPE), "unsqueeze", "squeeze", "expand_as", "repeat_interleave", "repeat"),

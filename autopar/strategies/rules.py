@@ -428,9 +428,14 @@ def view_map(a: Shape, b: Shape, n: int) -> dict[int, int]:
 
 @ops.register_rule("view")
 def _view(ctx: Ctx) -> list[Strategy]:
+    """Views, copies and dtype casts: a split dim the shapes map stays split;
+    a partial sum stays one, but for a cast to an integer or boolean dtype
+    (``long()`` truncates each summand)."""
     x, o = ctx.ins[0] if ctx.ins else None, ctx.out
-    out = [Strategy("replicate", _all(ctx, R), R, False),
-           Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False)] if ctx.ins else _replicated(ctx)
+    linear = ctx.node.out is None or ctx.node.out.is_float
+    out = ([Strategy("replicate", _all(ctx, R), R, False)] +
+           ([Strategy("partial", (P,) + (R,) * (len(ctx.ins) - 1), P, False)] if linear else [])) \
+        if ctx.ins else _replicated(ctx)
     if x is None or o is None:
         return out
     extra = (R,) * (len(ctx.ins) - 1)
