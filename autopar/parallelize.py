@@ -175,7 +175,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.on_nonfinite = on_nonfinite
     if batch_moves:    # the program's loss is the whole batch's; each rank's gradient, its samples' part
         pm.grad_scale = float(cfg.dp)
-    elif cfg.dp * cfg.microbatches > 1 and cfg.copies == 1 and cfg.cp == 1 and loss_denominator(graph):
+    elif cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and loss_denominator(graph):
         # a loss divided by a count over the batch (its target's tokens, a mask's sum): each part is
         # weighted by its share of the count
         pm.token_counter = token_counter(run_graph)

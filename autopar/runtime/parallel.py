@@ -404,7 +404,7 @@ class ParallelModule(nn.Module):
         """Each microbatch's weight in the step's mean loss: 1, or where the
         loss averages its target's counted tokens (:attr:`token_counter`),
         the microbatch's share of the tokens of the whole batch (summed over
-        the data-parallel ranks, one small all-reduce) times the parts, so
+        the data- and context-parallel ranks, one small all-reduce each) times the parts, so
         that the ranks' and microbatches' mean is one process's loss. A part
         with no counted token has a loss of 0/0 whatever its weight: the
         parts are then weighted alike, with a warning."""
@@ -415,6 +415,8 @@ class ParallelModule(nn.Module):
         sums = torch.stack([counts.sum(), (counts == 0).sum().to(torch.float64)])
         if self.config.dp > 1:
             dist.all_reduce(sums, group=self.dp_group)
+        if self.cp_group is not None:     # a cp rank's target is its positions' share
+            dist.all_reduce(sums, group=self.cp_group)
         if bool(sums[1] > 0):    # the same on every rank
             if not self._warned_empty_part:
                 warnings.warn("autopar: a part of the batch (a microbatch on a data-parallel rank) has no token the "
@@ -422,7 +424,7 @@ class ParallelModule(nn.Module):
                               "alike", stacklevel=3)
                 self._warned_empty_part = True
             return [1.0] * m
-        return (counts * (m * self.config.dp) / sums[0]).tolist()
+        return (counts * (m * self.config.dp * self.config.cp) / sums[0]).tolist()
 
     def _unsharded(self) -> list[nn.Parameter]:
         """The parameters FSDP2 left whole (0-d ones), kept per step's program."""
