@@ -466,10 +466,11 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
         while cur is not None and cur in graph:
             nd = graph[cur]
             ins = [i for i in nd.inputs if i in data]
-            if nd.kind == "cross_entropy":
+            if nd.kind in ("cross_entropy", "nll_loss"):
                 ok = nd.attrs.get("reduction", "mean") == "mean" and len(nd.inputs) == 2 and \
                     batch_reduction(graph) == "mean" and \
-                    sum(n.kind == "cross_entropy" for n in graph.nodes) == 1 and target_only(nd.inputs[1])
+                    sum(n.kind in ("cross_entropy", "nll_loss") for n in graph.nodes) == 1 and \
+                    target_only(nd.inputs[1])
                 return ("tokens", nd.name, int(nd.attrs.get("ignore_index", -100))) if ok else None
             if nd.kind == "elementwise" and str(nd.target) in ("truediv", "div") and len(nd.inputs) == 2 and \
                     all(sh.out.get(i) == P for i in nd.inputs) and target_only(nd.inputs[1]):

@@ -1163,7 +1163,7 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                                        x[a["dim"] % nd])
                 if pieces:
                     a["pieces"] = pieces
-        elif k == "cross_entropy":
+        elif k in ("cross_entropy", "nll_loss"):
             a.update(_loss_attrs(n, t))
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
@@ -1216,14 +1216,14 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
 def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
     """A cross-entropy's reduction and ignored index ("unsupported": label
     smoothing or class weights)."""
-    if t == "cross_entropy_loss":
-        # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index, label_smoothing)
+    if t in ("cross_entropy_loss", "nll_loss_nd"):
+        # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index[, label_smoothing])
         a = {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported"),
              "ignore_index": _arg(n, 4, "ignore_index", -100)}
         other = _arg(n, 5, "label_smoothing", 0.0) or _arg(n, 2, "weight") is not None
-    else:
+    else:   # F.cross_entropy / F.nll_loss(input, target, weight, size_average, ignore_index, reduce, reduction)
         a = {"reduction": n.kwargs.get("reduction", "mean"), "ignore_index": n.kwargs.get("ignore_index", -100)}
-        other = n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None
+        other = n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None or len(n.args) > 2
     if other:
         a["reduction"] = "unsupported"
     return a

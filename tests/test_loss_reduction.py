@@ -76,6 +76,11 @@ def _ce_mean(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
+def _nll_mean(logits, target):
+    """log_softmax then nll_loss, as older code and torchvision's examples write a cross-entropy."""
+    return F.nll_loss(F.log_softmax(logits.reshape(-1, logits.shape[-1]), -1), target.reshape(-1))
+
+
 def _gpt_masked_batch():
     """The token ids and, stacked on the last dim, a mask that keeps 2 of 8 tokens of sample 0 and 5 of sample 1."""
     inputs, target = _gpt_batch()
@@ -94,12 +99,13 @@ def _masked_mean(logits, target):
 
 CASES = {"mlp-sum": (_mlp, _mlp_batch, _sq_sum), "gpt-ce-sum": (_gpt, _gpt_batch, _ce_sum),
          "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2), "gpt-ce-padded": (_gpt, _gpt_padded_batch, _ce_mean),
-         "gpt-masked-mean": (_gpt, _gpt_masked_batch, _masked_mean)}
+         "gpt-masked-mean": (_gpt, _gpt_masked_batch, _masked_mean),
+         "gpt-nll-padded": (_gpt, _gpt_padded_batch, _nll_mean)}
 RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce-sum", "pp=2,microbatches=2"),
         ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2"),
         ("gpt-ce-padded", "dp=2"), ("gpt-ce-padded", "dp=2,microbatches=2,zero=1"),
         ("gpt-ce-padded", "pp=2,microbatches=2"), ("gpt-ce-padded", "cp=2"), ("gpt-masked-mean", "dp=2,microbatches=2"),
-        ("gpt-masked-mean", "pp=2,microbatches=2")]
+        ("gpt-masked-mean", "pp=2,microbatches=2"), ("gpt-nll-padded", "dp=2")]
 
 
 def _make(name: str):

@@ -55,6 +55,7 @@ OLD_KINDS = {
     "softmax": ("softmax", "log_softmax", "_softmax", "_log_softmax"),
     "cross_entropy": ("cross_entropy", "cross_entropy_loss"),
     "normalize": ("normalize",),
+    "nll_loss": ("nll_loss", "nll_loss_nd"),
     "conv": ("conv1d", "conv2d", "conv3d", "convolution"),
     "batchnorm": ("batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
                   "native_batch_norm"),
@@ -237,7 +238,8 @@ class _Pointwise(nn.Module):
                 x.var(dim=0), torch.logsumexp(a, dim=2), -a)
         joins = (torch.cat([a, b], dim=2), torch.stack([a, c], dim=1), torch.cat([x, x], dim=0))
         views = (x.reshape(4, 48), x.flatten(1), x.view(32, 6), x.unflatten(1, (2, 4)), x.permute(2, 0, 1),
-                 x.transpose(0, 1), y.unsqueeze(0).t(), a.unsqueeze(1).squeeze(1), z.expand(4, 8, 6), y.expand_as(x), (x * 4).long(),
+                 x.transpose(0, 1), y.unsqueeze(0).t(), a.unsqueeze(1).squeeze(1), z.expand(4, 8, 6), y.expand_as(x),
+                 (x * 4).long(),
                  x.repeat(1, 1, 2), x.repeat_interleave(2, dim=1), x.to(torch.float64), x.clone())
         index = (x[:, 2:6], x.narrow(1, 0, 4), x.select(2, 1), x[None, :, 0], x[..., -6:], x[:, :, 1])
         p, q = x.chunk(2, dim=2)
@@ -329,6 +331,7 @@ class _Losses(nn.Module):
     def forward(self, logits, target, ids):        # [8, 16], [8], [4, 4]
         return (F.cross_entropy(logits, target, reduction="sum"),
                 F.cross_entropy(logits, torch.where(target > 11, -100, target)),
+                F.nll_loss(F.log_softmax(logits, -1), target), F.nll_loss(logits, target, reduction="sum"),
                 torch.embedding(self.table, ids), torch.arange(ids.size(1), dtype=torch.float64) * 2)
 
 
@@ -594,7 +597,8 @@ def _validate(case: str, model: nn.Module, inputs: tuple, batch_axis: bool,
 KNOWN_BUGS = {
     ("losses", "cross_entropy_1<cross_entropy>", "batch"):
         "mean cross-entropy split over the batch averages per-rank means (scale 1/n): exact only "
-        "when every rank has as many non-ignored targets (what DDP does too)",
+        "when every rank has as many non-ignored targets (the runtime weights dp, microbatches, "
+        "pipelines and cp by their counted tokens: compile/tokens.py; a tp_mode grid's rows not)",
     ("pointwise", "norm<norm>", "dim1"):
         "trace._attrs reads a reduction's dims from argument 1, which is p for torch.norm(x, p, dim)",
     ("pointwise", "truediv_1<truediv>", "partial"):

@@ -64,6 +64,8 @@ _kind("rmsnorm", ("rms_norm",), doc="RMS normalisation over the trailing dims")
 _kind("softmax", ("softmax", "log_softmax", "_softmax", "_log_softmax"), doc="(log-)softmax along one dim")
 _kind("cross_entropy", ("cross_entropy", "cross_entropy_loss"), doc="loss over logits [N, C] and targets [N]")
 _kind("normalize", ("normalize",), doc="F.normalize: a p-norm over one dim (dim 1 unless given) divides each vector")
+_kind("nll_loss", ("nll_loss", "nll_loss_nd"),
+      doc="negative log-likelihood of log-probabilities [N, C] and targets [N]")
 _kind("conv", ("conv1d", "conv2d", "conv3d", _("convolution", _SAVED)), "matmul", "convolution, NC... layout")
 _kind("batchnorm", ("batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
                     "native_batch_norm"), doc="batch normalisation over N and the spatial dims")

@@ -212,6 +212,17 @@ def _embedding(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("nll_loss")
+def _nll_loss(ctx: Ctx) -> list[Strategy]:
+    """F.nll_loss(log_probs[N, C], target[N]) with mean or sum reduction: the batch split."""
+    x, target = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
+    out = _replicated(ctx)
+    reduction = ctx.node.attrs.get("reduction", "mean")
+    if x is not None and target is not None and len(x) == 2 and ctx.div(x, 0) and reduction in ("mean", "sum"):
+        out.append(Strategy("batch", (S(0), S(0)), P, True, scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
+    return out
+
+
 @ops.register_rule("cross_entropy")
 def _cross_entropy(ctx: Ctx) -> list[Strategy]:
     """F.cross_entropy(logits[N, C], target[N]) with mean reduction."""
