@@ -58,7 +58,7 @@ from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
 
-__all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp",
+__all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp", "apply_loss_parts",
            "trace_local_sequence", "apply_copies", "apply_pipeline",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
 
@@ -130,7 +130,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                                      shardings=shardings)
     check_runnable(graph, cfg)
     batch_moves = cfg.dp > 1 and samples_cross_ranks(graph, cfg) is not None
-    parts = cfg.dp * cfg.microbatches * cfg.copies   # the losses the runtime averages
     graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
@@ -173,15 +172,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
-    if batch_moves:    # the program's loss is the whole batch's; each rank's gradient, its samples' part
-        pm.grad_scale = float(cfg.dp)
-    elif cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and loss_denominator(graph):
-        # a loss divided by a count over the batch (its target's tokens, a mask's sum): each part is
-        # weighted by its share of the count
-        pm.token_counter = token_counter(run_graph)
-    elif parts > 1 and batch_reduction(graph) == "sum":
-        # a loss summed over the batch: the parts' losses add up to one process's, not average to it
-        pm.grad_scale = pm.loss_factor = float(parts)
+    apply_loss_parts(pm, graph, run_graph, cfg, batch_moves)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
                          mesh.group("tp_depth") if len(cfg.tp_grid) == 3 else None)
@@ -194,6 +185,26 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         pm.lr_scheduler = lr_scheduler(pm.optimizer)
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
+    return pm
+
+
+def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: ParallelConfig,
+                     batch_moves: bool) -> ParallelModule:
+    """Make the runtime's mean over the parts of a split batch (dp ranks,
+    microbatches, copies, cp ranks) one process's loss where it is not a mean
+    over the samples: with ``batch_moves`` (samples meet, the dp axis compiled
+    in) each rank's gradient is its samples' part of the sum, so the backward
+    is scaled by dp; a loss divided by a count over the batch (its target's
+    tokens, a mask's sum: :func:`~autopar.sharding.loss_denominator`) weights
+    each part by its share of the count (:attr:`ParallelModule.token_counter`);
+    a loss summed over the batch adds the parts' losses. Returns ``pm``."""
+    parts = cfg.dp * cfg.microbatches * cfg.copies   # the losses the runtime averages
+    if batch_moves:
+        pm.grad_scale = float(cfg.dp)
+    elif cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and loss_denominator(graph):
+        pm.token_counter = token_counter(run_graph)
+    elif parts > 1 and batch_reduction(graph) == "sum":
+        pm.grad_scale = pm.loss_factor = float(parts)
     return pm
 
 
