@@ -202,7 +202,9 @@ def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: Pa
     if batch_moves:
         pm.grad_scale = float(cfg.dp)
     elif cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and loss_denominator(graph):
-        pm.token_counter = token_counter(run_graph)
+        pm.token_counter = counter = token_counter(run_graph)
+        if counter is not None:     # a class-weight table it reads follows the rank's device
+            to_device(counter, local_device())
     elif parts > 1 and batch_reduction(graph) == "sum":
         pm.grad_scale = pm.loss_factor = float(parts)
     return pm

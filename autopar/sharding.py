@@ -439,9 +439,10 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
     rank's samples, a microbatch) divides by its own share of it:
 
     * ``("tokens", cross-entropy node, ignored index)``: one cross-entropy
-      averaged over its target's tokens (reduction ``mean``, no class
-      weights or label smoothing), which differ between parts where the
-      target ignores some (padding, masked prompts);
+      averaged over its target's tokens (reduction ``mean``, no label
+      smoothing; with class weights, over the targets' weights), which
+      differ between parts where the target ignores some (padding, masked
+      prompts) or where its classes weigh differently;
     * ``("sum", denominator node, None)``: a ratio of two batch sums whose
       denominator reads no weight (a masked mean written out,
       ``(loss * mask).sum() / mask.sum()``).
@@ -467,10 +468,11 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
             nd = graph[cur]
             ins = [i for i in nd.inputs if i in data]
             if nd.kind in ("cross_entropy", "nll_loss"):
-                ok = nd.attrs.get("reduction", "mean") == "mean" and len(nd.inputs) == 2 and \
+                weighted = bool(nd.attrs.get("class_weight"))
+                ok = nd.attrs.get("reduction", "mean") == "mean" and len(nd.inputs) == 2 + weighted and \
                     batch_reduction(graph) == "mean" and \
                     sum(n.kind in ("cross_entropy", "nll_loss") for n in graph.nodes) == 1 and \
-                    target_only(nd.inputs[1])
+                    target_only(nd.inputs[1]) and (not weighted or _frozen(graph, nd.inputs[2]))
                 return ("tokens", nd.name, int(nd.attrs.get("ignore_index", -100))) if ok else None
             if nd.kind == "elementwise" and str(nd.target) in ("truediv", "div") and len(nd.inputs) == 2 and \
                     all(sh.out.get(i) == P for i in nd.inputs) and target_only(nd.inputs[1]):
@@ -481,6 +483,13 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
         return None
 
     return graph.memo(("loss_denominator",), find)
+
+
+def _frozen(graph: Graph, name: str) -> bool:
+    """Whether ``name`` is a tensor no training changes (a buffer, a constant, a frozen parameter)."""
+    nd = graph[name]
+    return nd.kind in ("buffer", "constant") or nd.kind == "param" and not (
+        graph.params.get(nd.param) and graph.params[nd.param].requires_grad)
 
 
 def meeting_limits(cfg: "ParallelConfig") -> list[str]:

@@ -1220,11 +1220,14 @@ def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
         # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index[, label_smoothing])
         a = {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported"),
              "ignore_index": _arg(n, 4, "ignore_index", -100)}
-        other = _arg(n, 5, "label_smoothing", 0.0) or _arg(n, 2, "weight") is not None
+        smoothing, weight = _arg(n, 5, "label_smoothing", 0.0), _arg(n, 2, "weight")
     else:   # F.cross_entropy / F.nll_loss(input, target, weight, size_average, ignore_index, reduce, reduction)
         a = {"reduction": n.kwargs.get("reduction", "mean"), "ignore_index": n.kwargs.get("ignore_index", -100)}
-        other = n.kwargs.get("label_smoothing", 0.0) or n.kwargs.get("weight") is not None or len(n.args) > 2
-    if other:
+        smoothing, weight = n.kwargs.get("label_smoothing", 0.0), n.kwargs.get("weight", _arg(n, 2, "weight"))
+    if weight is not None:
+        # class weights: a tensor input of the op (the third); a mean divides by the weights of the targets
+        a["class_weight"] = isinstance(weight, fx.Node)
+    if smoothing or (weight is not None and not isinstance(weight, fx.Node)):
         a["reduction"] = "unsupported"
     return a
 

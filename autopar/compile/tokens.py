@@ -37,9 +37,10 @@ def token_counter(graph: Graph) -> fx.GraphModule | None:
     how, name, ignore = found
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     source = nodes[name].args[1] if how == "tokens" else nodes[name]
+    weight = _class_weight(nodes[name]) if how == "tokens" and graph[name].attrs.get("class_weight") else None
     if not isinstance(source, fx.Node):
         return None
-    need, todo = set(), [source]
+    need, todo = set(), [source] + ([weight] if weight is not None else [])
     while todo:
         n = todo.pop()
         if n not in need:
@@ -51,6 +52,18 @@ def token_counter(graph: Graph) -> fx.GraphModule | None:
             env[n] = new.node_copy(n, lambda a: env[a])
     value = env[source]
     if how == "tokens":
-        value = new.call_function(torch.sum, (new.call_function(operator.ne, (value, ignore)),))
+        counted = new.call_function(operator.ne, (value, ignore))
+        if weight is not None:   # the class weights of the counted targets
+            classes = new.call_function(torch.where, (counted, value, 0))
+            counted = new.call_function(operator.mul, (new.call_function(operator.getitem, (env[weight], classes)),
+                                                       counted))
+        value = new.call_function(torch.sum, (counted,))
     new.output(value)
-    return fx.GraphModule(torch.nn.Module(), new, class_name="TokenCounter")
+    return fx.GraphModule(graph.gm, new, class_name="TokenCounter")
+
+
+def _class_weight(fnode: fx.Node) -> fx.Node | None:
+    """The class-weight operand of a cross-entropy / nll_loss node (the third
+    argument, or ``weight=``)."""
+    w = fnode.kwargs.get("weight", fnode.args[2] if len(fnode.args) > 2 else None)
+    return w if isinstance(w, fx.Node) else None

@@ -218,8 +218,11 @@ def _nll_loss(ctx: Ctx) -> list[Strategy]:
     x, target = ctx.ins[0], ctx.ins[1] if len(ctx.ins) > 1 else None
     out = _replicated(ctx)
     reduction = ctx.node.attrs.get("reduction", "mean")
-    if x is not None and target is not None and len(x) == 2 and ctx.div(x, 0) and reduction in ("mean", "sum"):
-        out.append(Strategy("batch", (S(0), S(0)), P, True, scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
+    weighted = ctx.node.attrs.get("class_weight")
+    if x is not None and target is not None and len(x) == 2 and ctx.div(x, 0) and reduction in ("mean", "sum") \
+            and (not weighted or ctx.batch_axis and len(ctx.ins) == 3):
+        out.append(Strategy("batch", (S(0), S(0)) + ((R,) if weighted else ()), P, True,
+                            scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
     return out
 
 
@@ -231,6 +234,13 @@ def _cross_entropy(ctx: Ctx) -> list[Strategy]:
     if logits is None or target is None or len(logits) != 2:
         return out
     reduction = ctx.node.attrs.get("reduction", "mean")
+    if ctx.node.attrs.get("class_weight"):
+        # weighted by the targets' classes: a part's mean divides by its own targets' weights, which
+        # the runtime corrects over the batch axis only (compile/tokens.py); no vocabulary kernel
+        if ctx.batch_axis and ctx.div(logits, 0) and reduction in ("mean", "sum") and len(ctx.ins) == 3:
+            out.append(Strategy("batch", (S(0), S(0), R), P, True,
+                                scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
+        return out
     if ctx.div(logits, 0) and reduction in ("mean", "sum"):
         out.append(Strategy("batch", (S(0), S(0)), P, True,
                             scale=(1.0 / ctx.n) if reduction == "mean" else 1.0))
