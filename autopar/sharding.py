@@ -358,9 +358,6 @@ def samples_meet(graph: Graph) -> str | None:
     so). Memoised on the graph."""
     def find() -> str | None:
         sh, data = track_batch(graph), data_values(graph)
-        den = loss_denominator(graph)
-        ratio = next((c for c in graph.consumers(den[1]) if graph[c].target in ("truediv", "div") and
-                      graph[c].inputs[1] == den[1]), None) if den is not None and den[0] == "sum" else None
         partial: set[str] = set()     # batch sums, and what is affine in them (a loss plus constants)
         for nd in graph.nodes:
             st = sh.strategy.get(nd.name)
@@ -375,7 +372,7 @@ def samples_meet(graph: Graph) -> str | None:
                     # a batch sum read otherwise than as one: affinely with weights or constants it
                     # stays one under the ranks' averaging; any other way (a square, a product) not,
                     # but for the loss's ratio over a count the runtime weights (loss_denominator)
-                    if not _affine_in(nd, k, data) and nd.name != ratio:
+                    if not _affine_in(nd, k, data) and not _loss_ratio(graph, nd):
                         return nd.name
                     partial.add(nd.name)
                 # a product of two batch-split operands whose batch dims do not meet (aligned ones
@@ -483,6 +480,13 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
         return None
 
     return graph.memo(("loss_denominator",), find)
+
+
+def _loss_ratio(graph: Graph, nd: Node) -> bool:
+    """Whether ``nd`` is the loss's ratio of batch sums over a count of the
+    target (:func:`loss_denominator`), which the runtime weights: no meeting."""
+    den = loss_denominator(graph)
+    return den is not None and den[0] == "sum" and nd.target in ("truediv", "div") and nd.inputs[1] == den[1]
 
 
 def _frozen(graph: Graph, name: str) -> bool:
