@@ -39,7 +39,7 @@ from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
 from .compile.rewrite import Axis, LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
-from .compile.tokens import token_counter
+from .compile.tokens import guard_empty_ratio, token_counter
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
 from .pipeline.partition import assign, even_layers, units
@@ -142,6 +142,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         apply_cp(prog, run_graph, cfg, mesh, graph)
     if cfg.copies > 1:
         apply_copies(prog, run_graph, cfg)
+    if weighs_parts(graph, cfg, batch_moves):    # a part that counts nothing divides by 1, not 0
+        guard_empty_ratio(prog.module, run_graph)
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
@@ -188,6 +190,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     return pm
 
 
+def weighs_parts(graph: Graph, cfg: ParallelConfig, batch_moves: bool) -> bool:
+    """Whether the runtime weights each part of the split batch by its share
+    of what the loss divides by (:func:`~autopar.sharding.loss_denominator`)."""
+    return not batch_moves and cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and \
+        loss_denominator(graph) is not None
+
+
 def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: ParallelConfig,
                      batch_moves: bool) -> ParallelModule:
     """Make the runtime's mean over the parts of a split batch (dp ranks,
@@ -201,7 +210,7 @@ def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: Pa
     parts = cfg.dp * cfg.microbatches * cfg.copies   # the losses the runtime averages
     if batch_moves:
         pm.grad_scale = float(cfg.dp)
-    elif cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and loss_denominator(graph):
+    elif weighs_parts(graph, cfg, batch_moves):
         pm.token_counter = counter = token_counter(run_graph)
         if counter is not None:     # a class-weight table it reads follows the rank's device
             to_device(counter, local_device())

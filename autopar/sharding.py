@@ -372,7 +372,7 @@ def samples_meet(graph: Graph) -> str | None:
                     # a batch sum read otherwise than as one: affinely with weights or constants it
                     # stays one under the ranks' averaging; any other way (a square, a product) not,
                     # but for the loss's ratio over a count the runtime weights (loss_denominator)
-                    if not _affine_in(nd, k, data) and not _loss_ratio(graph, nd):
+                    if not _affine_in(nd, k, data) and not loss_ratio(graph, nd):
                         return nd.name
                     partial.add(nd.name)
                 # a product of two batch-split operands whose batch dims do not meet (aligned ones
@@ -482,7 +482,7 @@ def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:
     return graph.memo(("loss_denominator",), find)
 
 
-def _loss_ratio(graph: Graph, nd: Node) -> bool:
+def loss_ratio(graph: Graph, nd: Node) -> bool:
     """Whether ``nd`` is the loss's ratio of batch sums over a count of the
     target (:func:`loss_denominator`), which the runtime weights: no meeting."""
     den = loss_denominator(graph)

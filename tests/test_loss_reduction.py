@@ -73,6 +73,24 @@ def _gpt_padded_batch():
     return inputs, target
 
 
+def _gpt_empty_part_batch():
+    """Samples 0 and 1 ignore every token (a batch of long masked prompts): the
+    first data-parallel rank's part, or the first microbatch, counts none."""
+    inputs, target = _gpt_batch()
+    target[:2] = -100
+    target[2, 3:] = -100
+    return inputs, target
+
+
+def _gpt_empty_cp_rank_batch():
+    """Positions 0, 1, 6 and 7 ignored in every sample: under cp=2 the
+    load-balanced chunks give the first rank exactly those, so it counts none."""
+    inputs, target = _gpt_batch()
+    target[:, :2] = -100
+    target[:, 6:] = -100
+    return inputs, target
+
+
 def _ce_mean(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
@@ -104,6 +122,13 @@ def _gpt_masked_batch():
     return inputs, torch.stack([target.float(), mask], -1)
 
 
+def _gpt_masked_empty_batch():
+    """The masked mean's batch with samples 0 and 1 masked out entirely."""
+    inputs, target = _gpt_masked_batch()
+    target[:2, :, 1] = 0
+    return inputs, target
+
+
 def _masked_mean(logits, target):
     """A masked mean written out, as custom training loops write it: a ratio of two batch sums."""
     ids, mask = target[..., 0].long(), target[..., 1]
@@ -115,13 +140,21 @@ CASES = {"mlp-sum": (_mlp, _mlp_batch, _sq_sum), "gpt-ce-sum": (_gpt, _gpt_batch
          "gpt-ce-l2": (_gpt, _gpt_batch, _ce_plus_l2), "gpt-ce-padded": (_gpt, _gpt_padded_batch, _ce_mean),
          "gpt-masked-mean": (_gpt, _gpt_masked_batch, _masked_mean),
          "gpt-nll-padded": (_gpt, _gpt_padded_batch, _nll_mean),
-         "mlp-weighted-ce": (_mlp, _mlp_class_batch, _weighted_ce)}
+         "mlp-weighted-ce": (_mlp, _mlp_class_batch, _weighted_ce),
+         "gpt-ce-empty-part": (_gpt, _gpt_empty_part_batch, _ce_mean),
+         "gpt-ce-empty-cp-rank": (_gpt, _gpt_empty_cp_rank_batch, _ce_mean),
+         "gpt-masked-empty-part": (_gpt, _gpt_masked_empty_batch, _masked_mean)}
 RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce-sum", "pp=2,microbatches=2"),
         ("gpt-ce-sum", "tp=2,copies=2"), ("gpt-ce-l2", "dp=2,microbatches=2"),
         ("gpt-ce-padded", "dp=2"), ("gpt-ce-padded", "dp=2,microbatches=2,zero=1"),
         ("gpt-ce-padded", "pp=2,microbatches=2"), ("gpt-ce-padded", "cp=2"), ("gpt-masked-mean", "dp=2,microbatches=2"),
         ("gpt-masked-mean", "pp=2,microbatches=2"), ("gpt-nll-padded", "dp=2"),
-        ("mlp-weighted-ce", "dp=2,microbatches=2"), ("mlp-weighted-ce", "tp=2")]
+        ("mlp-weighted-ce", "dp=2,microbatches=2"), ("mlp-weighted-ce", "tp=2"),
+        # a part that counts no token: its loss is 0/0, weighted 0 (before: the step raised a non-finite loss)
+        ("gpt-ce-empty-part", "dp=2"), ("gpt-ce-empty-part", "dp=2,microbatches=2,zero=1"),
+        ("gpt-ce-empty-part", "pp=2,microbatches=2"), ("gpt-ce-empty-part", "tp=2,microbatches=2"),
+        ("gpt-ce-empty-cp-rank", "cp=2"), ("gpt-masked-empty-part", "dp=2"),
+        ("gpt-masked-empty-part", "pp=2,microbatches=2")]
 
 
 def _make(name: str):
@@ -141,8 +174,22 @@ def _steps(name: str, strategy: str | None) -> list[float]:
     return [pm.train_step(inputs, target) for _ in range(3)]
 
 
+def _all_ignored() -> str:
+    """dp=2 on a batch whose every target is ignored: one process's loss is
+    0/0, and so is the step's (a non-finite loss, not a silent 0)."""
+    model, (inputs, target), loss = _make("gpt-ce-empty-part")
+    target[:] = -100
+    pm = autopar.parallelize(model, inputs, loss_fn=loss, example_target=target, strategy="dp=2",
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+    try:
+        pm.train_step(inputs, target)
+    except autopar.errors.NonFiniteLossError as e:
+        return str(e)
+    return "trained"
+
+
 def _worker(rank: int, world: int) -> list:
-    return [_steps(name, strategy) for name, strategy in RUNS]
+    return [_steps(name, strategy) for name, strategy in RUNS] + [_all_ignored()]
 
 
 def test_the_loss_reduction_is_read_off_the_batch_walk():
@@ -195,6 +242,7 @@ def test_a_masked_mean_is_divided_by_the_whole_batch_mask():
 
 def test_a_summed_loss_under_a_split_batch_equals_one_process():
     got = run_distributed(_worker, 2, timeout=300)[0]
+    assert "the loss is nan" in got.pop()
     for (name, strategy), losses in zip(RUNS, got):
         assert losses == pytest.approx(_steps(name, None), rel=1e-5, abs=1e-5), (name, strategy)
 

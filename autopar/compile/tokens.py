@@ -11,7 +11,10 @@ makes that count (:func:`autopar.sharding.loss_denominator`); the runtime
 runs it on every part before the step and weights each part's loss by its
 share of the whole batch's count
 (:meth:`autopar.runtime.parallel.ParallelModule._token_weights`), as one
-process divides by all of it.
+process divides by all of it. A part whose count is 0 (every target of a
+rank's samples ignored) has the loss 0/0 and the weight 0:
+:func:`guard_empty_ratio` makes a written-out ratio's backward give it a
+zero gradient, as torch's cross-entropy does, instead of NaN.
 """
 from __future__ import annotations
 
@@ -21,9 +24,9 @@ import torch
 import torch.fx as fx
 
 from ..graph import Graph
-from ..sharding import loss_denominator
+from ..sharding import loss_denominator, loss_ratio
 
-__all__ = ["token_counter"]
+__all__ = ["token_counter", "guard_empty_ratio"]
 
 
 def token_counter(graph: Graph) -> fx.GraphModule | None:
@@ -67,3 +70,28 @@ def _class_weight(fnode: fx.Node) -> fx.Node | None:
     argument, or ``weight=``)."""
     w = fnode.kwargs.get("weight", fnode.args[2] if len(fnode.args) > 2 else None)
     return w if isinstance(w, fx.Node) else None
+
+
+def guard_empty_ratio(gm: fx.GraphModule, graph: Graph) -> bool:
+    """In the compiled program ``gm`` of ``graph``, divide the loss's ratio of
+    batch sums (:func:`~autopar.sharding.loss_denominator` ``"sum"``) by its
+    denominator where that is not 0, else by 1: a part of the batch whose
+    mask is all 0 then has the loss 0 and a zero gradient (the runtime weights
+    it 0), where 0/0 put NaN in every gradient. Exact wherever the
+    denominator is not 0. Returns whether a ratio was found."""
+    found = loss_denominator(graph)
+    if found is None or found[0] != "sum":
+        return False
+    ratios = {nd.name for nd in graph.nodes if loss_ratio(graph, nd)}
+    done = False
+    for n in list(gm.graph.nodes):
+        if n.name in ratios and len(n.args) == 2 and isinstance(n.args[1], fx.Node):
+            den = n.args[1]
+            with gm.graph.inserting_before(n):
+                empty = gm.graph.call_function(operator.eq, (den, 0))
+                safe = gm.graph.call_function(torch.where, (empty, 1, den))
+            n.args = (n.args[0], safe)
+            done = True
+    if done:
+        gm.recompile()
+    return done

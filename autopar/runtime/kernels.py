@@ -11,6 +11,8 @@ gradients) and puts them in sequence order.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -88,7 +90,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     full logits), ``target`` [...] holds global class ids. Three small
     all-reduces (max, then sum-exp and target logit together); the backward is
     local (softmax - onehot on the shard). ``reduction``: "mean" (over targets
-    != ignore_index; NaN when there are none, like torch), "sum" or "none".
+    != ignore_index; NaN when there are none, like torch, with a zero
+    gradient as torch's: a part of a split batch with no counted token, which
+    the runtime weights 0, leaves no NaN in the gradients), "sum" or "none".
     Computes in at least float32; returns the logits' dtype.
     """
     if reduction not in ("mean", "sum", "none"):
@@ -105,7 +109,9 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     elif reduction == "sum":
         out = losses.sum()
     else:
-        out = losses.sum() / (target != ignore_index).sum()
+        count = (target != ignore_index).sum()
+        empty = count == 0
+        out = losses.sum() / torch.where(empty, 1, count) + torch.where(empty, math.nan, 0.0)
     return out.to(logits_shard.dtype)
 
 

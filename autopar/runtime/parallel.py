@@ -187,7 +187,6 @@ class ParallelModule(nn.Module):
         # counts the loss's target tokens of a part of the batch (compile/tokens.py), where the loss
         # averages over them and the batch is split: each part is weighted by its share of the tokens
         self.token_counter: Any = None
-        self._warned_empty_part = False
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program."""
@@ -360,7 +359,8 @@ class ParallelModule(nn.Module):
                 with regather.scope():      # sequence parallel: saved as shards, gathered again
                     loss = self.program(*xs, tg)
                 (loss * (scale * self.grad_scale * weights[i] / m)).backward()
-                total += loss.detach().float() * weights[i] / m
+                if weights[i] != 0:     # a part with nothing counted: 0/0, weighed 0
+                    total += loss.detach().float() * weights[i] / m
         else:
             if dopt is not None:    # a pipeline's backwards interleave: reduce after the flush
                 dopt.start_microbatch(last=False)
@@ -406,25 +406,19 @@ class ParallelModule(nn.Module):
         the microbatch's share of the tokens of the whole batch (summed over
         the data- and context-parallel ranks, one small all-reduce each) times the parts, so
         that the ranks' and microbatches' mean is one process's loss. A part
-        with no counted token has a loss of 0/0 whatever its weight: the
-        parts are then weighted alike, with a warning."""
+        with no counted token (its loss 0/0) weighs 0 and adds a zero
+        gradient; where the whole batch counts none, the weights are NaN, as
+        one process's loss is."""
         m = len(micro)
         if self.token_counter is None:
             return [1.0] * m
         counts = torch.stack([self.token_counter(*xs, tg).to(torch.float64) for xs, tg in micro])
-        sums = torch.stack([counts.sum(), (counts == 0).sum().to(torch.float64)])
+        total = counts.sum()
         if self.config.dp > 1:
-            dist.all_reduce(sums, group=self.dp_group)
+            dist.all_reduce(total, group=self.dp_group)
         if self.cp_group is not None:     # a cp rank's target is its positions' share
-            dist.all_reduce(sums, group=self.cp_group)
-        if bool(sums[1] > 0):    # the same on every rank
-            if not self._warned_empty_part:
-                warnings.warn("autopar: a part of the batch (a microbatch on a data-parallel rank) has no token the "
-                              "loss counts (every target ignore_index): its loss is 0/0; the parts are weighted "
-                              "alike", stacklevel=3)
-                self._warned_empty_part = True
-            return [1.0] * m
-        return (counts * (m * self.config.dp * self.config.cp) / sums[0]).tolist()
+            dist.all_reduce(total, group=self.cp_group)
+        return (counts * (m * self.config.dp * self.config.cp) / total).tolist()
 
     def _unsharded(self) -> list[nn.Parameter]:
         """The parameters FSDP2 left whole (0-d ones), kept per step's program."""

@@ -124,8 +124,9 @@ class PipelineExecutor:
         if not step.losses:
             return None
         losses = torch.stack(step.losses)
-        if self.weights is not None:
-            losses = losses * torch.tensor(self.weights, dtype=losses.dtype, device=losses.device)
+        if self.weights is not None:    # a microbatch with nothing counted (0/0) weighs 0
+            w = torch.tensor(self.weights, dtype=losses.dtype, device=losses.device)
+            losses = torch.where(w == 0, 0.0, losses * w)
         return losses.mean()
 
     def _wait(self, work: Any) -> None:
