@@ -140,10 +140,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph, batch_moves=batch_moves)
     if cfg.cp > 1:
         apply_cp(prog, run_graph, cfg, mesh, graph)
-    if cfg.copies > 1:
-        apply_copies(prog, run_graph, cfg)
     if weighs_parts(graph, cfg, batch_moves):    # a part that counts nothing divides by 1, not 0
         guard_empty_ratio(prog.module, run_graph)
+    if cfg.copies > 1:
+        apply_copies(prog, run_graph, cfg, counted=weighs_parts(graph, cfg, batch_moves))
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:
@@ -191,9 +191,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
 
 
 def weighs_parts(graph: Graph, cfg: ParallelConfig, batch_moves: bool) -> bool:
-    """Whether the runtime weights each part of the split batch by its share
-    of what the loss divides by (:func:`~autopar.sharding.loss_denominator`)."""
-    return not batch_moves and cfg.dp * cfg.microbatches * cfg.cp > 1 and cfg.copies == 1 and \
+    """Whether each part of the split batch (a data-parallel or cp rank's, a
+    microbatch, a copy) is weighted by its share of what the loss divides by
+    (:func:`~autopar.sharding.loss_denominator`): the runtime weights the
+    first three, the program its copies."""
+    return not batch_moves and cfg.dp * cfg.microbatches * cfg.cp * cfg.copies > 1 and \
         loss_denominator(graph) is not None
 
 
@@ -211,9 +213,10 @@ def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: Pa
     if batch_moves:
         pm.grad_scale = float(cfg.dp)
     elif weighs_parts(graph, cfg, batch_moves):
-        pm.token_counter = counter = token_counter(run_graph)
-        if counter is not None:     # a class-weight table it reads follows the rank's device
-            to_device(counter, local_device())
+        if cfg.dp * cfg.microbatches * cfg.cp > 1:     # the copies are weighted inside the program
+            pm.token_counter = counter = token_counter(run_graph)
+            if counter is not None:     # a class-weight table it reads follows the rank's device
+                to_device(counter, local_device())
     elif parts > 1 and batch_reduction(graph) == "sum":
         pm.grad_scale = pm.loss_factor = float(parts)
     return pm
@@ -349,12 +352,11 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
     meet = samples_cross_ranks(graph, cfg)
     den = loss_denominator(graph)
-    if den is not None and den[0] == "sum" and meet is None and (cfg.copies > 1 or cfg.cp > 1 or
-                                                                  cfg.tp_mode != "1d"):
+    if den is not None and den[0] == "sum" and meet is None and (cfg.cp > 1 or cfg.tp_mode != "1d"):
         raise UnsupportedError(
             f"{cfg.to_string()}: {graph.name}'s loss is a ratio of batch sums ({den[1]} divides it, a masked "
-            f"mean), which data parallelism, microbatches and pipelines weight by each part's share of "
-            f"{den[1]}, but copies, cp and a tp_mode grid's rows average their parts inside the program; "
+            f"mean), which data parallelism, microbatches, pipelines and copies weight by each part's share of "
+            f"{den[1]}, but cp and a tp_mode grid's rows average their parts inside the program; "
             f"leave them out")
     if meet is None and den is None and cfg.dp * cfg.microbatches * cfg.copies > 1 and \
             batch_reduction(graph) == "mixed":
@@ -535,14 +537,19 @@ def apply_cp(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, mesh: Mesh, 
     return prog
 
 
-def apply_copies(prog: LocalProgram, graph: Graph, cfg: ParallelConfig) -> LocalProgram:
+def apply_copies(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, counted: bool = False) -> LocalProgram:
     """``prog`` (compiled for one copy, ``1/copies`` of a microbatch) run as
     ``cfg.copies`` interleaved copies whose tensor-parallel collectives
     overlap each other's compute (:mod:`autopar.compile.copies`); with
     recompute the copies' segments are cut at layer changes so each layer
-    stays one region. Returns ``prog``."""
+    stays one region. ``counted``: the loss divides by a count of the batch
+    (:func:`weighs_parts`), so the copies' losses are weighted by their
+    counts. Returns ``prog``."""
     labels = layer_labels(prog.module, graph) if cfg.recompute != "none" or cfg.zero == 3 else None
-    prog.module = _apply_copies(prog.module, cfg.copies, labels)
+    counter = token_counter(graph) if counted else None
+    if counter is not None:
+        to_device(counter, local_device())
+    prog.module = _apply_copies(prog.module, cfg.copies, labels, counter)
     return prog
 
 

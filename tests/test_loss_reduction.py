@@ -154,7 +154,11 @@ RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce
         ("gpt-ce-empty-part", "dp=2"), ("gpt-ce-empty-part", "dp=2,microbatches=2,zero=1"),
         ("gpt-ce-empty-part", "pp=2,microbatches=2"), ("gpt-ce-empty-part", "tp=2,microbatches=2"),
         ("gpt-ce-empty-cp-rank", "cp=2"), ("gpt-masked-empty-part", "dp=2"),
-        ("gpt-masked-empty-part", "pp=2,microbatches=2")]
+        ("gpt-masked-empty-part", "pp=2,microbatches=2"),
+        # copies weight their losses by their counts inside the program (before: the copies' means averaged)
+        ("gpt-ce-padded", "tp=2,copies=2"), ("gpt-masked-mean", "tp=2,copies=2"),
+        ("gpt-ce-empty-part", "tp=2,copies=2"), ("gpt-ce-empty-part", "tp=2,copies=2,microbatches=2"),
+        ("mlp-weighted-ce", "tp=2,copies=2")]
 
 
 def _make(name: str):
@@ -225,8 +229,9 @@ def test_a_masked_mean_is_divided_by_the_whole_batch_mask():
     """``(loss * mask).sum() / mask.sum()``: what it divides by is found
     (a batch sum of the target alone), so it is no meeting of samples: dp,
     microbatches and pipelines weight each part by its share of the mask
-    (before, dp gathered and microbatches were refused); copies, which
-    average their parts inside the program, are refused in words."""
+    (before, dp gathered and microbatches were refused), copies by theirs
+    inside the program; cp, which averages its ranks' losses inside the
+    program, is refused in words."""
     from autopar.compile.tokens import token_counter
     from autopar.errors import UnsupportedError
     from autopar.parallelize import check_runnable
@@ -237,7 +242,8 @@ def test_a_masked_mean_is_divided_by_the_whole_batch_mask():
     assert samples_meet(g) is None and loss_denominator(g)[0] == "sum"
     assert float(token_counter(g)(*inputs, target)) == 2 + 5 + 8 + 8
     with pytest.raises(UnsupportedError, match="ratio of batch sums"):
-        check_runnable(g, parse_strategy("tp=2,copies=2"))
+        check_runnable(g, parse_strategy("cp=2"))
+    check_runnable(g, parse_strategy("tp=2,copies=2"))
 
 
 def test_a_summed_loss_under_a_split_batch_equals_one_process():

@@ -28,7 +28,11 @@ tensor-parallel collectives are in flight while another copy computes:
 
 The result's value is the mean of the copies' losses (each copy a mean over
 an equal share of the samples): the loss of the whole microbatch, so the
-numerics are those of ``N`` microbatches of gradient accumulation.
+numerics are those of ``N`` microbatches of gradient accumulation. Where the
+loss divides by a count of the batch (tokens a cross-entropy does not
+ignore, a mask's sum: :mod:`autopar.compile.tokens`), each copy's loss is
+weighted by its share of the count, run in the program on the copy's
+inputs (:func:`counted_mean_of`), as one process divides by all of it.
 Parameters and buffers are read once and shared by the copies.
 ``gm.meta["autopar_copy_of"]`` maps every copied node to the node of the
 single-copy program (:func:`autopar.compile.regions.layer_regions` reads it
@@ -36,6 +40,7 @@ to put both copies of a layer into one region).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,7 +51,7 @@ from ..errors import CompileError
 from ..runtime import collectives as C
 from .rewrite import Comm
 
-__all__ = ["apply_copies", "CommStart", "copy_input", "mean_of"]
+__all__ = ["apply_copies", "CommStart", "copy_input", "mean_of", "counted_mean_of"]
 
 
 class CommStart(nn.Module):
@@ -80,6 +85,19 @@ def mean_of(*losses: torch.Tensor) -> torch.Tensor:
     return torch.stack(losses).mean() if losses[0].dim() == 0 else sum(losses) / len(losses)
 
 
+def counted_mean_of(losses: tuple[torch.Tensor, ...], counts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The copies' losses, each a mean over its own count, as one mean over
+    all of it: ``sum(loss_c * count_c) / sum(count_c)``. A copy that counts
+    nothing (its loss 0/0) adds 0 and a zero gradient; where none counts
+    anything the value is NaN, as one process's loss, with a zero gradient."""
+    n = torch.stack([c.detach().to(losses[0].dtype) for c in counts])
+    parts = torch.stack(losses)
+    total = n.sum()
+    empty = total == 0
+    summed = torch.where(n == 0, 0.0, parts * n).sum()
+    return summed / torch.where(empty, 1.0, total) + torch.where(empty, math.nan, 0.0)
+
+
 def _segments(body: list[fx.Node], comm: set[str], labels: dict[str, Any] | None) -> list[list[fx.Node]]:
     """``body`` cut after every collective and, with ``labels``, where the label changes."""
     out: list[list[fx.Node]] = [[]]
@@ -92,11 +110,15 @@ def _segments(body: list[fx.Node], comm: set[str], labels: dict[str, Any] | None
     return [s for s in out if s]
 
 
-def apply_copies(gm: fx.GraphModule, copies: int, labels: dict[str, Any] | None = None) -> fx.GraphModule:
+def apply_copies(gm: fx.GraphModule, copies: int, labels: dict[str, Any] | None = None,
+                 counter: fx.GraphModule | None = None) -> fx.GraphModule:
     """``gm`` (the program of one copy) run as ``copies`` interleaved copies
     (module doc). ``labels``: node -> layer instance, to cut segments where
     the layer changes (needed when layer regions are built afterwards).
-    Raises :class:`CompileError` when the program's value is not one tensor."""
+    ``counter``: what the loss divides by, a program of ``gm``'s inputs
+    (:func:`autopar.compile.tokens.token_counter`): the copies' losses are
+    weighted by it. Raises :class:`CompileError` when the program's value is
+    not one tensor."""
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     if not isinstance(out_node.args[0], fx.Node):
@@ -139,7 +161,15 @@ def apply_copies(gm: fx.GraphModule, copies: int, labels: dict[str, Any] | None 
                     x = env[c][n.name] = new.create_node(n.op, n.target, args, kwargs,
                                                          name=n.name if c == 0 else f"{n.name}_c{c}")
                 copy_of[x.name] = n.name
-    new.output(new.call_function(mean_of, tuple(read(c, out_node.args[0]) for c in range(copies))))
+    losses = tuple(read(c, out_node.args[0]) for c in range(copies))
+    if counter is None:
+        new.output(new.call_function(mean_of, losses))
+    else:
+        gm.add_submodule("autopar_token_counter", counter)
+        inputs = [n.name for n in nodes if n.op == "placeholder"]
+        counts = tuple(new.create_node("call_module", "autopar_token_counter", tuple(env[c][i] for i in inputs),
+                                       name=f"autopar_count_c{c}") for c in range(copies))
+        new.output(new.call_function(counted_mean_of, (losses, counts)))
     out = fx.GraphModule(gm, new, class_name="AutoparCopies")
     out.meta["autopar_copy_of"] = copy_of
     out.meta["autopar_copies"] = copies
