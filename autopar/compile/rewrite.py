@@ -41,7 +41,7 @@ from ..errors import CompileError
 from ..graph import Graph
 from ..runtime import collectives as C
 from ..runtime import kernels as K
-from ..sharding import AxisSharding, data_values, needs_grad, selective_keeps
+from ..sharding import AxisSharding, data_values, loss_denominator, needs_grad, selective_keeps
 from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import transition_steps
@@ -96,6 +96,22 @@ class VocabCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return K.vocab_parallel_cross_entropy(logits, target, self.start, self.end, self.group,
                                               self.ignore_index, self.reduction)
+
+
+class CountedShare(nn.Module):
+    """A token-mean loss split with its samples over tensor axes weighted by
+    this rank's share of the counted targets
+    (:func:`~autopar.runtime.kernels.counted_share`)."""
+
+    def __init__(self, ignore_index: int, groups: Sequence[Any]) -> None:
+        super().__init__()
+        self.ignore_index, self.groups = ignore_index, list(groups)
+
+    def forward(self, loss: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return K.counted_share(loss, target, self.ignore_index, weight, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, axes={len(self.groups)}"
 
 
 class SyncBatchNorm(nn.Module):
@@ -430,11 +446,27 @@ class _Rewriter:
         if op == "call_module":
             self.root[target] = graph.gm.get_submodule(target)
         x = self.new.create_node(op, target, args, kwargs, name=fnode.name)
-        x = self.whole_size(fnode, x)
-        scale = math.prod(st.scale for st in sts if st is not None)
+        env[fnode.name] = self._loss_parts(nd, self.whole_size(fnode, x), self.axes, remap)
+
+    def _loss_parts(self, nd: Any, x: fx.Node, axes: Sequence[Axis], remap: dict[str, fx.Node]) -> fx.Node:
+        """``x``, the value of ``nd`` on the ``axes`` that ran it split with
+        the samples, as this rank's part of the whole value: times the
+        strategies' ``scale`` (``1/n`` of a mean over the samples), or for
+        the loss's token mean (:func:`~autopar.sharding.loss_denominator`)
+        times this rank's share of the counted targets (:class:`CountedShare`):
+        the parts' token counts differ where targets are ignored."""
+        sts = [(ax, ax.strategy(nd.name)) for ax in axes] if nd is not None else []
+        den = loss_denominator(self.graph) if nd is not None and nd.kind in ("cross_entropy", "nll_loss") else None
+        counted = [ax for ax, st in sts if st is not None and st.name == "batch"] \
+            if den is not None and den[:2] == ("tokens", nd.name) else []
+        scale = math.prod(st.scale for ax, st in sts if st is not None and ax not in counted)
         if scale != 1.0:
-            x = self._inserted(operator.mul, (x, scale), f"{fnode.name}_scaled")
-        env[fnode.name] = x
+            x = self._inserted(operator.mul, (x, scale), f"{nd.name}_scaled")
+        if counted:
+            mod = self.add_module("counted_share", CountedShare(den[2], [ax.group for ax in counted]))
+            ins = [remap.get(i, self.env[i]) for i in nd.inputs[1:3]]
+            x = self.new.create_node("call_module", mod, (x, *ins), name=f"autopar_{nd.name}_counted")
+        return x
 
     def _inserted(self, target: Any, args: tuple, name: str) -> fx.Node:
         """A node the compiler adds, named apart from every traced node: fx
@@ -478,7 +510,5 @@ class _Rewriter:
                 ax.rank * per, (ax.rank + 1) * per, ax.group, int(nd.attrs.get("ignore_index", -100)),
                 str(nd.attrs.get("reduction", "mean"))))
             x = self.new.call_module(mod, (remap[nd.inputs[0]], remap[nd.inputs[1]]))
-            scale = math.prod(self_st.scale for self_st in
-                              (a.strategy(nd.name) for a in self.axes if a is not ax) if self_st is not None)
-            return self._inserted(operator.mul, (x, scale), f"{nd.name}_scaled") if scale != 1.0 else x
+            return self._loss_parts(nd, x, [a for a in self.axes if a is not ax], remap)
         raise CompileError(f"{nd.name}: unknown kernel {st.kernel!r}")

@@ -12,6 +12,7 @@ gradients) and puts them in sequence order.
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,27 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         empty = count == 0
         out = losses.sum() / torch.where(empty, 1, count) + torch.where(empty, math.nan, 0.0)
     return out.to(logits_shard.dtype)
+
+
+def counted_share(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None,
+                  groups: Sequence[Any]) -> torch.Tensor:
+    """A rank's part of a token mean split with its samples over ``groups``:
+    ``loss`` (the mean over this rank's counted targets: not
+    ``ignore_index``, weighed by ``weight[target]`` if given) times this
+    rank's share of the count over the groups, so that the sum over the
+    ranks is the mean over all of them. A rank that counts nothing (its loss
+    0/0) gives 0 and a zero gradient; where no rank counts anything, NaN."""
+    counted = target != ignore_index
+    if weight is not None:
+        mine = (weight[torch.where(counted, target, 0)] * counted).sum().to(torch.float64)
+    else:
+        mine = counted.sum().to(torch.float64)
+    total = mine.clone()
+    for g in groups:
+        dist.all_reduce(total, group=g)
+    empty = total == 0
+    share = (mine / torch.where(empty, 1.0, total)).to(loss.dtype)
+    return torch.where(mine == 0, 0.0, loss * share) + torch.where(empty, math.nan, 0.0).to(loss.dtype)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group, order: torch.Tensor) -> torch.Tensor:
