@@ -52,8 +52,8 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, samples_meet, \
-    scaled_shapes
+from .sharding import batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
+    positions_reduced_with_samples, samples_meet, scaled_shapes
 from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
@@ -209,7 +209,8 @@ def apply_loss_parts(pm: ParallelModule, graph: Graph, run_graph: Graph, cfg: Pa
     tokens, a mask's sum: :func:`~autopar.sharding.loss_denominator`) weights
     each part by its share of the count (:attr:`ParallelModule.token_counter`);
     a loss summed over the batch adds the parts' losses. Returns ``pm``."""
-    parts = cfg.dp * cfg.microbatches * cfg.copies   # the losses the runtime averages
+    # the losses the runtime averages (cp: its ranks' positions, reduced as the samples are: check_runnable)
+    parts = cfg.dp * cfg.microbatches * cfg.copies * cfg.cp
     if batch_moves:
         pm.grad_scale = float(cfg.dp)
     elif weighs_parts(graph, cfg, batch_moves):
@@ -358,7 +359,14 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
             f"mean), which data parallelism, microbatches, pipelines and copies weight by each part's share of "
             f"{den[1]}, but cp and a tp_mode grid's rows average their parts inside the program; "
             f"leave them out")
-    if meet is None and den is None and cfg.dp * cfg.microbatches * cfg.copies > 1 and \
+    if cfg.cp > 1 and meet is None and (den is None or den[0] != "tokens") and \
+            not positions_reduced_with_samples(graph, sequence_length(graph) or 1):
+        raise UnsupportedError(
+            f"{cfg.to_string()}: {graph.name}'s loss reduces each sample's positions apart from the samples "
+            f"(for example a sum over the positions, then a mean over the samples), and cp, which splits the "
+            f"positions, does not run such a loss yet; reduce the positions with the samples (a cross-entropy "
+            f"over the flattened tokens) or leave cp out")
+    if meet is None and den is None and cfg.dp * cfg.microbatches * cfg.copies * cfg.cp > 1 and \
             batch_reduction(graph) == "mixed":
         raise UnsupportedError(
             f"{cfg.to_string()} splits the batch, but {graph.name}'s loss adds terms that average the batch to "

@@ -420,14 +420,37 @@ def batch_reduction(graph: Graph) -> str | None:
     def find() -> str | None:
         if not graph.batch_size:
             return None
-        walk = follow_batch(graph, 2, scaled_shapes(graph, 2 * graph.batch_size, 1), batch_axis=True)
-        scales = {st.scale for nd in graph.nodes if (st := walk.strategy.get(nd.name)) is not None and
-                  st.out == P and any(is_shard(walk.out.get(i, R)) for i in nd.inputs)}
+        scales = {st.scale for _, st in _batch_reductions(graph)}
         if not scales:
             return None
         return "mean" if scales == {0.5} else "sum" if scales == {1.0} else "mixed"
 
     return graph.memo(("batch_reduction",), find)
+
+
+def _batch_reductions(graph: Graph) -> list[tuple[Node, Strategy]]:
+    """The nodes that reduce the batch (a batch-split input, a partial
+    output) on the batch walk at two ranks, with their strategies."""
+    def find() -> list[tuple[Node, Strategy]]:
+        walk = follow_batch(graph, 2, scaled_shapes(graph, 2 * graph.batch_size, 1), batch_axis=True)
+        return [(nd, st) for nd in graph.nodes if (st := walk.strategy.get(nd.name)) is not None and
+                st.out == P and any(is_shard(walk.out.get(i, R)) for i in nd.inputs)]
+
+    return graph.memo(("batch_reductions",), find) if graph.batch_size else []
+
+
+def positions_reduced_with_samples(graph: Graph, seq: int) -> bool:
+    """Whether every reduction of the batch by ``graph``'s loss reduces the
+    ``seq`` positions of each sample with it (a cross-entropy over the
+    flattened tokens, a sum of a (batch, positions) tensor): its input has a
+    multiple of batch x ``seq`` elements. Then the positions are reduced as
+    the samples are (:func:`batch_reduction`), which context parallelism,
+    splitting the positions, relies on."""
+    reductions = _batch_reductions(graph)
+    b = graph.batch_size
+    return bool(reductions) and all(
+        any(graph[i].out is not None and numel(graph[i].out.shape) % (b * seq) == 0 for i in nd.inputs)
+        for nd, _ in reductions)
 
 
 def loss_denominator(graph: Graph) -> tuple[str, str, int | None] | None:

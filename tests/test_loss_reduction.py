@@ -158,7 +158,9 @@ RUNS = [("mlp-sum", "dp=2"), ("mlp-sum", "dp=2,microbatches=2,zero=1"), ("gpt-ce
         # copies weight their losses by their counts inside the program (before: the copies' means averaged)
         ("gpt-ce-padded", "tp=2,copies=2"), ("gpt-masked-mean", "tp=2,copies=2"),
         ("gpt-ce-empty-part", "tp=2,copies=2"), ("gpt-ce-empty-part", "tp=2,copies=2,microbatches=2"),
-        ("mlp-weighted-ce", "tp=2,copies=2")]
+        ("mlp-weighted-ce", "tp=2,copies=2"),
+        # cp: each rank's loss sums its positions (before: averaged, half the gradient)
+        ("gpt-ce-sum", "cp=2"), ("gpt-ce-sum", "cp=2,microbatches=2")]
 
 
 def _make(name: str):
@@ -244,6 +246,31 @@ def test_a_masked_mean_is_divided_by_the_whole_batch_mask():
     with pytest.raises(UnsupportedError, match="ratio of batch sums"):
         check_runnable(g, parse_strategy("cp=2"))
     check_runnable(g, parse_strategy("tp=2,copies=2"))
+
+
+def test_a_loss_that_reduces_positions_apart_from_samples_is_refused_under_cp():
+    """A sum over each sample's positions, then a mean over the samples: cp
+    splits the positions, and its ranks' losses would be averaged, not
+    added, so it is refused in words; a cross-entropy over the flattened
+    tokens (positions reduced with the samples) runs."""
+    from autopar.errors import UnsupportedError
+    from autopar.parallelize import check_runnable
+    from autopar.sharding import positions_reduced_with_samples
+    from autopar.spec import parse_strategy
+
+    def per_sample_sum(logits, target):
+        tokens = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        return tokens.view(target.shape).sum(1).mean()
+
+    inputs, target = _gpt_batch()
+    g = autopar.trace(_gpt(), inputs, loss_fn=per_sample_sum, target=target)
+    assert not positions_reduced_with_samples(g, 8)
+    with pytest.raises(UnsupportedError, match="positions apart from the samples"):
+        check_runnable(g, parse_strategy("cp=2"))
+    check_runnable(g, parse_strategy("dp=2"))
+    flat = autopar.trace(_gpt(), inputs, loss_fn=_ce_sum, target=target)
+    assert positions_reduced_with_samples(flat, 8)
+    check_runnable(flat, parse_strategy("cp=2"))
 
 
 def test_a_summed_loss_under_a_split_batch_equals_one_process():
