@@ -89,8 +89,9 @@ def counted_mean_of(losses: tuple[torch.Tensor, ...], counts: tuple[torch.Tensor
     """The copies' losses, each a mean over its own count, as one mean over
     all of it: ``sum(loss_c * count_c) / sum(count_c)``. A copy that counts
     nothing (its loss 0/0) adds 0 and a zero gradient; where none counts
-    anything the value is NaN, as one process's loss, with a zero gradient."""
-    n = torch.stack([c.detach().to(losses[0].dtype) for c in counts])
+    anything the value is NaN, as one process's loss, with a zero gradient.
+    In at least float32."""
+    n = torch.stack([c.detach().to(torch.float32) for c in counts])    # in bf16 a count of 257 is 256
     parts = torch.stack(losses)
     total = n.sum()
     empty = total == 0

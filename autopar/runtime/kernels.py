@@ -123,7 +123,8 @@ def counted_share(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, w
     ``ignore_index``, weighed by ``weight[target]`` if given) times this
     rank's share of the count over the groups, so that the sum over the
     ranks is the mean over all of them. A rank that counts nothing (its loss
-    0/0) gives 0 and a zero gradient; where no rank counts anything, NaN."""
+    0/0) gives 0 and a zero gradient; where no rank counts anything, NaN.
+    In at least float32."""
     counted = target != ignore_index
     if weight is not None:
         mine = (weight[torch.where(counted, target, 0)] * counted).sum().to(torch.float64)
@@ -133,8 +134,8 @@ def counted_share(loss: torch.Tensor, target: torch.Tensor, ignore_index: int, w
     for g in groups:
         dist.all_reduce(total, group=g)
     empty = total == 0
-    share = (mine / torch.where(empty, 1.0, total)).to(loss.dtype)
-    return torch.where(mine == 0, 0.0, loss * share) + torch.where(empty, math.nan, 0.0).to(loss.dtype)
+    share = (mine / torch.where(empty, 1.0, total)).to(torch.float32)   # a bf16 share would round the count
+    return torch.where(mine == 0, 0.0, loss * share) + torch.where(empty, math.nan, 0.0)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group, order: torch.Tensor) -> torch.Tensor:
