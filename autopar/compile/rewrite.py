@@ -44,7 +44,7 @@ from ..runtime import kernels as K
 from ..sharding import AxisSharding, data_values, loss_denominator, needs_grad, selective_keeps
 from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
-from ..strategies.redistribute import transition_steps
+from ..strategies.redistribute import nested_moves, transition_steps
 from .fx_utils import get_attr
 
 
@@ -345,14 +345,11 @@ class _Rewriter:
         but innermost first when an axis gathers a dim another axis splits too
         (the chunks of a dim split twice are ordered outer axis first).
         Raises :class:`CompileError` when axes sharing a dim move it both ways."""
-        dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
-        shared = [k for k, (h, w) in enumerate(zip(haves, wants))
-                  if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k)]
-        gathers = {is_shard(haves[k]) and not is_shard(wants[k]) for k in shared}
-        if len(gathers) > 1 or any(is_shard(haves[k]) == is_shard(wants[k]) for k in shared):
+        how = nested_moves(haves, wants)
+        if how is None:
             raise CompileError(f"{name}: tensor axes sharing a dim move it unlike ({haves} -> {list(wants)})")
         order = list(zip(self.axes, haves, wants, splits))
-        return order[::-1] if gathers == {True} else order
+        return order[::-1] if how == "inner first" else order
 
     def node(self, fnode: fx.Node) -> None:
         if fnode.op == "placeholder":

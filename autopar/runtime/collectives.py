@@ -69,9 +69,11 @@ def _chunk_size(x: torch.Tensor, dim: int, w: int, what: str) -> int:
 
 
 def _merge_leading(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """(w, *s) -> s with s[dim] replaced by w * s[dim] (concatenate the w slabs along dim)."""
+    """(w, *s) -> s with s[dim] replaced by w * s[dim] (concatenate the w slabs along dim).
+    Contiguous: where ``s[dim]`` is 1 the reshape is a view whose strides a
+    later ``view`` cannot merge (a dim split on two mesh axes, one rank's share 1)."""
     s = t.shape[1:]
-    return t.movedim(0, dim).reshape(*s[:dim], t.shape[0] * s[dim], *s[dim + 1:])
+    return t.movedim(0, dim).reshape(*s[:dim], t.shape[0] * s[dim], *s[dim + 1:]).contiguous()
 
 
 class Pending:

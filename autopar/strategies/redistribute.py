@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..errors import CompileError
-from ..spec.placement import P, R, shard_blocks, shard_dim, valid
+from ..spec.placement import P, R, is_shard, shard_blocks, shard_dim, valid
 
 INF = float("inf")
 
@@ -154,6 +154,22 @@ def transition_time(have: str, want: str, nbytes: float, grad: bool, into_split:
     for kind, frac in colls:
         t += comm(kind, nbytes * frac)
     return t
+
+
+def nested_moves(haves: Sequence[str], wants: Sequence[str]) -> str | None:
+    """How a value placed ``haves`` on the axes of a mesh (outermost first)
+    moves to ``wants``, one axis after another: ``"outer first"``, or
+    ``"inner first"`` when an axis gathers a dim another axis splits too (the
+    chunks of a dim split twice are ordered outer axis first); None when
+    axes sharing a dim would move it unlike (one splitting, one gathering
+    it, or one moving it to another dim), which no order runs."""
+    dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
+    shared = [k for k, (h, w) in enumerate(zip(haves, wants))
+              if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k)]
+    gathers = {is_shard(haves[k]) and not is_shard(wants[k]) for k in shared}
+    if len(gathers) > 1 or any(is_shard(haves[k]) == is_shard(wants[k]) for k in shared):
+        return None
+    return "inner first" if gathers == {True} else "outer first"
 
 
 def output_time(have: str, nbytes: float, comm: Callable[[str, float], float]) -> float:

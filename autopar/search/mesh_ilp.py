@@ -1,0 +1,257 @@
+"""Intra-operator sharding of several tensor axes of a mesh at once.
+
+:mod:`autopar.search.ilp` decides one axis. Here every op's choice is one
+strategy per axis, taken together: the candidates of a node are the
+cartesian product of its single-axis candidates
+(:func:`autopar.strategies.candidates` on each axis's size), as DTensor
+builds an op's strategies on an N-D mesh from those of one mesh dim, less
+the products whose sizes do not divide (a dim split on two axes must be
+divisible by both) and those that would run two special kernels. A
+placement on the mesh is the axes' placements joined by ``|`` (``S(0)|R``:
+split on the first axis, replicated on the second); a weight's choices are
+the placements its consumers read. One program decides all of them:
+
+* per node: the forward + backward compute of the share left after every
+  axis's split (the product of the work fractions) and the collectives
+  inside the op on each axis, on the bytes local to the other axes;
+* per edge: per axis, the transition of the redistribution table
+  (:func:`~autopar.strategies.redistribute.transition_time`, Megatron's f
+  included) on that axis's link, for the tensor as the other axes hold it;
+  a move no order of the axes runs (two axes sharing a dim moving it
+  unlike: :func:`~autopar.strategies.redistribute.nested_moves`) is not
+  offered.
+
+So a weight split on one axis and split another way on the other (2D
+tensor parallelism), or a batch split on one axis under column-parallel
+matmuls on the other, are choices of one objective, not layouts written
+out. The program is :class:`~autopar.search.ilp._Problem`'s (transportation
+edges, repeated layers sharing their decisions, HiGHS), over these joint
+candidates. No memory row yet.
+
+:func:`solve_mesh` returns one :class:`~autopar.sharding.AxisSharding` per
+axis, which :func:`autopar.compile.rewrite.compile_local` runs as its
+axes (the first ones as ``grid``, the last as ``tp``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ..errors import StrategyError
+from ..graph import Graph, Node
+from ..spec.placement import P, R, is_shard, shard_blocks, shard_dim
+from ..strategies import Strategy, candidates
+from ..strategies.axis_cost import inside_time, work_fraction
+from ..strategies.redistribute import nested_moves, output_time, transition_time
+from ..strategies.rules import Ctx
+from .ilp import MEMORY_EPS, InfeasiblePins, _label, _Problem
+from .propagate import INF, AxisSharding
+from .solvers import DEFAULT, backend
+
+SEP = "|"
+Shape = tuple[int, ...]
+Comm = Callable[[str, float], float]
+
+__all__ = ["JointStrategy", "solve_mesh", "joint_placement", "axis_placements"]
+
+
+@dataclass(frozen=True)
+class JointStrategy(Strategy):
+    """One strategy per mesh axis (``parts``), seen as one: ``ins`` and
+    ``out`` are the axes' placements joined by ``|``."""
+
+    parts: tuple[Strategy, ...] = ()
+
+
+def joint_placement(parts: Sequence[str]) -> str:
+    """The mesh placement of per-axis placements."""
+    return SEP.join(parts)
+
+
+def axis_placements(p: str, k: int) -> tuple[str, ...]:
+    """The ``k`` per-axis placements of a mesh placement (a bare ``R``, as
+    the graph inputs are given: replicated on every axis)."""
+    return tuple(p.split(SEP)) if SEP in p else (p,) * k
+
+
+def _joint(parts: Sequence[Strategy]) -> JointStrategy:
+    return JointStrategy(name=SEP.join(s.name for s in parts),
+                         ins=tuple(joint_placement([s.ins[i] for s in parts]) for i in range(len(parts[0].ins))),
+                         out=joint_placement([s.out for s in parts]), split=any(s.split for s in parts),
+                         parts=tuple(parts))
+
+
+def _divides(shape: Shape | None, places: Sequence[str], sizes: Sequence[int]) -> bool:
+    """Whether every dim of ``shape`` divides into the shards ``places`` (one per axis) cut it in."""
+    if shape is None:
+        return True
+    cut = [1] * len(shape)
+    for p, n in zip(places, sizes):
+        if is_shard(p):
+            d = shard_dim(p)
+            if not -len(shape) <= d < len(shape):
+                return False
+            cut[d] *= n * shard_blocks(p)
+    return all(s % c == 0 for s, c in zip(shape, cut))
+
+
+class _MeshProblem(_Problem):
+    """:class:`~autopar.search.ilp._Problem` over joint candidates (module doc)."""
+
+    def __init__(self, graph: Graph, sizes: Sequence[int], shapes: dict, pins: dict[str, str]) -> None:
+        self.sizes = tuple(sizes)
+        self.k = len(self.sizes)
+        self.comms: list[Comm] = []
+        super().__init__(graph, math.prod(self.sizes), shapes, pins)
+
+    # -- candidates -----------------------------------------------------------------
+    def _choices(self) -> None:
+        self.cands: dict[str, list[Strategy]] = {}
+        self.pplace: dict[str, list[str]] = {}
+        wants: dict[str, set[str]] = {}
+        whole = joint_placement([R] * self.k)
+        for nd in self.reps:
+            if not self._decides(nd):
+                continue
+            ins = [self.shapes.get(i) for i in nd.inputs]
+            kinds = [self.by_name[i].kind for i in nd.inputs]
+            per_axis = []
+            for n in self.sizes:
+                cs = [st for st in candidates(Ctx(nd, ins, kinds, self.shapes.get(nd.name), n, 4))
+                      if len(st.ins) == len(nd.inputs)]
+                per_axis.append(cs or [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)])
+            cs = [_joint(c) for c in itertools.product(*per_axis) if self._valid(nd, c)]
+            pin = self.pins.get(nd.name)
+            if pin is not None:
+                cs = [st for st in cs if st.out == pin]
+                if not cs:
+                    raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
+                                         f"produce on a mesh of {'x'.join(map(str, self.sizes))}", (nd.name,))
+            self.cands[nd.name] = cs or [_joint([Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
+                                                * self.k)]
+            for st in self.cands[nd.name]:
+                for i, w in zip(nd.inputs, st.ins):
+                    wants.setdefault(self.key[i], set()).add(w)
+        for nd in self.reps:
+            if nd.is_state:
+                opts = sorted({whole} | {w for w in wants.get(nd.name, set())
+                                         if P not in axis_placements(w, self.k)})
+                pin = self.pins.get(nd.name)
+                if pin is not None:
+                    if pin not in opts:
+                        raise InfeasiblePins(f"pinned placement {pin} for parameter {_label(nd)} is read by no "
+                                             f"strategy of its consumers; possible: {', '.join(opts)}", (nd.name,))
+                    opts = [pin]
+                self.pplace[nd.name] = opts
+        self._prune()
+
+    def _valid(self, nd: Node, parts: Sequence[Strategy]) -> bool:
+        """A product of single-axis strategies the compiler can run: at most
+        one special kernel, and every input and the output divisible into
+        the shards the axes cut it in."""
+        if sum(1 for s in parts if s.kernel) > 1:
+            return False
+        shapes = [self.shapes.get(i) for i in nd.inputs]
+        if not all(_divides(sh, [s.ins[j] for s in parts], self.sizes) for j, sh in enumerate(shapes)):
+            return False
+        return _divides(self.shapes.get(nd.name), [s.out for s in parts], self.sizes)
+
+    def outs(self, k: str) -> list[str]:
+        if k in self.cands or k in self.pplace:
+            return super().outs(k)
+        return [joint_placement([R] * self.k)]
+
+    def _prune(self) -> None:
+        """Drop candidates reading a partial sum, on some axis, that their producer never gives there."""
+        changed = True
+        while changed:
+            changed = False
+            for k, cs in self.cands.items():
+                nd = self.by_name[k]
+                ok = [st for st in cs if not any(self._never_partial(i, w) for i, w in zip(nd.inputs, st.ins))]
+                if len(ok) != len(cs):
+                    if not ok:
+                        raise InfeasiblePins(f"no strategy of {_label(nd)} reads inputs its producers can give", (k,))
+                    self.cands[k] = ok
+                    changed = True
+
+    def _never_partial(self, i: str, w: str) -> bool:
+        src = self.by_name[i]
+        for a, p in enumerate(axis_placements(w, self.k)):
+            if p == P and (src.is_state or (self._placed(src) and
+                                            all(axis_placements(o, self.k)[a] != P for o in self.outs(self.key[i])))):
+                return True
+        return False
+
+    # -- costs ------------------------------------------------------------------------
+    def _local(self, places: Sequence[str], skip: int) -> float:
+        """The share of a tensor placed ``places`` one rank holds on the axes but ``skip``."""
+        return math.prod(1.0 / n for a, (p, n) in enumerate(zip(places, self.sizes)) if a != skip and is_shard(p))
+
+    def node_cost(self, k: str, st: Strategy) -> float:
+        nd = self.by_name[k]
+        parts = st.parts
+        frac = math.prod(work_fraction(s, n) for s, n in zip(parts, self.sizes))
+        c = 3.0 * self.compute(nd, frac)
+        outs = [s.out for s in parts]
+        for a, s in enumerate(parts):
+            if s.comm:
+                share = self._local(outs, a)
+                c += inside_time(s, lambda kind, nb, a=a, share=share: self.comms[a](kind, nb * share))
+        if nd.name == self.graph.output:
+            for a, p in enumerate(outs):
+                c += output_time(p, self.nbytes(k) * self._local(outs, a), self.comms[a])
+        return c
+
+    def param_cost(self, k: str, p: str) -> float:
+        places = axis_placements(p, self.k)
+        return MEMORY_EPS * self.nbytes(k) * self._local(places, -1)
+
+    def read(self, u: str, st: Strategy, slot: int) -> tuple[str, tuple[bool, ...]]:
+        w = st.ins[slot]
+        grad = self.grad.get(u, False)
+        return w, tuple(s.ins[slot] == R and s.split and grad for s in st.parts)
+
+    def edge_cost(self, u: str, have: str, read: tuple) -> float:
+        want, into = read
+        haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
+        if nested_moves(haves, wants) is None:
+            return INF       # no order of the axes runs it (the compiler refuses it too)
+        grad, nb = self.grad.get(u, False), self.nbytes(u)
+        t = 0.0
+        for a in range(self.k):
+            t += transition_time(haves[a], wants[a], nb * self._local(haves, a), grad, into[a], self.comms[a])
+        return t
+
+
+def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | None], *,
+               comm: Sequence[Comm], compute: Callable[[Node, float], float],
+               pins: dict[str, str] | None = None, time_limit_s: float = 60.0,
+               solver: str = DEFAULT) -> list[AxisSharding]:
+    """The placements of every node on each axis of a mesh of ``sizes``,
+    decided together (module docstring). ``shapes``: node shapes (local to
+    any axis outside the mesh); ``comm[a](kind, nbytes)``: the time of a
+    collective on axis ``a`` for ``nbytes`` (at 4 bytes per element);
+    ``compute(node, fraction)``: the forward time of a node doing that
+    fraction of its work; ``pins``: mesh placements (``S(0)|R``) fixed for
+    nodes. Returns one :class:`AxisSharding` per axis (its ``ilp`` the
+    program's); raises :class:`InfeasiblePins` when the pins admit none,
+    :class:`StrategyError` when the program has no solution."""
+    if len(comm) != len(sizes) or not sizes or any(n < 1 for n in sizes):
+        raise StrategyError(f"solve_mesh: a mesh of sizes {tuple(sizes)} needs one comm per axis "
+                            f"(got {len(comm)})")
+    prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
+    prob.comms, prob.comm, prob.compute = list(comm), comm[0], compute
+    prob.param_time = lambda nd, p: 0.0
+    built = prob.build(None)
+    whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
+    out = []
+    for a, n in enumerate(sizes):
+        sh = AxisSharding(n=n)
+        sh.out = {name: axis_placements(p, len(sizes))[a] for name, p in whole.out.items()}
+        sh.strategy = {name: st.parts[a] for name, st in whole.strategy.items()}
+        sh.ilp = whole.ilp
+        out.append(sh)
+    return out
