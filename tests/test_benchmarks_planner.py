@@ -82,3 +82,13 @@ def test_manual_strategies_cover_the_grammar():
     piped = [s for s in plan_quality.manual_strategies(g2, devices=8, batch=8)[0] if ",pp=2," in s]
     assert "dp=1,tp=4,pp=2,microbatches=8,schedule=interleaved,chunks=2,recompute=none,zero=0" not in piped
     assert "dp=2,tp=2,pp=2,microbatches=2,schedule=gpipe,chunks=1,recompute=selective,zero=1" in piped
+
+
+def test_mesh_ilp_row_structure():
+    """benchmarks/mesh_ilp.py on a tiny GPT inside one dgx node: the joint
+    program is never worse than the single-axis ILP on the same group."""
+    from benchmarks import mesh_ilp
+    r = mesh_ilp.row("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128", "dgx-a100-80g", (2, 2), 2)
+    assert r["spans_nodes"] == [False, False] and r["variables"] > 0
+    assert r["joint_s"] <= r["one_d_s"] * (1 + 1e-9)
+    assert r["batch_1d_s"] is not None and r["joint_s"] <= r["batch_1d_s"] * (1 + 1e-9)
