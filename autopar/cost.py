@@ -792,37 +792,44 @@ class CostModel:
 
         return param_time
 
-    def param_memory(self, cfg: ParallelConfig) -> Callable[[Node, str], float]:
+    def param_memory(self, cfg: ParallelConfig,
+                     pieces: Callable[[str], int] | None = None) -> Callable[[Node, str], float]:
         """``f(parameter node, placement)``: device bytes of its model states
         under ``cfg`` (ZeRO-divided), as :meth:`estimate` counts them; 0 for
-        buffers and frozen weights."""
+        buffers and frozen weights. ``pieces(placement)``: how many parts a
+        tensor so placed is cut in, one per rank (default: ``tp`` for a
+        shard; for a mesh placement, :func:`autopar.search.mesh_ilp.pieces`)."""
         per_elem = self.state_per_elem(cfg)
-        tp = cfg.tp
+        pieces = pieces or _tp_pieces(cfg.tp)
 
         def param(nd: Node, p: str) -> float:
             info = self.graph.params.get(nd.param) if nd.param else None
             if info is None or info.is_buffer or not info.requires_grad:
                 return 0.0
-            return info.numel * per_elem / (tp if is_shard(p) else 1)
+            return info.numel * per_elem / pieces(p)
 
         return param
 
-    def saved_memory(self, cfg: ParallelConfig, shapes: dict) -> Callable[[Node, Any], float]:
+    def saved_memory(self, cfg: ParallelConfig, shapes: dict, pieces: Callable[[str], int] | None = None,
+                     partial: Callable[[str], bool] | None = None) -> Callable[[Node, Any], float]:
         """``f(node, strategy)``: bytes of the activations the node keeps for
         backward per microbatch under ``cfg``'s recompute, its inputs in the
         placements the strategy reads (a value read by several nodes counts
         once per reader: an upper bound). Under selective recompute a layer's
         weight matmul or attention keeps its output as on one device
         (:func:`~autopar.sharding.selective_keeps`) unless the strategy
-        leaves it partial: a reduction, not a backward, reads that first."""
-        tp = cfg.tp
+        leaves it partial: a reduction, not a backward, reads that first.
+        ``pieces`` as :meth:`param_memory`'s; ``partial(placement)``: whether a
+        value so placed is a partial sum (default: ``P``)."""
         keeps = self._keeps(None) if cfg.recompute == "selective" else frozenset()
+        pieces = pieces or _tp_pieces(cfg.tp)
+        partial = partial or (lambda p: p == P)
 
         def saved(nd: Node, st) -> float:
             wants = dict(zip(nd.inputs, st.ins))
             total = 0.0
-            for i in self._saved_names(nd, cfg.recompute, keeps if st.out != P else frozenset()):
-                total += _numel(shapes.get(i)) * self.itemsize / (tp if is_shard(wants.get(i, st.out)) else 1)
+            for i in self._saved_names(nd, cfg.recompute, keeps if not partial(st.out) else frozenset()):
+                total += _numel(shapes.get(i)) * self.itemsize / pieces(wants.get(i, st.out))
             return total
 
         return saved
@@ -1712,6 +1719,11 @@ def _grid_share(cfg: ParallelConfig, cube: float, split: float, whole: float) ->
     grid = cfg.tp_grid
     rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
     return whole + split / rows + cube / (rows * depth)
+
+
+def _tp_pieces(tp: int) -> Callable[[str], int]:
+    """How many parts a ``tp`` axis cuts a tensor of a placement in, one per rank."""
+    return lambda p: tp if is_shard(p) else 1
 
 
 def _fsdp_peak(elems: Sequence[float]) -> float:

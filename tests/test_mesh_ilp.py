@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.compile.rewrite import Axis, compile_local
 from autopar.search.ilp import solve_axis
-from autopar.search.mesh_ilp import _MeshProblem, axis_placements, joint_placement, solve_mesh
+from autopar.search.mesh_ilp import _MeshProblem, axis_placements, joint_placement, joint_strategy, solve_mesh
 from autopar.sharding import follow_batch, scaled_shapes
 from distributed import run_distributed
 
@@ -149,3 +149,44 @@ def test_the_joint_decisions_train_as_one_process():
             assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
     # the decisions use both axes: some weight is split on each (2D tensor parallelism)
     assert any(both for _, both in got[0]), got[0]
+
+
+def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
+    """Where collectives cost more than the compute they split, the joint
+    program keeps everything whole; under a memory row of half that
+    footprint it shards the weights (on either axis or both) until it fits,
+    at a higher time."""
+    from autopar.cost import CostModel
+    from autopar.search.ilp import MemoryTerms
+    from autopar.search.mesh_ilp import partial, pieces
+    from autopar.spec import parse_strategy
+    g = _graph()
+    shapes = _shapes(g)
+    sizes = (2, 2)
+    model = CostModel(g, "cpu", optimizer="adamw")
+    cfg = parse_strategy("tp=4")
+    param = model.param_memory(cfg, pieces(sizes))
+    saved = model.saved_memory(cfg, shapes, pieces(sizes), partial(sizes))
+
+    def cheap(nd, frac):
+        return frac * 1e-7
+
+    def footprint(axes) -> float:
+        total = 0.0
+        for nd in g.nodes:
+            place = joint_placement([ax.out.get(nd.name, "R") for ax in axes])
+            if nd.is_state:
+                total += param(nd, place)
+            if nd.name in axes[0].strategy:
+                total += saved(nd, joint_strategy([ax.strategy[nd.name] for ax in axes]))
+        return total
+
+    free = solve_mesh(g, sizes, shapes, comm=[_slow_comm, _slow_comm], compute=cheap)
+    whole = footprint(free)
+    assert all(free[0].out.get(nd.name, "R") == "R" for nd in g.nodes if nd.is_state)
+    limit = 0.5 * whole
+    bound = solve_mesh(g, sizes, shapes, comm=[_slow_comm, _slow_comm], compute=cheap,
+                       memory=MemoryTerms(param=param, saved=saved, limit=limit))
+    assert footprint(bound) <= limit * 1.001
+    assert bound[0].ilp.objective_s > free[0].ilp.objective_s
+    assert bound[0].ilp.memory_limited

@@ -26,7 +26,9 @@ tensor parallelism), or a batch split on one axis under column-parallel
 matmuls on the other, are choices of one objective, not layouts written
 out. The program is :class:`~autopar.search.ilp._Problem`'s (transportation
 edges, repeated layers sharing their decisions, HiGHS), over these joint
-candidates. No memory row yet.
+candidates, with an optional memory row (model states of the weights'
+shards and the activations each joint strategy keeps, as the cost model
+counts them for the mesh's shares).
 
 :func:`solve_mesh` returns one :class:`~autopar.sharding.AxisSharding` per
 axis, which :func:`autopar.compile.rewrite.compile_local` runs as its
@@ -46,7 +48,7 @@ from ..strategies import Strategy, candidates
 from ..strategies.axis_cost import inside_time, work_fraction
 from ..strategies.redistribute import nested_moves, output_time, transition_time
 from ..strategies.rules import Ctx
-from .ilp import MEMORY_EPS, InfeasiblePins, _label, _Problem
+from .ilp import MEMORY_EPS, InfeasiblePins, MemoryTerms, _label, _Problem
 from .propagate import INF, AxisSharding
 from .solvers import DEFAULT, backend
 
@@ -54,7 +56,7 @@ SEP = "|"
 Shape = tuple[int, ...]
 Comm = Callable[[str, float], float]
 
-__all__ = ["JointStrategy", "solve_mesh", "joint_placement", "axis_placements"]
+__all__ = ["JointStrategy", "joint_strategy", "solve_mesh", "joint_placement", "axis_placements", "pieces", "partial"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,22 @@ def axis_placements(p: str, k: int) -> tuple[str, ...]:
     return tuple(p.split(SEP)) if SEP in p else (p,) * k
 
 
-def _joint(parts: Sequence[Strategy]) -> JointStrategy:
+def pieces(sizes: Sequence[int]) -> Callable[[str], int]:
+    """How many parts a mesh of ``sizes`` cuts a tensor of a mesh placement
+    in, one per rank (for :meth:`autopar.cost.CostModel.param_memory` and
+    ``saved_memory``)."""
+    k = len(sizes)
+    return lambda p: math.prod(n for q, n in zip(axis_placements(p, k), sizes) if is_shard(q))
+
+
+def partial(sizes: Sequence[int]) -> Callable[[str], bool]:
+    """Whether a value of a mesh placement is a partial sum on some axis."""
+    k = len(sizes)
+    return lambda p: P in axis_placements(p, k)
+
+
+def joint_strategy(parts: Sequence[Strategy]) -> JointStrategy:
+    """The joint strategy of one strategy per axis."""
     return JointStrategy(name=SEP.join(s.name for s in parts),
                          ins=tuple(joint_placement([s.ins[i] for s in parts]) for i in range(len(parts[0].ins))),
                          out=joint_placement([s.out for s in parts]), split=any(s.split for s in parts),
@@ -122,14 +139,14 @@ class _MeshProblem(_Problem):
                 cs = [st for st in candidates(Ctx(nd, ins, kinds, self.shapes.get(nd.name), n, 4))
                       if len(st.ins) == len(nd.inputs)]
                 per_axis.append(cs or [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)])
-            cs = [_joint(c) for c in itertools.product(*per_axis) if self._valid(nd, c)]
+            cs = [joint_strategy(c) for c in itertools.product(*per_axis) if self._valid(nd, c)]
             pin = self.pins.get(nd.name)
             if pin is not None:
                 cs = [st for st in cs if st.out == pin]
                 if not cs:
                     raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
                                          f"produce on a mesh of {'x'.join(map(str, self.sizes))}", (nd.name,))
-            self.cands[nd.name] = cs or [_joint([Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
+            self.cands[nd.name] = cs or [joint_strategy([Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
                                                 * self.k)]
             for st in self.cands[nd.name]:
                 for i, w in zip(nd.inputs, st.ins):
@@ -228,24 +245,27 @@ class _MeshProblem(_Problem):
 
 def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | None], *,
                comm: Sequence[Comm], compute: Callable[[Node, float], float],
-               pins: dict[str, str] | None = None, time_limit_s: float = 60.0,
-               solver: str = DEFAULT) -> list[AxisSharding]:
+               pins: dict[str, str] | None = None, memory: MemoryTerms | None = None,
+               time_limit_s: float = 60.0, solver: str = DEFAULT) -> list[AxisSharding]:
     """The placements of every node on each axis of a mesh of ``sizes``,
     decided together (module docstring). ``shapes``: node shapes (local to
     any axis outside the mesh); ``comm[a](kind, nbytes)``: the time of a
     collective on axis ``a`` for ``nbytes`` (at 4 bytes per element);
     ``compute(node, fraction)``: the forward time of a node doing that
     fraction of its work; ``pins``: mesh placements (``S(0)|R``) fixed for
-    nodes. Returns one :class:`AxisSharding` per axis (its ``ilp`` the
-    program's); raises :class:`InfeasiblePins` when the pins admit none,
-    :class:`StrategyError` when the program has no solution."""
+    nodes; ``memory``: a memory row whose ``param`` and ``saved`` read mesh
+    placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
+    and ``saved_memory`` with :func:`pieces` and :func:`partial`). Returns one
+    :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
+    :class:`InfeasiblePins` when the pins admit none, :class:`StrategyError`
+    when the program (or the memory bound) has no solution."""
     if len(comm) != len(sizes) or not sizes or any(n < 1 for n in sizes):
         raise StrategyError(f"solve_mesh: a mesh of sizes {tuple(sizes)} needs one comm per axis "
                             f"(got {len(comm)})")
     prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
     prob.comms, prob.comm, prob.compute = list(comm), comm[0], compute
     prob.param_time = lambda nd, p: 0.0
-    built = prob.build(None)
+    built = prob.build(memory)
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
     out = []
     for a, n in enumerate(sizes):
