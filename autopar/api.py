@@ -237,7 +237,7 @@ SEARCH_MODES = {
 
 
 #: the tensor-parallel layouts the automatic search can try
-SEARCH_TP_MODES = ("1d", "2d", "2.5d", "3d")
+SEARCH_TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh")
 
 
 def check_tp_modes(tp_modes: Sequence[str]) -> tuple[str, ...]:
@@ -285,7 +285,9 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     ``search.ilp.solver`` when not HiGHS. ``tp_modes``: the tensor-parallel
     layouts the search tries, ``("1d",)`` by default; add ``"2d"`` for
     Colossal-AI's q x q grids (``tp_mode=2d``), ``"2.5d"`` for them 2 and
-    4 deep and ``"3d"`` for the q x q x q cubes, which the cost model prices.
+    4 deep and ``"3d"`` for the q x q x q cubes, which the cost model prices,
+    and ``"mesh"`` for tp groups as two-axis meshes whose placements one
+    program decides on both axes (``tp_mode=mesh``).
 
     Raises :class:`StrategyError` for an invalid strategy, search mode,
     solver (or one not installed) or pin (two contradicting pins are both

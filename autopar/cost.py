@@ -75,9 +75,9 @@ from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
 from .spec import ParallelConfig, check_grid, divisors
-from .spec.placement import P, R
+from .spec.placement import P, R, joint_placement, mesh_partial, mesh_pieces
 from .strategies import is_shard
-from .strategies.axis_cost import op_axis_time, shared_key
+from .strategies.axis_cost import op_axis_time, shared_key, work_fraction
 from .strategies.context import attentions, check_cp
 from .strategies.redistribute import feasible, output_time, transition_steps, transition_time
 
@@ -798,7 +798,7 @@ class CostModel:
         under ``cfg`` (ZeRO-divided), as :meth:`estimate` counts them; 0 for
         buffers and frozen weights. ``pieces(placement)``: how many parts a
         tensor so placed is cut in, one per rank (default: ``tp`` for a
-        shard; for a mesh placement, :func:`autopar.search.mesh_ilp.pieces`)."""
+        shard; for a mesh placement, :func:`autopar.spec.placement.mesh_pieces`)."""
         per_elem = self.state_per_elem(cfg)
         pieces = pieces or _tp_pieces(cfg.tp)
 
@@ -867,7 +867,9 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode != "1d" and cfg.pp == 1:
+        if cfg.tp_mode == "mesh":
+            return self._estimate_mesh(cfg, sh, shapes, global_batch, devices)
+        if cfg.is_grid and cfg.pp == 1:
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
         if cfg.pp > 1:
             return self._estimate_pipeline(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
@@ -931,6 +933,69 @@ class CostModel:
                     "transient": 2 * transient + recomputed + gathered,
                     **({"freed_by_backward": freed} if freed else {})},
             fits=peak <= cap and self._host_fits(states["offloaded"]), device_memory_bytes=float(self.cluster.device.memory_bytes),
+            devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
+            parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
+        )
+
+    def _estimate_mesh(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
+                       devices: int) -> Estimate:
+        """:meth:`estimate` of a ``tp_mode=mesh`` ``cfg`` (no pipeline, cp,
+        copies or recompute: ``check_grid``): ``sh`` is the inner axis's
+        decisions with the outer ones in ``sh.others``, all from one joint
+        program (:func:`autopar.search.mesh_ilp.solve_mesh`). Compute is
+        every node's share left by both axes' splits, forward and backward;
+        the tensor group's collectives are what the joint program charged
+        its decisions (its objective less that compute: per axis, each
+        transition and inside collective on that axis's link); then the
+        data-parallel tail and the model states of the local shards as for
+        1d, and the activations each joint strategy keeps. (Long because the
+        Estimate's fields are assembled here, one per line.)"""
+        axes = (*sh.others, sh)
+        sizes = tuple(ax.n for ax in axes)
+        if len(axes) < 2 or sh.ilp is None or math.prod(sizes) != cfg.tp:
+            raise StrategyError(f"{cfg.to_string()}: a mesh estimate needs the joint program's decisions of "
+                                f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
+        dp, m = cfg.dp, cfg.microbatches
+        local_batch = global_batch / (dp * m)
+        fwd = 0.0
+        pieces = mesh_pieces(sizes)
+        params = self.param_memory(cfg, pieces)
+        saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
+        local, n_tensors, activations, transient = 0.0, 0, 0.0, 0.0
+        for nd in self.graph.nodes:
+            sts = [ax.strategy.get(nd.name) for ax in axes]
+            place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
+            if nd.is_state:
+                info = self.graph.params.get(nd.param) if nd.param else None
+                if info is not None and not info.is_buffer and info.requires_grad:
+                    local += info.numel / pieces(place)
+                    n_tensors += 1
+                continue
+            if any(st is None for st in sts):
+                continue
+            frac = math.prod(work_fraction(st, n) for st, n in zip(sts, sizes))
+            fwd += self.node_time(nd, self.scale(nd, local_batch), frac)
+            joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
+            activations += saved(nd, joint)
+            transient = max(transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
+        tp_comm = max(0.0, sh.ilp.objective_s - 3.0 * fwd)      # what the program charged its collectives
+        compute, tp_comm_total = m * 3.0 * fwd, m * tp_comm
+        topo = self.topology((dp, cfg.tp))
+        dp_comm, opt_time, states = self._dp_tail(cfg, local, n_tensors, topo, 0, fwd + tp_comm / 2,
+                                                  2 * fwd + tp_comm / 2, self._fsdp_units())
+        peak = states["total"] + activations + 2 * transient
+        step = compute + tp_comm_total + dp_comm + opt_time
+        cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
+        return Estimate(
+            strategy=cfg.to_string(), step_time_s=step, compute_time_s=compute,
+            comm_time_s=tp_comm_total + dp_comm, tp_comm_time_s=tp_comm_total, dp_comm_time_s=dp_comm,
+            optimizer_time_s=opt_time,
+            tflops_per_device=3.0 * self._flops_at(global_batch) / step / devices / 1e12 if step > 0 else 0.0,
+            peak_memory_bytes=peak,
+            memory={"weights": states["weights"], "gradients": states["gradients"],
+                    "optimizer": states["optimizer"], "activations": activations, "transient": 2 * transient},
+            fits=peak <= cap and self._host_fits(states["offloaded"]),
+            device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )
@@ -1137,7 +1202,7 @@ class CostModel:
         for name, numel, us in shared:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
-                if cfg.tp_mode != "1d":     # a grid rank's part: split on its columns, rows and depth
+                if cfg.is_grid:     # a grid rank's part: split on its columns, rows and depth
                     local = _grid_share(cfg, *self._grid_split(self.graph[name], sh, cfg))
                 else:
                     local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
@@ -1185,7 +1250,7 @@ class CostModel:
         being recomputed), and the bytes crossing each cut. What the stage
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
-        if cfg.tp_mode != "1d":
+        if cfg.is_grid:
             return self._grid_unit_costs(cfg, sh, shapes, global_batch)
         if cfg.cp > 1:     # a cp rank's share of the tokens, as data parallelism over dp x cp
             cfg, shapes = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
@@ -1719,6 +1784,14 @@ def _grid_share(cfg: ParallelConfig, cube: float, split: float, whole: float) ->
     grid = cfg.tp_grid
     rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
     return whole + split / rows + cube / (rows * depth)
+
+
+@dataclass(frozen=True)
+class _Joint:
+    """What ``saved_memory`` reads of a strategy: its inputs' and output's placements."""
+
+    ins: tuple[str, ...]
+    out: str
 
 
 def _tp_pieces(tp: int) -> Callable[[str], int]:

@@ -52,9 +52,10 @@ from .runtime.optim import DistributedOptimizer, check_max_norm
 from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
-from .sharding import batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
+from .sharding import AxisSharding, batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
     positions_reduced_with_samples, samples_meet, scaled_shapes
 from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
+from .spec.placement import R
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
 
@@ -353,7 +354,7 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
         check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
     meet = samples_cross_ranks(graph, cfg)
     den = loss_denominator(graph)
-    if den is not None and den[0] == "sum" and meet is None and (cfg.cp > 1 or cfg.tp_mode != "1d"):
+    if den is not None and den[0] == "sum" and meet is None and (cfg.cp > 1 or cfg.is_grid):
         raise UnsupportedError(
             f"{cfg.to_string()}: {graph.name}'s loss is a ratio of batch sums ({den[1]} divides it, a masked "
             f"mean), which data parallelism, microbatches, pipelines and copies weight by each part's share of "
@@ -390,7 +391,7 @@ def samples_cross_ranks(graph: Graph, cfg: ParallelConfig) -> str | None:
     for an fx graph also :func:`autopar.trace.batch_meets`) when ``cfg``
     splits its batch (data parallelism, a grid's rows, microbatches, copies);
     None where they do not meet or ``cfg`` keeps every sample together."""
-    split = cfg.dp * (cfg.grid_batch_split if cfg.tp_mode != "1d" else 1)
+    split = cfg.dp * cfg.grid_batch_split
     if split == 1 and cfg.microbatches == 1 and cfg.copies == 1:
         return None
     return samples_meet(graph) or batch_meets(graph)
@@ -472,10 +473,12 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     :class:`CompileError` where the program cannot be built."""
     device = local_device()
     tp_sh = api.sharding_from_plan(plan_graph or graph, plan)
-    if tp_sh is None:
+    if tp_sh is None or cfg.tp_mode == "mesh":
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
-        tp_sh, _ = planner.sharding(cfg)
+        recorded, (tp_sh, _) = tp_sh, planner.sharding(cfg)
+        if recorded is not None:     # a mesh: the plan records its inner axis; the joint program gives every axis
+            _check_mesh_plan(recorded, tp_sh)
     # one copy's, on one data-parallel rank (whole along dp where the dp axis is compiled in)
     shapes = scaled_shapes(graph, global_batch // (cfg.microbatches * cfg.copies), 1 if batch_moves else cfg.dp)
     batch = Axis(follow_batch(graph, cfg.dp, shapes, batch_axis=True), mesh.coord("dp"), mesh.group("dp"),
@@ -488,7 +491,9 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
     grid: list[Axis] = []
-    if cfg.tp_mode != "1d":    # the grid's rows: the batch split, the weights stored split and gathered
+    if cfg.tp_mode == "mesh":     # the mesh's outer axis, decided with the inner one by the joint program
+        grid.append(Axis(tp_sh.others[0], mesh.coord("tp_row"), mesh.group("tp_row")))
+    elif cfg.is_grid:    # the grid's rows: the batch split, the weights stored split and gathered
         grid.append(Axis(grid_rows(graph, tp_sh, cfg.tp_grid[-2], shapes), mesh.coord("tp_row"),
                          mesh.group("tp_row"), whole_sizes=True))
     if cfg.tp_mode == "2.5d":    # the depth: the batch split again, the weights replicated
@@ -503,6 +508,16 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     retarget_devices(prog.module, device)     # an export graph's factory ops name the device it was traced on
     to_device(prog.module, device)     # its tensor constants too, which Module.to leaves behind
     return prog
+
+
+def _check_mesh_plan(recorded: AxisSharding, solved: AxisSharding) -> None:
+    """A ``tp_mode=mesh`` plan's recorded placements (its inner axis's) are
+    the joint program's again, or the plan was edited: refuse it."""
+    moved = [name for name, p in recorded.out.items() if solved.out.get(name, R) != p]
+    if moved:
+        raise PlanError(f"the plan's tp_mode=mesh placements are not what its joint program decides "
+                        f"({moved[0]}: {recorded.out[moved[0]]} in the plan, {solved.out.get(moved[0], R)} decided); "
+                        f"the plan was edited or made for another model: plan it again")
 
 
 def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: Any, loss_fn: Any, target: Any,

@@ -55,6 +55,9 @@ class AxisSharding:
     reused_instances: int = 0
     copied_from: dict[str, str] = field(default_factory=dict)  # instance -> instance it copied
     ilp: object | None = None   # search.ilp.IlpInfo when the ILP decided this axis
+    # tp_mode=mesh: the decisions of the mesh's outer axes, outermost first (this one is its last);
+    # one program decided all of them (search.mesh_ilp), whose objective ilp holds
+    others: tuple["AxisSharding", ...] = ()
 
     def input_placement(self, graph: Graph, node: Node, i: int) -> str:
         """Placement the strategy of ``node`` needs for its i-th input."""

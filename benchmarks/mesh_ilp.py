@@ -37,7 +37,8 @@ import time
 
 import autopar
 from autopar.search.ilp import solve_axis
-from autopar.search.mesh_ilp import _MeshProblem, joint_placement, solve_mesh
+from autopar.search.mesh_ilp import _MeshProblem, solve_mesh
+from autopar.spec.placement import joint_placement
 from autopar.search.planner import Planner
 from autopar.sharding import follow_batch, scaled_shapes
 from benchmarks.common import save

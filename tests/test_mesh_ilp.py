@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import autopar
 from autopar.compile.rewrite import Axis, compile_local
 from autopar.search.ilp import solve_axis
-from autopar.search.mesh_ilp import _MeshProblem, axis_placements, joint_placement, joint_strategy, solve_mesh
+from autopar.search.mesh_ilp import _MeshProblem, joint_strategy, solve_mesh
+from autopar.spec.placement import axis_placements, joint_placement
 from autopar.sharding import follow_batch, scaled_shapes
 from distributed import run_distributed
 
@@ -133,7 +134,8 @@ def _worker(rank: int, world: int) -> list:
     return [_steps(comms) for comms in ((_comm, _comm), (_slow_comm, _comm))]
 
 
-def test_the_joint_decisions_train_as_one_process():
+def _eager(clip: float | None = None) -> tuple[list[float], dict]:
+    """Three SGD steps in one process (gradients clipped to ``clip``): the losses and final weights."""
     model, x, y = _model_and_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref = []
@@ -141,8 +143,15 @@ def test_the_joint_decisions_train_as_one_process():
         opt.zero_grad()
         loss = _loss(model(x), y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         ref.append(float(loss))
+    return ref, model.state_dict()
+
+
+def test_the_joint_decisions_train_as_one_process():
+    ref, _ = _eager()
     got = run_distributed(_worker, 4, timeout=300)
     for rank_runs in got:
         for losses, _ in rank_runs:
@@ -158,7 +167,7 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
     at a higher time."""
     from autopar.cost import CostModel
     from autopar.search.ilp import MemoryTerms
-    from autopar.search.mesh_ilp import partial, pieces
+    from autopar.spec.placement import mesh_partial as partial, mesh_pieces as pieces
     from autopar.spec import parse_strategy
     g = _graph()
     shapes = _shapes(g)
@@ -190,3 +199,72 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
     assert footprint(bound) <= limit * 1.001
     assert bound[0].ilp.objective_s > free[0].ilp.objective_s
     assert bound[0].ilp.memory_limited
+
+
+MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,precision=fp32", "searched"]
+
+
+def _fast_links():
+    """The cpu preset with links so fast that splitting the tiny model's work pays (its own keeps it whole)."""
+    import dataclasses
+
+    import cost_models
+    from cost_models.hardware import LinkSpec
+    link = LinkSpec(1e13, 1e-9)
+    return dataclasses.replace(cost_models.load_cluster("cpu"), name="fast-links", intra_node=link,
+                               inter_node=link, collectives={})
+
+
+def _parallel_steps(strategy: str, checkpoint: str | None = None) -> tuple[list[float], dict, list[str]]:
+    model, x, y = _model_and_batch()
+    if strategy == "searched":     # the search's plan (tests/test_the_search_picks_a_mesh_where_it_is_faster)
+        g = autopar.trace(model, (x,), loss_fn=_loss, target=y)
+        strategy = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"),
+                                precision="fp32")
+        assert strategy.config.tp_mode == "mesh"
+    pm = autopar.parallelize(model, (x,), loss_fn=_loss, example_target=y, strategy=strategy,
+                             cluster=_fast_links(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5),
+                             max_grad_norm=1.0)
+    losses = [pm.train_step((x,), y) for _ in range(3)]
+    if checkpoint is not None:
+        pm.save_checkpoint(checkpoint)
+    split = sorted(f"{r}|{c}" for name, c in pm.param_placement.items()
+                   if (r := pm.row_placement.get(name, "R")) != "R" or c != "R")
+    return losses, pm.full_state_dict(), split
+
+
+def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
+    return [_parallel_steps(s, checkpoint if k == 0 else None) for k, s in enumerate(MESH_RUNS)]
+
+
+def test_tp_mode_mesh_trains_as_one_process(tmp_path):
+    """``tp=4,tp_mode=mesh``: parallelize plans the 2 x 2 mesh with the joint
+    program, compiles both axes, clips the gradients over both, and trains
+    as one process does; the full state dict and a checkpoint read in one
+    process gather every shard back."""
+    ref, want = _eager(clip=1.0)
+    ckpt = str(tmp_path / "mesh-ckpt")
+    got = run_distributed(_mesh_worker, 4, ckpt, timeout=300)[0]
+    saved = autopar.load_full_state_dict(ckpt)
+    for k, v in want.items():
+        assert torch.allclose(saved[k], v, atol=1e-5), k
+    for strategy, (losses, state, split) in zip(MESH_RUNS, got):
+        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5), strategy
+        for k, v in want.items():
+            assert torch.allclose(state[k], v, atol=1e-5), (strategy, k)
+        assert "S(1)|S(0)" in split or "S(0)|S(1)" in split, (strategy, split)   # some weight split both ways
+
+
+def test_the_search_picks_a_mesh_where_it_is_faster(tmp_path):
+    """``tp_modes=("1d", "mesh")``: the search refines its fastest flat
+    configurations as meshes; on links fast enough for the tiny model the
+    mesh wins, and its plan saves, loads and validates."""
+    model, x, y = _model_and_batch()
+    g = autopar.trace(model, (x,), loss_fn=_loss, target=y)
+    flat = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4)
+    p = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"))
+    assert flat.config.tp_mode == "1d" and p.config.tp_mode == "mesh" and p.config.tp_grid == (2, 2)
+    assert p.predicted["step_time_s"] < flat.predicted["step_time_s"]
+    path = tmp_path / "mesh.json"
+    p.save(path)
+    assert autopar.Plan.load(path).to_dict() == p.to_dict()

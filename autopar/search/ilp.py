@@ -470,25 +470,24 @@ class _Problem:
             changed = False
             for k, cs in self.cands.items():
                 nd = self.by_name[k]
-                ok = []
-                for st in cs:
-                    bad = False
-                    for i, w in zip(nd.inputs, st.ins):
-                        src = self.by_name[i]
-                        if w == P and (src.is_state or
-                                       (self._placed(src) and P not in self.outs(self.key[i]))):
-                            bad = True
-                            break
-                    if not bad:
-                        ok.append(st)
+                ok = [st for st in cs if not any(self._never_given(i, w) for i, w in zip(nd.inputs, st.ins))]
                 if len(ok) != len(cs):
                     if not ok:
                         if self.pins.get(k):
                             raise InfeasiblePins(f"pinned placement {self.pins[k]} for {_label(nd)} needs a "
                                                  "partial-sum input that its producer cannot give", (k,))
-                        ok = [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
+                        ok = [self._replicated(nd)]
                     self.cands[k] = ok
                     changed = True
+
+    def _never_given(self, i: str, want: str) -> bool:
+        """Whether reading ``i`` as ``want`` asks for a partial sum its producer never gives."""
+        src = self.by_name[i]
+        return want == P and (src.is_state or (self._placed(src) and P not in self.outs(self.key[i])))
+
+    def _replicated(self, nd: Node) -> Strategy:
+        """``nd`` run whole, every input replicated: the fallback of every op."""
+        return Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
 
     # -- costs ------------------------------------------------------------------
     def nbytes(self, name: str) -> float:

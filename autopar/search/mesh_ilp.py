@@ -43,7 +43,8 @@ from typing import Callable, Sequence
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
-from ..spec.placement import P, R, is_shard, shard_blocks, shard_dim
+from ..spec.placement import P, R, SEP, axis_placements, is_shard, joint_placement, mesh_partial, mesh_pieces, \
+    shard_blocks, shard_dim
 from ..strategies import Strategy, candidates
 from ..strategies.axis_cost import inside_time, work_fraction
 from ..strategies.redistribute import nested_moves, output_time, transition_time
@@ -52,11 +53,10 @@ from .ilp import MEMORY_EPS, InfeasiblePins, MemoryTerms, _label, _Problem
 from .propagate import INF, AxisSharding
 from .solvers import DEFAULT, backend
 
-SEP = "|"
 Shape = tuple[int, ...]
 Comm = Callable[[str, float], float]
 
-__all__ = ["JointStrategy", "joint_strategy", "solve_mesh", "joint_placement", "axis_placements", "pieces", "partial"]
+__all__ = ["JointStrategy", "joint_strategy", "solve_mesh"]
 
 
 @dataclass(frozen=True)
@@ -65,31 +65,6 @@ class JointStrategy(Strategy):
     ``out`` are the axes' placements joined by ``|``."""
 
     parts: tuple[Strategy, ...] = ()
-
-
-def joint_placement(parts: Sequence[str]) -> str:
-    """The mesh placement of per-axis placements."""
-    return SEP.join(parts)
-
-
-def axis_placements(p: str, k: int) -> tuple[str, ...]:
-    """The ``k`` per-axis placements of a mesh placement (a bare ``R``, as
-    the graph inputs are given: replicated on every axis)."""
-    return tuple(p.split(SEP)) if SEP in p else (p,) * k
-
-
-def pieces(sizes: Sequence[int]) -> Callable[[str], int]:
-    """How many parts a mesh of ``sizes`` cuts a tensor of a mesh placement
-    in, one per rank (for :meth:`autopar.cost.CostModel.param_memory` and
-    ``saved_memory``)."""
-    k = len(sizes)
-    return lambda p: math.prod(n for q, n in zip(axis_placements(p, k), sizes) if is_shard(q))
-
-
-def partial(sizes: Sequence[int]) -> Callable[[str], bool]:
-    """Whether a value of a mesh placement is a partial sum on some axis."""
-    k = len(sizes)
-    return lambda p: P in axis_placements(p, k)
 
 
 def joint_strategy(parts: Sequence[Strategy]) -> JointStrategy:
@@ -138,7 +113,7 @@ class _MeshProblem(_Problem):
             for n in self.sizes:
                 cs = [st for st in candidates(Ctx(nd, ins, kinds, self.shapes.get(nd.name), n, 4))
                       if len(st.ins) == len(nd.inputs)]
-                per_axis.append(cs or [Strategy("replicate", tuple(R for _ in nd.inputs), R, False)])
+                per_axis.append(cs or [super()._replicated(nd)])
             cs = [joint_strategy(c) for c in itertools.product(*per_axis) if self._valid(nd, c)]
             pin = self.pins.get(nd.name)
             if pin is not None:
@@ -146,8 +121,7 @@ class _MeshProblem(_Problem):
                 if not cs:
                     raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
                                          f"produce on a mesh of {'x'.join(map(str, self.sizes))}", (nd.name,))
-            self.cands[nd.name] = cs or [joint_strategy([Strategy("replicate", tuple(R for _ in nd.inputs), R, False)]
-                                                * self.k)]
+            self.cands[nd.name] = cs or [self._replicated(nd)]
             for st in self.cands[nd.name]:
                 for i, w in zip(nd.inputs, st.ins):
                     wants.setdefault(self.key[i], set()).add(w)
@@ -180,27 +154,17 @@ class _MeshProblem(_Problem):
             return super().outs(k)
         return [joint_placement([R] * self.k)]
 
-    def _prune(self) -> None:
-        """Drop candidates reading a partial sum, on some axis, that their producer never gives there."""
-        changed = True
-        while changed:
-            changed = False
-            for k, cs in self.cands.items():
-                nd = self.by_name[k]
-                ok = [st for st in cs if not any(self._never_partial(i, w) for i, w in zip(nd.inputs, st.ins))]
-                if len(ok) != len(cs):
-                    if not ok:
-                        raise InfeasiblePins(f"no strategy of {_label(nd)} reads inputs its producers can give", (k,))
-                    self.cands[k] = ok
-                    changed = True
-
-    def _never_partial(self, i: str, w: str) -> bool:
+    def _never_given(self, i: str, want: str) -> bool:
+        """Whether reading ``i`` as ``want`` asks, on some axis, for a partial sum its producer never gives there."""
         src = self.by_name[i]
-        for a, p in enumerate(axis_placements(w, self.k)):
+        for a, p in enumerate(axis_placements(want, self.k)):
             if p == P and (src.is_state or (self._placed(src) and
                                             all(axis_placements(o, self.k)[a] != P for o in self.outs(self.key[i])))):
                 return True
         return False
+
+    def _replicated(self, nd: Node) -> Strategy:
+        return joint_strategy([super()._replicated(nd)] * self.k)
 
     # -- costs ------------------------------------------------------------------------
     def _local(self, places: Sequence[str], skip: int) -> float:
@@ -255,7 +219,7 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     fraction of its work; ``pins``: mesh placements (``S(0)|R``) fixed for
     nodes; ``memory``: a memory row whose ``param`` and ``saved`` read mesh
     placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
-    and ``saved_memory`` with :func:`pieces` and :func:`partial`). Returns one
+    and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces` and ``mesh_partial``). Returns one
     :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
     :class:`InfeasiblePins` when the pins admit none, :class:`StrategyError`
     when the program (or the memory bound) has no solution."""

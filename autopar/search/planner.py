@@ -23,21 +23,21 @@ configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import cost_models
 from cost_models import ClusterSpec
 
 from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
-from ..errors import StrategyError
+from ..errors import StrategyError, UnsupportedError
 from ..graph import Graph, Node
 from ..pipeline import partition as pipe
 from ..pipeline.partition import units
 from ..sharding import AxisSharding, scaled_shapes
 from ..spec import ParallelConfig
-from ..spec.placement import R
+from ..spec.placement import R, mesh_partial, mesh_pieces
 from ..strategies import is_shard
-from . import solvers
+from . import mesh_ilp, solvers
 from .ilp import InfeasiblePins, MemoryTerms, PendingAxis, start_axis, stop_workers
 from .propagate import propagate
 
@@ -189,7 +189,9 @@ class Planner:
         the grid's columns, decided as for :meth:`CostModel.grid_view` (a 1d
         config of the columns, over the rows' share of the batch), and the
         shapes are one grid rank's."""
-        if cfg.tp_mode != "1d":
+        if cfg.tp_mode == "mesh":
+            return self._mesh_sharding(cfg, sharder)
+        if cfg.is_grid:
             return self.sharding(CostModel.grid_view(cfg), sharder)
         key, model, sharder, shapes = self._axis_key(cfg, sharder)
         axes = self.state.axes
@@ -208,6 +210,46 @@ class Planner:
                 return axes[key], shapes
             axes[key] = self._decide(model, cfg, sharder, shapes)
         return axes[key], shapes
+
+    def _mesh_sharding(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[AxisSharding, dict]:
+        """``tp_mode=mesh``: the decisions of both axes of the tp group's
+        ``a x b`` mesh from one joint program (:func:`~autopar.search.mesh_ilp.solve_mesh`,
+        with the sharder's memory bound as its memory row), returned as the
+        inner axis's :class:`AxisSharding` with the outer one in ``others``,
+        and the shapes local to dp. Pins are not taken yet."""
+        if sharder.pins:
+            raise UnsupportedError("tp_mode=mesh does not take pins yet (its placements are per mesh axis); "
+                                   "leave the pins out or use tp_mode=1d")
+        model = self.cost(cfg.precision)
+        mb_global = self.global_batch // cfg.microbatches
+        skey = self._local_key(cfg, link=False)
+        if skey not in self.state.shapes:
+            self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
+        shapes = self.state.shapes[skey]
+        # without a memory row the program reads only the shapes and the links (not ZeRO)
+        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.zero, cfg.reduce_dtype)
+        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, mb_global, bound, self.solver)
+        if key not in self.state.axes:
+            sizes = cfg.tp_grid
+            topo = model.topology((cfg.dp, *sizes))
+            local_batch = mb_global / cfg.dp
+
+            def comm(axis: int) -> Callable[[str, float], float]:
+                return lambda kind, nbytes: topo.collective_time(kind, nbytes * model.itemsize / 4, axis)
+
+            def compute(nd: Node, frac: float) -> float:
+                return model.node_time(nd, model.scale(nd, local_batch), frac)
+
+            memory = None if sharder.memory_limit is None else MemoryTerms(
+                param=model.param_memory(cfg, mesh_pieces(sizes)),
+                saved=model.saved_memory(cfg, shapes, mesh_pieces(sizes), mesh_partial(sizes)),
+                limit=sharder.memory_limit)
+            axes = mesh_ilp.solve_mesh(self.graph, sizes, shapes, comm=[comm(1 + a) for a in range(len(sizes))],
+                                       compute=compute, memory=memory, solver=self.solver)
+            inner = axes[-1]
+            inner.others = tuple(axes[:-1])
+            self.state.axes[key] = inner
+        return self.state.axes[key], shapes
 
     def prefetch(self, cfg: ParallelConfig, sharder: Sharder) -> None:
         """Start the ILP that ``sharding(cfg, sharder)`` will solve (without a

@@ -39,7 +39,8 @@ from ..errors import StrategyError, UnsupportedError
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-TP_MODES = ("1d", "2d", "2.5d", "3d")
+TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh")
+GRID_MODES = ("2d", "2.5d", "3d")     # the layouts written out: their rows split the batch
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD = ("none", "optimizer")
@@ -179,8 +180,10 @@ class ParallelConfig:
     tp_mode: str = _key(
         "1d", "how the tp group is laid out: 1d (Megatron: one axis of tp ranks), 2d (Colossal-AI's SUMMA: a "
               "q x q grid, tp = q^2; the batch split over its rows, the hidden dims over its columns, every "
-              "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube, tp = q^3; the batch "
-              "split over its depth and rows, the hidden dims over its columns, every weight over all three)",
+              "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube, "
+              "tp = q^3; the batch split over its depth and rows, the hidden dims over its columns, every weight "
+              "over all three), mesh (the tp group as a two-axis a x b mesh, a the largest divisor of tp up to "
+              "its square root, whose per-op placements on both axes one ILP decides together)",
         choices=TP_MODES, recorded="changed", aliases=("tensor_mode", "tensor_parallel_mode"))
     tp_depth: int = _key(1, "depth of tp_mode=2.5d: the number of q x q grids (tp = tp_depth x q^2)", minimum=1,
                          recorded="changed", aliases=("tensor_depth",))
@@ -250,9 +253,18 @@ class ParallelConfig:
         return tp_grid(self.tp, self.tp_mode, self.tp_depth)
 
     @property
+    def is_grid(self) -> bool:
+        """Whether the tp group is one of the layouts written out (2d, 2.5d,
+        3d), whose rows (and depth) split the batch."""
+        return self.tp_mode in GRID_MODES
+
+    @property
     def grid_batch_split(self) -> int:
-        """The tp ranks that split a microbatch's samples: 1 for 1d, the rows
-        of a 2d grid, depth x rows for 2.5d (every grid axis but the columns)."""
+        """The tp ranks that split a microbatch's samples: 1 for 1d (and for
+        a mesh, whose program splits what it decides), the rows of a 2d grid,
+        depth x rows for 2.5d (every grid axis but the columns)."""
+        if not self.is_grid:
+            return 1
         k = 1
         for n in self.tp_grid[:-1]:
             k *= n
@@ -418,8 +430,9 @@ def _check_rules(vals: dict[str, Any]) -> None:
     tp_grid(vals["tp"], vals.get("tp_mode", "1d"), vals.get("tp_depth", 1))
     if vals.get("tp_mode", "1d") != "1d" and vals.get("sequence_parallel"):
         raise StrategyError(f"sequence_parallel=true is Megatron's split of the norms inside a 1d tensor-parallel "
-                            f"group; with tp_mode={vals['tp_mode']} the grid's rows already split the batch: "
-                            f"leave it out")
+                            f"group; with tp_mode={vals['tp_mode']} " +
+                            ("the mesh's program decides where the norms run split" if vals["tp_mode"] == "mesh"
+                             else "the grid's rows already split the batch") + ": leave it out")
     reduce_dtype = vals.get("reduce_dtype", "")
     if reduce_dtype and reduce_dtype != "fp32" and vals.get("precision") == "fp32":
         raise StrategyError(f"reduce_dtype={reduce_dtype} with precision=fp32: gradients are never reduced in a "
@@ -468,6 +481,11 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
     if tp == 1:
         raise StrategyError(f"tp_mode={mode} lays the tensor-parallel group out as a grid: it needs tp > 1 "
                             f"(e.g. tp={ {'2d': 4, '2.5d': 8, '3d': 8}.get(mode, 4)})")
+    if mode == "mesh" and depth == 1:
+        a = max(d for d in range(1, int_root_floor(tp, 2) + 1) if tp % d == 0)
+        if a == 1:
+            raise StrategyError(f"tp={tp} with tp_mode=mesh: a prime tp makes no two-axis mesh; e.g. tp=4, 6 or 8")
+        return (a, tp // a)
     if mode == "2d" and depth == 1:
         q = int_root(tp, 2)
         if q is None:
@@ -493,14 +511,23 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
-    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): 2d,
-    2.5d and 3d run without context parallelism and copies
+    """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
+    mesh runs with dp, microbatches and ZeRO 0-2 only (:class:`UnsupportedError`
+    for the rest); 2d, 2.5d and 3d run without context parallelism and copies
     (:class:`UnsupportedError`), with the samples of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
     times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
     if cfg.tp_mode == "1d":
         return
     mode = cfg.tp_mode
+    if mode == "mesh":
+        for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("copies", cfg.copies > 1),
+                          ("recompute", cfg.recompute != "none"), ("zero", cfg.zero == 3),
+                          ("offload", cfg.offload != "none")):
+            if bad:
+                raise UnsupportedError(f"tp_mode=mesh with {what}={getattr(cfg, what)} is not implemented yet; "
+                                       f"tp_mode=mesh runs with dp, microbatches and ZeRO 0-2")
+        return
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
             raise UnsupportedError(f"tp_mode={mode} with {what}={getattr(cfg, what)} "

@@ -58,3 +58,39 @@ def unblock(gathered, dim: int, n: int, blocks: int):
     import torch
     parts = [p.chunk(blocks, dim=dim) for p in gathered.chunk(n, dim=dim)]
     return torch.cat([parts[r][b] for b in range(blocks) for r in range(n)], dim=dim)
+
+
+# -- placements on a mesh of several tensor axes (tp_mode=mesh) ---------------------------
+SEP = "|"
+
+
+def joint_placement(parts) -> str:
+    """The mesh placement of per-axis placements (outermost first): ``S(0)|R``."""
+    return SEP.join(parts)
+
+
+def axis_placements(p: str, k: int) -> tuple[str, ...]:
+    """The ``k`` per-axis placements of a mesh placement (a bare ``R``, as
+    the graph inputs are given, is replicated on every axis)."""
+    return tuple(p.split(SEP)) if SEP in p else (p,) * k
+
+
+def mesh_pieces(sizes):
+    """``f(mesh placement)``: how many parts a mesh of ``sizes`` cuts a
+    tensor so placed in, one per rank."""
+    k = len(sizes)
+
+    def pieces(p: str) -> int:
+        out = 1
+        for q, n in zip(axis_placements(p, k), sizes):
+            if is_shard(q):
+                out *= n
+        return out
+
+    return pieces
+
+
+def mesh_partial(sizes):
+    """``f(mesh placement)``: whether a value so placed is a partial sum on some axis."""
+    k = len(sizes)
+    return lambda p: P in axis_placements(p, k)
