@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autopar  # noqa: E402
-from autopar.errors import AutoparError  # noqa: E402
+from autopar.errors import AutoparError, UnsupportedError  # noqa: E402
 
 DOC = ROOT / "docs" / "bad-inputs.md"
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
@@ -202,7 +202,17 @@ CASES: list[Case] = [
     Case(S, '" dp = 2 , tp = 4 " (spaces)', lambda fx: _strategy(" dp = 2 , tp = 4 ").to_string(), None,
          check=lambda s: "dp=2" in s and "tp=4" in s),
     Case(S, '"tp=4" (dp inferred)', lambda fx: _strategy("tp=4").dp, None, check=lambda dp: dp == 2),
+    Case(S, '"tp=7,tp_mode=mesh" on 7 devices (a prime tp)', lambda fx: _strategy("tp=7,tp_mode=mesh", devices=7),
+         r"prime"),
+    Case(S, '"tp=4,tp_mode=mesh" (a 2 x 2 mesh: a correct result)',
+         lambda fx: _strategy("tp=4,tp_mode=mesh").tp_grid, None, check=lambda g: g == (2, 2)),
+    Case(S, '"tp=4,tp_mode=mesh,sequence_parallel=true"',
+         lambda fx: _strategy("tp=4,tp_mode=mesh,sequence_parallel=true"), r"sequence_parallel"),
     # -- plan / evaluate requests
+    Case(PL, 'evaluate "tp=4,tp_mode=mesh,recompute=full"', lambda fx: _eval("tp=4,tp_mode=mesh,recompute=full"),
+         r"not implemented yet", error=UnsupportedError),
+    Case(PL, 'evaluate "tp=4,tp_mode=mesh" (a correct result)',
+         lambda fx: _eval("tp=4,tp_mode=mesh").step_time_s, None, check=lambda t: 0 < t < math.inf),
     Case(PL, "global_batch=-8", lambda fx: _plan(global_batch=-8), r"global_batch"),
     Case(PL, "global_batch=0", lambda fx: _eval("dp=4", global_batch=0), r"global_batch"),
     Case(PL, "global_batch=8.5", lambda fx: _eval("dp=4", global_batch=8.5), r"global_batch"),
