@@ -940,7 +940,7 @@ class CostModel:
     def _estimate_mesh(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
                        devices: int) -> Estimate:
         """:meth:`estimate` of a ``tp_mode=mesh`` ``cfg`` (no pipeline, cp,
-        copies or recompute: ``check_grid``): ``sh`` is the inner axis's
+        copies or selective recompute: ``check_grid``): ``sh`` is the inner axis's
         decisions with the outer ones in ``sh.others``, all from one joint
         program (:func:`autopar.search.mesh_ilp.solve_mesh`). Compute is
         every node's share left by both axes' splits, forward and backward;
@@ -948,8 +948,10 @@ class CostModel:
         its decisions (its objective less that compute: per axis, each
         transition and inside collective on that axis's link); then the
         data-parallel tail and the model states of the local shards as for
-        1d, and the activations each joint strategy keeps. (Long because the
-        Estimate's fields are assembled here, one per line.)"""
+        1d, and the activations each joint strategy keeps (full recompute: the
+        layers' inputs and one layer's values, a fourth pass and the layers'
+        forward collectives again). (Long because the Estimate's fields are
+        assembled here, one per line.)"""
         axes = (*sh.others, sh)
         sizes = tuple(ax.n for ax in axes)
         if len(axes) < 2 or sh.ilp is None or math.prod(sizes) != cfg.tp:
@@ -961,7 +963,8 @@ class CostModel:
         pieces = mesh_pieces(sizes)
         params = self.param_memory(cfg, pieces)
         saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
-        local, n_tensors, activations, transient = 0.0, 0, 0.0, 0.0
+        local, n_tensors, outside, transient = 0.0, 0, 0.0, 0.0
+        inst_saved: dict[str, float] = {}
         for nd in self.graph.nodes:
             sts = [ax.strategy.get(nd.name) for ax in axes]
             place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
@@ -976,14 +979,26 @@ class CostModel:
             frac = math.prod(work_fraction(st, n) for st, n in zip(sts, sizes))
             fwd += self.node_time(nd, self.scale(nd, local_batch), frac)
             joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
-            activations += saved(nd, joint)
+            if nd.group is None:
+                outside += saved(nd, joint)
+            else:
+                inst_saved[nd.group] = inst_saved.get(nd.group, 0.0) + saved(nd, joint)
             transient = max(transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
         tp_comm = max(0.0, sh.ilp.objective_s - 3.0 * fwd)      # what the program charged its collectives
-        compute, tp_comm_total = m * 3.0 * fwd, m * tp_comm
+        full = cfg.recompute == "full" and bool(inst_saved)
+        recomputed = max(inst_saved.values()) if full else 0.0     # one layer's values made again in backward
+        if full:     # the layers' inputs are kept; their forward, collectives included, runs again
+            activations = outside + sum(
+                _numel(shapes.get(i)) * self.itemsize / pieces(joint_placement([ax.out.get(i, R) for ax in axes]))
+                for _, i in self._layer_inputs_of)
+        else:
+            activations = outside + sum(inst_saved.values())
+        # the recomputed forward's collectives: about half of forward and backward's
+        compute, tp_comm_total = m * (4.0 if full else 3.0) * fwd, m * tp_comm * (1.5 if full else 1.0)
         topo = self.topology((dp, cfg.tp))
         dp_comm, opt_time, states = self._dp_tail(cfg, local, n_tensors, topo, 0, fwd + tp_comm / 2,
                                                   2 * fwd + tp_comm / 2, self._fsdp_units())
-        peak = states["total"] + activations + 2 * transient
+        peak = states["total"] + activations + recomputed + 2 * transient
         step = compute + tp_comm_total + dp_comm + opt_time
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
         return Estimate(
@@ -993,7 +1008,8 @@ class CostModel:
             tflops_per_device=3.0 * self._flops_at(global_batch) / step / devices / 1e12 if step > 0 else 0.0,
             peak_memory_bytes=peak,
             memory={"weights": states["weights"], "gradients": states["gradients"],
-                    "optimizer": states["optimizer"], "activations": activations, "transient": 2 * transient},
+                    "optimizer": states["optimizer"], "activations": activations,
+                    "transient": 2 * transient + recomputed},
             fits=peak <= cap and self._host_fits(states["offloaded"]),
             device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,

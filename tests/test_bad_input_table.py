@@ -209,7 +209,8 @@ CASES: list[Case] = [
     Case(S, '"tp=4,tp_mode=mesh,sequence_parallel=true"',
          lambda fx: _strategy("tp=4,tp_mode=mesh,sequence_parallel=true"), r"sequence_parallel"),
     # -- plan / evaluate requests
-    Case(PL, 'evaluate "tp=4,tp_mode=mesh,recompute=full"', lambda fx: _eval("tp=4,tp_mode=mesh,recompute=full"),
+    Case(PL, 'evaluate "tp=4,tp_mode=mesh,recompute=selective"',
+         lambda fx: _eval("tp=4,tp_mode=mesh,recompute=selective"),
          r"not implemented yet", error=UnsupportedError),
     Case(PL, 'evaluate "tp=4,tp_mode=mesh" (a correct result)',
          lambda fx: _eval("tp=4,tp_mode=mesh").step_time_s, None, check=lambda t: 0 < t < math.inf),

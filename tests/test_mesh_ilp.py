@@ -201,7 +201,8 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
     assert bound[0].ilp.memory_limited
 
 
-MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,precision=fp32", "searched"]
+MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
+             "searched"]
 
 
 def _fast_links():
@@ -238,8 +239,9 @@ def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
 
 
 def test_tp_mode_mesh_trains_as_one_process(tmp_path):
-    """``tp=4,tp_mode=mesh``: parallelize plans the 2 x 2 mesh with the joint
-    program, compiles both axes, clips the gradients over both, and trains
+    """``tp=4,tp_mode=mesh`` (with microbatches and full recompute too):
+    parallelize plans the 2 x 2 mesh with the joint program, compiles both
+    axes, clips the gradients over both, and trains
     as one process does; the full state dict and a checkpoint read in one
     process gather every shard back."""
     ref, want = _eager(clip=1.0)

@@ -415,7 +415,8 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
     fit: for the :data:`MESH_TRIES` fastest without a pipeline, cp or ZeRO-3
     whose tp is not prime, the same dp, tp, microbatches and ZeRO with the tp
     group as a two-axis mesh the joint program decides (no copies, sequence
-    parallelism or recompute, which a mesh does not run yet). One joint
+    parallelism or selective recompute, which a mesh does not run yet; full
+    recompute is kept). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
     against 0.8 s without). Appends what fits to ``feasible``; returns how
@@ -430,7 +431,8 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
         if cfg.tp < 4 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
                 all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
-        mesh = dataclasses.replace(cfg, tp_mode="mesh", copies=1, sequence_parallel=False, recompute="none")
+        mesh = dataclasses.replace(cfg, tp_mode="mesh", copies=1, sequence_parallel=False,
+                                   recompute="full" if cfg.recompute == "full" else "none")
         if mesh in tried:
             continue
         tried.add(mesh)

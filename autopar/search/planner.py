@@ -227,7 +227,8 @@ class Planner:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self.state.shapes[skey]
         # without a memory row the program reads only the shapes and the links (not ZeRO)
-        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.zero, cfg.reduce_dtype)
+        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.zero, cfg.reduce_dtype,
+                                                           cfg.recompute)
         key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, mb_global, bound, self.solver)
         if key not in self.state.axes:
             sizes = cfg.tp_grid
@@ -243,7 +244,8 @@ class Planner:
             memory = None if sharder.memory_limit is None else MemoryTerms(
                 param=model.param_memory(cfg, mesh_pieces(sizes)),
                 saved=model.saved_memory(cfg, shapes, mesh_pieces(sizes), mesh_partial(sizes)),
-                limit=sharder.memory_limit)
+                limit=sharder.memory_limit,
+                **({"group_factor": lambda k: 1.0} if cfg.recompute == "full" else {}))
             axes = mesh_ilp.solve_mesh(self.graph, sizes, shapes, comm=[comm(1 + a) for a in range(len(sizes))],
                                        compute=compute, memory=memory, solver=self.solver)
             inner = axes[-1]

@@ -512,7 +512,7 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
-    mesh runs with dp, microbatches and ZeRO 0-2 only (:class:`UnsupportedError`
+    mesh runs with dp, microbatches, full recompute and ZeRO 0-2 only (:class:`UnsupportedError`
     for the rest); 2d, 2.5d and 3d run without context parallelism and copies
     (:class:`UnsupportedError`), with the samples of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
@@ -522,11 +522,11 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     mode = cfg.tp_mode
     if mode == "mesh":
         for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("copies", cfg.copies > 1),
-                          ("recompute", cfg.recompute != "none"), ("zero", cfg.zero == 3),
+                          ("recompute", cfg.recompute == "selective"), ("zero", cfg.zero == 3),
                           ("offload", cfg.offload != "none")):
             if bad:
                 raise UnsupportedError(f"tp_mode=mesh with {what}={getattr(cfg, what)} is not implemented yet; "
-                                       f"tp_mode=mesh runs with dp, microbatches and ZeRO 0-2")
+                                       f"tp_mode=mesh runs with dp, microbatches, full recompute and ZeRO 0-2")
         return
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
