@@ -764,12 +764,13 @@ class CostModel:
         nbytes = (nd.act_bytes * scale * self.itemsize / 4 + nd.param_bytes * self.itemsize / 4) * frac
         return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, ops.family(nd.kind))
 
-    def param_time(self, cfg: ParallelConfig, topo: MeshTopology) -> Callable[[Node, str], float]:
+    def param_time(self, cfg: ParallelConfig, topo: MeshTopology,
+                   pieces: Callable[[str], int] | None = None) -> Callable[[Node, str], float]:
         """Seconds per microbatch a weight costs in a placement, as
         :meth:`estimate` counts them per step: its share of the data-parallel
         gradient all-reduce, of the optimizer pass and, with ZeRO-3, of the
         weight all-gathers (the per-message latencies do not depend on the
-        placement and are left out)."""
+        placement and are left out). ``pieces`` as :meth:`param_memory`'s."""
         big = float(1 << 30)
         m, tp, dp, isz = cfg.microbatches, cfg.tp, cfg.dp, self.itemsize
         per_elem = 0.0
@@ -784,11 +785,13 @@ class CostModel:
         dev = self.cluster.device
         per_elem += opt_bytes * 2 / (dev.memory_bandwidth * dev.memory_efficiency) / m
 
+        pieces = pieces or _tp_pieces(tp)
+
         def param_time(nd: Node, p: str) -> float:
             info = self.graph.params.get(nd.param) if nd.param else None
             if info is None or info.is_buffer or not info.requires_grad:
                 return 0.0
-            return info.numel * per_elem / (tp if is_shard(p) else 1)
+            return info.numel * per_elem / pieces(p)
 
         return param_time
 
@@ -945,8 +948,8 @@ class CostModel:
         program (:func:`autopar.search.mesh_ilp.solve_mesh`). Compute is
         every node's share left by both axes' splits, forward and backward;
         the tensor group's collectives are what the joint program charged
-        its decisions (its objective less that compute: per axis, each
-        transition and inside collective on that axis's link); then the
+        its decisions (``ilp.collectives_s``: per axis, each transition and
+        inside collective on that axis's link); then the
         data-parallel tail and the model states of the local shards as for
         1d, and the activations each joint strategy keeps (full recompute: the
         layers' inputs and one layer's values, a fourth pass and the layers'
@@ -954,7 +957,7 @@ class CostModel:
         assembled here, one per line.)"""
         axes = (*sh.others, sh)
         sizes = tuple(ax.n for ax in axes)
-        if len(axes) < 2 or sh.ilp is None or math.prod(sizes) != cfg.tp:
+        if len(axes) < 2 or getattr(sh.ilp, "collectives_s", None) is None or math.prod(sizes) != cfg.tp:
             raise StrategyError(f"{cfg.to_string()}: a mesh estimate needs the joint program's decisions of "
                                 f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
         dp, m = cfg.dp, cfg.microbatches
@@ -984,7 +987,7 @@ class CostModel:
             else:
                 inst_saved[nd.group] = inst_saved.get(nd.group, 0.0) + saved(nd, joint)
             transient = max(transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
-        tp_comm = max(0.0, sh.ilp.objective_s - 3.0 * fwd)      # what the program charged its collectives
+        tp_comm = sh.ilp.collectives_s or 0.0      # what the joint program charged its collectives
         full = cfg.recompute == "full" and bool(inst_saved)
         recomputed = max(inst_saved.values()) if full else 0.0     # one layer's values made again in backward
         if full:     # the layers' inputs are kept; their forward, collectives included, runs again

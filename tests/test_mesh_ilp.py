@@ -202,7 +202,7 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
 
 
 MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
-             "searched"]
+             "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "searched"]
 
 
 def _fast_links():

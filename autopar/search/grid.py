@@ -379,7 +379,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     finally:
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
-    if "mesh" in tp_modes and offload == "none" and not planner.pins:
+    if "mesh" in tp_modes and offload == "none":
         evaluated += _try_mesh(planner, feasible)
     evaluated += _try_copies(planner, feasible, manual)
     if piped:
@@ -414,13 +414,14 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
     """``tp_mode=mesh`` as a refinement of the flat 1d configurations that
     fit: for the :data:`MESH_TRIES` fastest without a pipeline, cp or ZeRO-3
     whose tp is not prime, the same dp, tp, microbatches and ZeRO with the tp
-    group as a two-axis mesh the joint program decides (no copies, sequence
-    parallelism or selective recompute, which a mesh does not run yet; full
-    recompute is kept). One joint
+    group as a two-axis mesh the joint program decides (no copies or
+    selective recompute, which a mesh does not run yet; full recompute and
+    sequence parallelism, on the inner axis, are kept). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
-    against 0.8 s without). Appends what fits to ``feasible``; returns how
-    many were evaluated."""
+    against 0.8 s without); where the mesh is faster than the flat
+    configuration but does not fit, once more under the memory bound.
+    Appends what fits to ``feasible``; returns how many were evaluated."""
     if samples_meet(planner.graph) is not None:
         return 0
     tried: set = set()
@@ -431,17 +432,23 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
         if cfg.tp < 4 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
                 all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
-        mesh = dataclasses.replace(cfg, tp_mode="mesh", copies=1, sequence_parallel=False,
+        mesh = dataclasses.replace(cfg, tp_mode="mesh", copies=1,
                                    recompute="full" if cfg.recompute == "full" else "none")
         if mesh in tried:
             continue
         tried.add(mesh)
-        sharder = Sharder("ilp", (), None)
+        sharder = Sharder("ilp", planner.pins, None)
         try:
             est_mesh = planner.evaluate(mesh, sharder)
+            count += 1
+            if not est_mesh.fits and est_mesh.step_time_s < est.step_time_s:
+                # faster but too big: solve again under the memory bound, as the 1d ILP does
+                cap = est_mesh.device_memory_bytes * MEMORY_HEADROOM
+                sharder = Sharder("ilp", planner.pins, cap - est_mesh.memory["transient"])
+                est_mesh = planner.evaluate(mesh, sharder)
+                count += 1
         except StrategyError:
             continue
-        count += 1
         if est_mesh.fits:
             feasible.append((est_mesh, mesh, sharder))
     return count

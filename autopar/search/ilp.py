@@ -93,6 +93,9 @@ class IlpInfo:
     shared_instances: int
     memory_limited: bool
     runners_up_fn: Callable[[], dict] | None = None
+    # the joint program of several axes (search.mesh_ilp): the seconds per microbatch of the
+    # collectives its decisions run, on every axis (the objective less compute and weights' terms)
+    collectives_s: float | None = None
 
     def runners_up(self) -> dict[str, list[tuple[str, str, float]]]:
         """Per op decision (named by its first node), the other candidates as

@@ -14,12 +14,17 @@ the placements its consumers read. One program decides all of them:
 * per node: the forward + backward compute of the share left after every
   axis's split (the product of the work fractions) and the collectives
   inside the op on each axis, on the bytes local to the other axes;
+* per weight: what its placement costs outside the mesh (the data-parallel
+  gradient reduction and the optimizer update of its local shard), as the
+  single-axis ILP weighs it;
 * per edge: per axis, the transition of the redistribution table
   (:func:`~autopar.strategies.redistribute.transition_time`, Megatron's f
   included) on that axis's link, for the tensor as the other axes hold it;
   a move no order of the axes runs (two axes sharing a dim moving it
   unlike: :func:`~autopar.strategies.redistribute.nested_moves`) is not
-  offered.
+  offered, nor, on two axes or more, a weight read on the inner axis other
+  than as it is stored there (a plan records the inner axis's placements,
+  and each weight's placement is one its readers read).
 
 So a weight split on one axis and split another way on the other (2D
 tensor parallelism), or a batch split on one axis under column-parallel
@@ -117,7 +122,7 @@ class _MeshProblem(_Problem):
             cs = [joint_strategy(c) for c in itertools.product(*per_axis) if self._valid(nd, c)]
             pin = self.pins.get(nd.name)
             if pin is not None:
-                cs = [st for st in cs if st.out == pin]
+                cs = [st for st in cs if self._pinned(st.out, pin)]
                 if not cs:
                     raise InfeasiblePins(f"pinned placement {pin} for {_label(nd)} is not one this op can "
                                          f"produce on a mesh of {'x'.join(map(str, self.sizes))}", (nd.name,))
@@ -131,12 +136,20 @@ class _MeshProblem(_Problem):
                                          if P not in axis_placements(w, self.k)})
                 pin = self.pins.get(nd.name)
                 if pin is not None:
-                    if pin not in opts:
+                    kept = [o for o in opts if self._pinned(o, pin)]
+                    if not kept:
                         raise InfeasiblePins(f"pinned placement {pin} for parameter {_label(nd)} is read by no "
                                              f"strategy of its consumers; possible: {', '.join(opts)}", (nd.name,))
-                    opts = [pin]
+                    opts = kept
                 self.pplace[nd.name] = opts
         self._prune()
+
+    def _pinned(self, place: str, pin: str) -> bool:
+        """Whether the mesh placement ``place`` keeps ``pin``: a mesh placement
+        (``S(0)|R``) is kept as written; a single-axis one (``S(1)``, a
+        user's pin or sequence parallelism's) on the inner axis, the tp axis
+        a 1d plan would have."""
+        return place == pin if SEP in pin else axis_placements(place, self.k)[-1] == pin
 
     def _valid(self, nd: Node, parts: Sequence[Strategy]) -> bool:
         """A product of single-axis strategies the compiler can run: at most
@@ -188,7 +201,7 @@ class _MeshProblem(_Problem):
 
     def param_cost(self, k: str, p: str) -> float:
         places = axis_placements(p, self.k)
-        return MEMORY_EPS * self.nbytes(k) * self._local(places, -1)
+        return self.param_time(self.by_name[k], p) + MEMORY_EPS * self.nbytes(k) * self._local(places, -1)
 
     def read(self, u: str, st: Strategy, slot: int) -> tuple[str, tuple[bool, ...]]:
         w = st.ins[slot]
@@ -200,6 +213,9 @@ class _MeshProblem(_Problem):
         haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
         if nested_moves(haves, wants) is None:
             return INF       # no order of the axes runs it (the compiler refuses it too)
+        if self.k > 1 and self.by_name[u].is_state and haves[-1] != wants[-1]:
+            return INF       # a weight is read on the inner axis as stored there: the plan records that axis
+
         grad, nb = self.grad.get(u, False), self.nbytes(u)
         t = 0.0
         for a in range(self.k):
@@ -209,15 +225,19 @@ class _MeshProblem(_Problem):
 
 def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | None], *,
                comm: Sequence[Comm], compute: Callable[[Node, float], float],
-               pins: dict[str, str] | None = None, memory: MemoryTerms | None = None,
-               time_limit_s: float = 60.0, solver: str = DEFAULT) -> list[AxisSharding]:
+               param_time: Callable[[Node, str], float] | None = None, pins: dict[str, str] | None = None,
+               memory: MemoryTerms | None = None, time_limit_s: float = 60.0,
+               solver: str = DEFAULT) -> list[AxisSharding]:
     """The placements of every node on each axis of a mesh of ``sizes``,
     decided together (module docstring). ``shapes``: node shapes (local to
     any axis outside the mesh); ``comm[a](kind, nbytes)``: the time of a
     collective on axis ``a`` for ``nbytes`` (at 4 bytes per element);
     ``compute(node, fraction)``: the forward time of a node doing that
-    fraction of its work; ``pins``: mesh placements (``S(0)|R``) fixed for
-    nodes; ``memory``: a memory row whose ``param`` and ``saved`` read mesh
+    fraction of its work; ``param_time(node, mesh placement)``: what a
+    weight so placed costs per microbatch outside the mesh (its gradient
+    reduction over dp, its optimizer update: a weight the mesh keeps whole
+    has more of both); ``pins``: placements fixed for nodes, on the mesh
+    (``S(0)|R``) or, written for one axis (``S(1)``), on the inner axis; ``memory``: a memory row whose ``param`` and ``saved`` read mesh
     placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
     and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces` and ``mesh_partial``). Returns one
     :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
@@ -228,9 +248,12 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
                             f"(got {len(comm)})")
     prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
     prob.comms, prob.comm, prob.compute = list(comm), comm[0], compute
-    prob.param_time = lambda nd, p: 0.0
+    prob.param_time = param_time or (lambda nd, p: 0.0)
     built = prob.build(memory)
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
+    compute_s = sum(3.0 * compute(prob.by_name[name], math.prod(work_fraction(p, n) for p, n in zip(st.parts, sizes)))
+                    for name, st in whole.strategy.items())
+    whole.ilp.collectives_s = max(0.0, prob.objective(whole.strategy, whole.out) - compute_s)
     out = []
     for a, n in enumerate(sizes):
         sh = AxisSharding(n=n)

@@ -22,6 +22,7 @@ configuration.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -29,7 +30,7 @@ import cost_models
 from cost_models import ClusterSpec
 
 from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
-from ..errors import StrategyError, UnsupportedError
+from ..errors import StrategyError
 from ..graph import Graph, Node
 from ..pipeline import partition as pipe
 from ..pipeline.partition import units
@@ -216,20 +217,24 @@ class Planner:
         ``a x b`` mesh from one joint program (:func:`~autopar.search.mesh_ilp.solve_mesh`,
         with the sharder's memory bound as its memory row), returned as the
         inner axis's :class:`AxisSharding` with the outer one in ``others``,
-        and the shapes local to dp. Pins are not taken yet."""
-        if sharder.pins:
-            raise UnsupportedError("tp_mode=mesh does not take pins yet (its placements are per mesh axis); "
-                                   "leave the pins out or use tp_mode=1d")
+        and the shapes local to dp. Pins written for one axis, and sequence
+        parallelism's, hold on the inner axis."""
+        if cfg.sequence_parallel:     # Megatron's sequence split on the inner axis, as on a 1d tp axis
+            inner = dataclasses.replace(cfg, tp=cfg.tp_grid[-1], tp_mode="1d")
+            sp_key = (self.cost(cfg.precision).precision, sharder, inner.tp)
+            if sp_key not in self.state.sequence_parallel:
+                self.state.sequence_parallel[sp_key] = self._sequence_parallel(inner, sharder)
+            sharder = self.state.sequence_parallel[sp_key]
         model = self.cost(cfg.precision)
         mb_global = self.global_batch // cfg.microbatches
         skey = self._local_key(cfg, link=False)
         if skey not in self.state.shapes:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self.state.shapes[skey]
-        # without a memory row the program reads only the shapes and the links (not ZeRO)
-        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.zero, cfg.reduce_dtype,
-                                                           cfg.recompute)
-        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, mb_global, bound, self.solver)
+        # the weights' terms read ZeRO and the microbatches; a memory row, the recompute too
+        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.recompute)
+        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.microbatches, mb_global, cfg.zero, cfg.reduce_dtype,
+               cfg.offload, bound, sharder.pins, self.solver)
         if key not in self.state.axes:
             sizes = cfg.tp_grid
             topo = model.topology((cfg.dp, *sizes))
@@ -247,7 +252,8 @@ class Planner:
                 limit=sharder.memory_limit,
                 **({"group_factor": lambda k: 1.0} if cfg.recompute == "full" else {}))
             axes = mesh_ilp.solve_mesh(self.graph, sizes, shapes, comm=[comm(1 + a) for a in range(len(sizes))],
-                                       compute=compute, memory=memory, solver=self.solver)
+                                       compute=compute, param_time=model.param_time(cfg, topo, mesh_pieces(sizes)),
+                                       pins=dict(sharder.pins), memory=memory, solver=self.solver)
             inner = axes[-1]
             inner.others = tuple(axes[:-1])
             self.state.axes[key] = inner

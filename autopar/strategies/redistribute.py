@@ -158,18 +158,31 @@ def transition_time(have: str, want: str, nbytes: float, grad: bool, into_split:
 
 def nested_moves(haves: Sequence[str], wants: Sequence[str]) -> str | None:
     """How a value placed ``haves`` on the axes of a mesh (outermost first)
-    moves to ``wants``, one axis after another: ``"outer first"``, or
-    ``"inner first"`` when an axis gathers a dim another axis splits too (the
-    chunks of a dim split twice are ordered outer axis first); None when
-    axes sharing a dim would move it unlike (one splitting, one gathering
-    it, or one moving it to another dim), which no order runs."""
-    dims = [{shard_dim(p) for p in (h, w) if is_shard(p)} for h, w in zip(haves, wants)]
-    shared = [k for k, (h, w) in enumerate(zip(haves, wants))
-              if h != w and any(dims[k] & d for j, d in enumerate(dims) if j != k)]
-    gathers = {is_shard(haves[k]) and not is_shard(wants[k]) for k in shared}
-    if len(gathers) > 1 or any(is_shard(haves[k]) == is_shard(wants[k]) for k in shared):
+    moves to ``wants``, one axis after another. A dim split on several axes
+    is cut outer axis first (the outer axis's chunk, then the inner axis's
+    chunk of it), so per dim the axes splitting it after the move must
+    extend those before by inner axes (split outer first) or keep a prefix of
+    them (gather inner first): ``"outer first"`` or ``"inner first"``. None
+    where no order keeps the chunks in place: an outer axis splitting a dim
+    an inner one keeps split (or gathering one it keeps), an axis gathering
+    a dim another splits, or one dim needing each order."""
+    k = len(haves)
+    dims = {shard_dim(p) for p in (*haves, *wants) if is_shard(p)}
+    inner_first = outer_first = False
+    for d in dims:
+        before = [a for a in range(k) if is_shard(haves[a]) and shard_dim(haves[a]) == d]
+        after = [a for a in range(k) if is_shard(wants[a]) and shard_dim(wants[a]) == d]
+        if before == after:
+            continue
+        if after[:len(before)] == before:       # inner axes added
+            outer_first |= len(after) - len(before) > 1
+        elif before[:len(after)] == after:      # inner axes removed
+            inner_first |= len(before) - len(after) > 1
+        else:
+            return None
+    if inner_first and outer_first:
         return None
-    return "inner first" if gathers == {True} else "outer first"
+    return "inner first" if inner_first else "outer first"
 
 
 def output_time(have: str, nbytes: float, comm: Callable[[str, float], float]) -> float:
