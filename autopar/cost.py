@@ -942,8 +942,8 @@ class CostModel:
 
     def _estimate_mesh(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
                        devices: int) -> Estimate:
-        """:meth:`estimate` of a ``tp_mode=mesh`` ``cfg`` (no pipeline, cp,
-        copies or selective recompute: ``check_grid``): ``sh`` is the inner axis's
+        """:meth:`estimate` of a ``tp_mode=mesh`` ``cfg`` (no pipeline, cp
+        or selective recompute: ``check_grid``; copies as for 1d): ``sh`` is the inner axis's
         decisions with the outer ones in ``sh.others``, all from one joint
         program (:func:`autopar.search.mesh_ilp.solve_mesh`). Compute is
         every node's share left by both axes' splits, forward and backward;
@@ -960,8 +960,10 @@ class CostModel:
         if len(axes) < 2 or getattr(sh.ilp, "collectives_s", None) is None or math.prod(sizes) != cfg.tp:
             raise StrategyError(f"{cfg.to_string()}: a mesh estimate needs the joint program's decisions of "
                                 f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
-        dp, m = cfg.dp, cfg.microbatches
-        local_batch = global_batch / (dp * m)
+        dp, m, n = cfg.dp, cfg.microbatches, cfg.copies
+        local_batch = global_batch / (dp * m * n)     # one copy's samples (the microbatch's without copies)
+        if n > 1:
+            shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         fwd = 0.0
         pieces = mesh_pieces(sizes)
         params = self.param_memory(cfg, pieces)
@@ -996,8 +998,12 @@ class CostModel:
                 for _, i in self._layer_inputs_of)
         else:
             activations = outside + sum(inst_saved.values())
-        # the recomputed forward's collectives: about half of forward and backward's
-        compute, tp_comm_total = m * (4.0 if full else 3.0) * fwd, m * tp_comm * (1.5 if full else 1.0)
+        # the recomputed forward's collectives: about half of forward and backward's; n copies' add up
+        compute = m * n * (4.0 if full else 3.0) * fwd
+        tp_comm_total = m * n * tp_comm * (1.5 if full else 1.0)
+        if n > 1:     # one copy's collectives beside the others' compute; the copies' values live at once
+            tp_comm_total, compute = self._copies_overlap(n, compute, tp_comm_total)
+            activations, recomputed, transient = n * activations, n * recomputed, n * transient
         topo = self.topology((dp, cfg.tp))
         dp_comm, opt_time, states = self._dp_tail(cfg, local, n_tensors, topo, 0, fwd + tp_comm / 2,
                                                   2 * fwd + tp_comm / 2, self._fsdp_units())

@@ -202,7 +202,8 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
 
 
 MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
-             "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "searched"]
+             "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "tp=4,tp_mode=mesh,copies=2,precision=fp32",
+             "searched"]
 
 
 def _fast_links():
@@ -239,7 +240,8 @@ def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
 
 
 def test_tp_mode_mesh_trains_as_one_process(tmp_path):
-    """``tp=4,tp_mode=mesh`` (with microbatches and full recompute too):
+    """``tp=4,tp_mode=mesh`` (with microbatches and full recompute, with
+    sequence parallelism, with copies):
     parallelize plans the 2 x 2 mesh with the joint program, compiles both
     axes, clips the gradients over both, and trains
     as one process does; the full state dict and a checkpoint read in one

@@ -379,9 +379,9 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
     finally:
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
+    evaluated += _try_copies(planner, feasible, manual)
     if "mesh" in tp_modes and offload == "none":
         evaluated += _try_mesh(planner, feasible)
-    evaluated += _try_copies(planner, feasible, manual)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -407,16 +407,17 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
                         ilp_time_s=planner.tally.ilp_time_s)
 
 
-MESH_TRIES = 3     # the fastest flat configurations tp_mode=mesh refines
+MESH_TRIES = 2     # the fastest flat configurations tp_mode=mesh refines
 
 
 def _try_mesh(planner: Planner, feasible: list) -> int:
     """``tp_mode=mesh`` as a refinement of the flat 1d configurations that
     fit: for the :data:`MESH_TRIES` fastest without a pipeline, cp or ZeRO-3
     whose tp is not prime, the same dp, tp, microbatches and ZeRO with the tp
-    group as a two-axis mesh the joint program decides (no copies or
-    selective recompute, which a mesh does not run yet; full recompute and
-    sequence parallelism, on the inner axis, are kept). One joint
+    group as a two-axis mesh the joint program decides, with the copies and
+    the sequence parallelism (on the inner axis) the flat configuration ran
+    and without each (no selective recompute, which a mesh does not run yet;
+    full recompute is kept). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
     against 0.8 s without); where the mesh is faster than the flat
@@ -424,34 +425,49 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
     Appends what fits to ``feasible``; returns how many were evaluated."""
     if samples_meet(planner.graph) is not None:
         return 0
-    tried: set = set()
+    bases: set = set()      # the flat configurations refined, their copies apart
     count = 0
     for est, cfg, _ in sorted(feasible, key=lambda f: f[0].step_time_s):
-        if len(tried) >= MESH_TRIES:
+        if len(bases) >= MESH_TRIES:
             break
         if cfg.tp < 4 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
                 all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
-        mesh = dataclasses.replace(cfg, tp_mode="mesh", copies=1,
+        base = dataclasses.replace(cfg, tp_mode="mesh", copies=1, sequence_parallel=False,
                                    recompute="full" if cfg.recompute == "full" else "none")
-        if mesh in tried:
+        if base in bases:
             continue
-        tried.add(mesh)
-        sharder = Sharder("ilp", planner.pins, None)
-        try:
-            est_mesh = planner.evaluate(mesh, sharder)
-            count += 1
-            if not est_mesh.fits and est_mesh.step_time_s < est.step_time_s:
-                # faster but too big: solve again under the memory bound, as the 1d ILP does
-                cap = est_mesh.device_memory_bytes * MEMORY_HEADROOM
-                sharder = Sharder("ilp", planner.pins, cap - est_mesh.memory["transient"])
-                est_mesh = planner.evaluate(mesh, sharder)
-                count += 1
-        except StrategyError:
-            continue
-        if est_mesh.fits:
-            feasible.append((est_mesh, mesh, sharder))
+        bases.add(base)
+        # with the copies and sequence parallelism the flat configuration ran, and without: a mesh
+        # has fewer collectives to hide, and splits the norms where its program finds it pays
+        variants = [dataclasses.replace(base, copies=c, sequence_parallel=sp)
+                    for c in dict.fromkeys((cfg.copies, 1)) for sp in dict.fromkeys((cfg.sequence_parallel, False))]
+        for mesh in variants:
+            found, n = _mesh_estimate(planner, mesh, est.step_time_s)
+            count += n
+            if found is not None:
+                feasible.append(found)
     return count
+
+
+def _mesh_estimate(planner: Planner, mesh: ParallelConfig, flat_s: float) -> tuple[tuple | None, int]:
+    """``mesh`` evaluated (again under the memory bound when it is faster
+    than ``flat_s`` but does not fit): ``((estimate, config, sharder) or
+    None where it does not fit, evaluations)``."""
+    sharder = Sharder("ilp", planner.pins, None)
+    count = 0
+    try:
+        est = planner.evaluate(mesh, sharder)
+        count += 1
+        if not est.fits and est.step_time_s < flat_s:
+            # faster but too big: solve again under the memory bound, as the 1d ILP does
+            cap = est.device_memory_bytes * MEMORY_HEADROOM
+            sharder = Sharder("ilp", planner.pins, cap - est.memory["transient"])
+            est = planner.evaluate(mesh, sharder)
+            count += 1
+    except StrategyError:
+        return None, count
+    return ((est, mesh, sharder) if est.fits else None), count
 
 
 def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:

@@ -226,15 +226,15 @@ class Planner:
                 self.state.sequence_parallel[sp_key] = self._sequence_parallel(inner, sharder)
             sharder = self.state.sequence_parallel[sp_key]
         model = self.cost(cfg.precision)
-        mb_global = self.global_batch // cfg.microbatches
-        skey = self._local_key(cfg, link=False)
+        mb_global = self.global_batch // (cfg.microbatches * cfg.copies)     # one copy's samples
+        skey = ("mesh copy", mb_global, cfg.dp)
         if skey not in self.state.shapes:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self.state.shapes[skey]
         # the weights' terms read ZeRO and the microbatches; a memory row, the recompute too
         bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.recompute)
-        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.microbatches, mb_global, cfg.zero, cfg.reduce_dtype,
-               cfg.offload, bound, sharder.pins, self.solver)
+        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.microbatches, cfg.copies, mb_global, cfg.zero,
+               cfg.reduce_dtype, cfg.offload, bound, sharder.pins, self.solver)
         if key not in self.state.axes:
             sizes = cfg.tp_grid
             topo = model.topology((cfg.dp, *sizes))

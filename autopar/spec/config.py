@@ -457,9 +457,9 @@ def _check_copies(vals: dict[str, Any]) -> None:
     if vals.get("zero", 0) == 3:
         raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
                             "yet; use zero<=2 or copies=1")
-    if vals.get("tp_mode", "1d") != "1d":
+    if vals.get("tp_mode", "1d") not in ("1d", "mesh"):
         raise StrategyError(f"copies={copies} with tp_mode={vals['tp_mode']}: multi-copy parallel is not "
-                            "implemented on a tensor-parallel grid yet; use tp_mode=1d or copies=1")
+                            "implemented on a tensor-parallel grid yet; use tp_mode=1d or mesh, or copies=1")
 
 
 def int_root(n: int, k: int) -> int | None:
@@ -511,7 +511,7 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
-    mesh runs with dp, microbatches, full recompute and ZeRO 0-2 only (:class:`UnsupportedError`
+    mesh runs with dp, microbatches, copies, full recompute and ZeRO 0-2 only (:class:`UnsupportedError`
     for the rest); 2d, 2.5d and 3d run without context parallelism and copies
     (:class:`UnsupportedError`), with the samples of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
@@ -520,12 +520,13 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
         return
     mode = cfg.tp_mode
     if mode == "mesh":
-        for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1), ("copies", cfg.copies > 1),
+        for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1),
                           ("recompute", cfg.recompute == "selective"), ("zero", cfg.zero == 3),
                           ("offload", cfg.offload != "none")):
             if bad:
                 raise UnsupportedError(f"tp_mode=mesh with {what}={getattr(cfg, what)} is not implemented yet; "
-                                       f"tp_mode=mesh runs with dp, microbatches, full recompute and ZeRO 0-2")
+                                       f"tp_mode=mesh runs with dp, microbatches, copies, full recompute and "
+                                       f"ZeRO 0-2")
         return
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
