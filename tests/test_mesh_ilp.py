@@ -272,3 +272,32 @@ def test_the_search_picks_a_mesh_where_it_is_faster(tmp_path):
     path = tmp_path / "mesh.json"
     p.save(path)
     assert autopar.Plan.load(path).to_dict() == p.to_dict()
+
+
+def test_a_mesh_that_fits_only_bounded_is_solved_again_alike():
+    """A mesh whose unbounded program does not fit is decided under the memory
+    bound by every request, so the placements parallelize solves again are
+    the plan's (it compares them, ``_check_mesh_plan``)."""
+    import dataclasses
+
+    from autopar.api import planner_for, sharding_from_plan
+    from autopar.parallelize import _check_mesh_plan
+    from autopar.search.planner import Sharder
+    from autopar.spec import parse_strategy
+    model, x, y = _model_and_batch()
+    g = autopar.trace(model, (x,), loss_fn=_loss, target=y)
+    import cost_models
+
+    from autopar.cost import MEMORY_HEADROOM
+    cfg = parse_strategy("tp=4,tp_mode=mesh,precision=fp32", devices=4)
+    cpu = cost_models.load_cluster("cpu")     # its links keep the tiny model whole, unbounded
+    free = planner_for(g, cpu, "adamw", "fp32", devices=4, global_batch=4)
+    sh, shapes = free._mesh_sharding(cfg, Sharder("ilp", (), None))
+    peak = free.cost("fp32").estimate(cfg, sh, shapes, 4, 4).peak_memory_bytes
+    small = dataclasses.replace(cpu, name="small", device=dataclasses.replace(
+        cpu.device, memory_bytes=0.7 * peak / MEMORY_HEADROOM))
+    p = autopar.plan(g, cluster=small, devices=4, global_batch=4, strategy="tp=4,tp_mode=mesh,precision=fp32")
+    assert p.predicted["fits"]
+    again = planner_for(g, p.data["cluster"]["spec"], "adamw", "fp32", devices=4, global_batch=4)
+    assert again._mesh_bound(cfg).memory_limit is not None      # decided under the bound
+    _check_mesh_plan(sharding_from_plan(g, p), again.sharding(cfg)[0])

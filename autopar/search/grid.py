@@ -380,7 +380,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
     evaluated += _try_copies(planner, feasible, manual)
-    if "mesh" in tp_modes and offload == "none":
+    if "mesh" in tp_modes and offload == "none" and not planner.pins:
         evaluated += _try_mesh(planner, feasible)
     if piped:
         def tick(fraction: float) -> None:
@@ -417,12 +417,12 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
     group as a two-axis mesh the joint program decides, with the copies and
     the sequence parallelism (on the inner axis) the flat configuration ran
     and without each (no selective recompute, which a mesh does not run yet;
-    full recompute is kept). One joint
+    full recompute is kept; a mesh whose unbounded program does not fit is
+    solved under the memory bound). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
-    against 0.8 s without); where the mesh is faster than the flat
-    configuration but does not fit, once more under the memory bound.
-    Appends what fits to ``feasible``; returns how many were evaluated."""
+    against 0.8 s without). Not with pins (a mesh takes none yet). Appends
+    what fits to ``feasible``; returns how many were evaluated."""
     if samples_meet(planner.graph) is not None:
         return 0
     bases: set = set()      # the flat configurations refined, their copies apart
@@ -443,31 +443,23 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
         variants = [dataclasses.replace(base, copies=c, sequence_parallel=sp)
                     for c in dict.fromkeys((cfg.copies, 1)) for sp in dict.fromkeys((cfg.sequence_parallel, False))]
         for mesh in variants:
-            found, n = _mesh_estimate(planner, mesh, est.step_time_s)
+            found, n = _mesh_estimate(planner, mesh)
             count += n
             if found is not None:
                 feasible.append(found)
     return count
 
 
-def _mesh_estimate(planner: Planner, mesh: ParallelConfig, flat_s: float) -> tuple[tuple | None, int]:
-    """``mesh`` evaluated (again under the memory bound when it is faster
-    than ``flat_s`` but does not fit): ``((estimate, config, sharder) or
-    None where it does not fit, evaluations)``."""
-    sharder = Sharder("ilp", planner.pins, None)
-    count = 0
+def _mesh_estimate(planner: Planner, mesh: ParallelConfig) -> tuple[tuple | None, int]:
+    """``mesh`` evaluated (under the memory bound where its unbounded
+    program does not fit: :meth:`Planner._mesh_bound`): ``((estimate,
+    config, sharder) or None where it does not fit, evaluations)``."""
+    sharder = Sharder("ilp", (), None)     # the planner bounds it as every request does (_mesh_bound)
     try:
         est = planner.evaluate(mesh, sharder)
-        count += 1
-        if not est.fits and est.step_time_s < flat_s:
-            # faster but too big: solve again under the memory bound, as the 1d ILP does
-            cap = est.device_memory_bytes * MEMORY_HEADROOM
-            sharder = Sharder("ilp", planner.pins, cap - est.memory["transient"])
-            est = planner.evaluate(mesh, sharder)
-            count += 1
     except StrategyError:
-        return None, count
-    return ((est, mesh, sharder) if est.fits else None), count
+        return None, 1
+    return ((est, mesh, sharder) if est.fits else None), 1
 
 
 def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:

@@ -30,7 +30,7 @@ import cost_models
 from cost_models import ClusterSpec
 
 from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
-from ..errors import StrategyError
+from ..errors import StrategyError, UnsupportedError
 from ..graph import Graph, Node
 from ..pipeline import partition as pipe
 from ..pipeline.partition import units
@@ -191,7 +191,11 @@ class Planner:
         config of the columns, over the rows' share of the batch), and the
         shapes are one grid rank's."""
         if cfg.tp_mode == "mesh":
-            return self._mesh_sharding(cfg, sharder)
+            if sharder.pins:
+                raise UnsupportedError("tp_mode=mesh does not take pins yet (a plan records one axis of its "
+                                       "placements, and parallelize solves the mesh again); leave the pins out "
+                                       "or use tp_mode=1d")
+            return self._mesh_sharding(cfg, self._mesh_bound(cfg) if sharder.memory_limit is None else sharder)
         if cfg.is_grid:
             return self.sharding(CostModel.grid_view(cfg), sharder)
         key, model, sharder, shapes = self._axis_key(cfg, sharder)
@@ -212,13 +216,28 @@ class Planner:
             axes[key] = self._decide(model, cfg, sharder, shapes)
         return axes[key], shapes
 
+    def _mesh_bound(self, cfg: ParallelConfig) -> Sharder:
+        """The sharder a ``tp_mode=mesh`` ``cfg`` is decided with, the same for
+        every request (plan, evaluate, the search, parallelize solving the plan
+        again): the joint program unbounded where its estimate fits, else
+        bounded by the device's memory less its transients, as the 1d ILP
+        retries."""
+        key = ("mesh bound", cfg)
+        if key not in self.state.axes:
+            free = Sharder("ilp", (), None)
+            sh, shapes = self._mesh_sharding(cfg, free)
+            est = self.cost(cfg.precision).estimate(cfg, sh, shapes, self.global_batch, cfg.devices)
+            self.state.axes[key] = free if est.fits else \
+                Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
+        return self.state.axes[key]
+
     def _mesh_sharding(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[AxisSharding, dict]:
         """``tp_mode=mesh``: the decisions of both axes of the tp group's
         ``a x b`` mesh from one joint program (:func:`~autopar.search.mesh_ilp.solve_mesh`,
         with the sharder's memory bound as its memory row), returned as the
         inner axis's :class:`AxisSharding` with the outer one in ``others``,
-        and the shapes local to dp. Pins written for one axis, and sequence
-        parallelism's, hold on the inner axis."""
+        and the shapes local to dp. Sequence parallelism's pins hold on the
+        inner axis, as on a 1d tp axis."""
         if cfg.sequence_parallel:     # Megatron's sequence split on the inner axis, as on a 1d tp axis
             inner = dataclasses.replace(cfg, tp=cfg.tp_grid[-1], tp_mode="1d")
             sp_key = (self.cost(cfg.precision).precision, sharder, inner.tp)
