@@ -237,9 +237,11 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     weight so placed costs per microbatch outside the mesh (its gradient
     reduction over dp, its optimizer update: a weight the mesh keeps whole
     has more of both); ``pins``: placements fixed for nodes, on the mesh
-    (``S(0)|R``) or, written for one axis (``S(1)``), on the inner axis; ``memory``: a memory row whose ``param`` and ``saved`` read mesh
+    (``S(0)|R``) or, written for one axis (``S(1)``), on the inner axis;
+    ``memory``: a memory row whose ``param`` and ``saved`` read mesh
     placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
-    and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces` and ``mesh_partial``). Returns one
+    and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces`
+    and ``mesh_partial``). Returns one
     :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
     :class:`InfeasiblePins` when the pins admit none, :class:`StrategyError`
     when the program (or the memory bound) has no solution."""
