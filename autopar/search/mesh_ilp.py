@@ -48,8 +48,7 @@ from typing import Callable, Sequence
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
-from ..spec.placement import P, R, SEP, axis_placements, is_shard, joint_placement, mesh_partial, mesh_pieces, \
-    shard_blocks, shard_dim
+from ..spec.placement import P, R, SEP, axis_placements, is_shard, joint_placement, shard_blocks, shard_dim
 from ..strategies import Strategy, candidates
 from ..strategies.axis_cost import inside_time, work_fraction
 from ..strategies.redistribute import nested_moves, output_time, transition_time
