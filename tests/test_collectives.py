@@ -209,6 +209,16 @@ def _check_vocab_parallel(ck: _Checks, rank: int, gname: str, group, members: li
     (ref * G).sum().backward()
     ck.close(f"{gname} vocab_parallel_embedding fwd", out.detach(), ref.detach())
     ck.close(f"{gname} vocab_parallel_embedding bwd", shard.grad, Wref.grad[s:e])
+    # a padding row (BERT's pad token, nn.Embedding(padding_idx=...)) takes no gradient, on whichever rank holds it
+    for pad in (0, 11, -1):
+        shard = Wfull[s:e].clone().requires_grad_()
+        out = all_reduce(vocab_parallel_embedding(ids, shard, s, e, padding_idx=pad, vocab_size=V), group)
+        (out * G).sum().backward()
+        Wref = Wfull.clone().requires_grad_()
+        (F.embedding(ids, Wref, padding_idx=pad) * G).sum().backward()
+        ck.close(f"{gname} vocab_parallel_embedding(padding_idx={pad}) fwd", out.detach(),
+                 F.embedding(ids, Wfull, padding_idx=pad))
+        ck.close(f"{gname} vocab_parallel_embedding(padding_idx={pad}) bwd", shard.grad, Wref.grad[s:e])
 
     target = torch.tensor([3, 15, 0, 8, -100, 7, 3, 12, 4])
     L, wts = _full((9, V), 22) * 3, _full((9,), 23)

@@ -657,3 +657,48 @@ def test_a_layer_module_called_for_every_layer_pipelines():
         opt.step()
         ref.append(loss.item())
     assert run_distributed(_albert_pp, 2, timeout=300)[0] == pytest.approx(ref, abs=1e-5)
+
+
+def _padded_vocab_case():
+    """nanoGPT with a vocabulary 128x its width, its embedding pinned to
+    vocabulary rows (the search runs the vocabulary-parallel kernel), given a
+    padding row (``nn.Embedding(padding_idx=0)``, as BERT's pad token) that
+    its batch reads."""
+    from benchmarks.real_models import MODELS
+    c = MODELS["nanogpt-vocab"]()
+    c.model.transformer.wte.padding_idx = 0
+    c.inputs[0][:, :3] = 0
+    return c
+
+
+def _vocab_rows_worker(rank: int, world: int) -> tuple[list[float], list[float], str]:
+    import torch
+
+    import autopar
+    from autopar.search.pins import annotations
+    c = _padded_vocab_case()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    plan = autopar.plan(g, cluster="cpu", devices=2, global_batch=c.inputs[0].shape[0], strategy="tp=2",
+                        shardings=annotations(c.model))
+    pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target, strategy=plan,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    losses = [pm.train_step(c.inputs, c.target) for _ in range(3)]
+    kernel = next(e["strategy"][1] for k, e in plan.to_dict()["ops"].items() if "embedding" in k and
+                  e["strategy"][1] == "vocab")
+    return losses, pm.full_state_dict()["transformer.wte.weight"][0].tolist(), kernel
+
+
+def test_the_vocabulary_parallel_embedding_keeps_the_padding_row_out_of_training():
+    """The vocabulary-parallel embedding kernel gave the padding row a
+    gradient (``F.embedding`` without its ``padding_idx``): a model whose
+    batches hold its pad token trained the row one process keeps fixed.
+    Found by tp_mode=mesh on Hugging Face BERT (pad token 0), where the joint
+    program picked the kernel: a 2e-3 weight error after one step."""
+    import torch
+    c = _padded_vocab_case()
+    pad_before = c.model.transformer.wte.weight[0].detach().clone()
+    ref = eager_steps(c.model, c.inputs, c.target, c.loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    losses, pad_row, kernel = run_distributed(_vocab_rows_worker, 2, timeout=300)[0]
+    assert kernel == "vocab"
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
+    assert torch.equal(torch.tensor(pad_row), pad_before)

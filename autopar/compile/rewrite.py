@@ -78,13 +78,26 @@ class Comm(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, start: int, end: int, weight_first: bool) -> None:
+    def __init__(self, start: int, end: int, weight_first: bool, padding_idx: int | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__()
         self.start, self.end, self.weight_first = start, end, weight_first
+        self.padding_idx, self.vocab_size = padding_idx, vocab_size
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ids, w = (b, a) if self.weight_first else (a, b)
-        return K.vocab_parallel_embedding(ids, w, self.start, self.end)
+        return K.vocab_parallel_embedding(ids, w, self.start, self.end, self.padding_idx, self.vocab_size)
+
+
+def _padding_idx(fnode: fx.Node, weight_first: bool) -> int | None:
+    """The padding row of an embedding node (``F.embedding(ids, w,
+    padding_idx)``, or ATen's ``embedding(w, ids, padding_idx)`` where -1
+    means none), None without one."""
+    if weight_first:
+        pad = fnode.args[2] if len(fnode.args) > 2 else fnode.kwargs.get("padding_idx", -1)
+        return None if pad is None or pad == -1 else int(pad)
+    pad = fnode.args[2] if len(fnode.args) > 2 else fnode.kwargs.get("padding_idx")
+    return None if pad is None else int(pad)
 
 
 class VocabCrossEntropy(nn.Module):
@@ -411,7 +424,7 @@ class _Rewriter:
                 remap.setdefault(i, self.reshard(i, tuple(r[k] for r in reads), splits))
         kernel = next(((ax, st) for ax, st in zip(self.axes, sts) if st is not None and st.kernel), None)
         if kernel is not None:
-            env[fnode.name] = self.kernel(nd, *kernel, remap)
+            env[fnode.name] = self.kernel(nd, *kernel, remap, fnode)
             return
         args = fx.map_arg(fnode.args, lambda a: remap.get(a.name, env[a.name]))
         kwargs = fx.map_arg(fnode.kwargs, lambda a: remap.get(a.name, env[a.name]))
@@ -493,13 +506,16 @@ class _Rewriter:
         nd = self.graph[name] if name in self.graph else None
         return len(nd.out.shape) if nd is not None and nd.out is not None else 0
 
-    def kernel(self, nd: Any, ax: Axis, st: Any, remap: dict[str, fx.Node]) -> fx.Node:
+    def kernel(self, nd: Any, ax: Axis, st: Any, remap: dict[str, fx.Node], fnode: fx.Node) -> fx.Node:
         """The vocabulary-parallel kernel ``st`` names, over ``ax``."""
         graph, n = self.graph, ax.n
         if st.kernel == "vocab_embedding":
             wi = 0 if graph[nd.inputs[0]].kind in ("param", "buffer") else 1
-            per = graph[nd.inputs[wi]].out.shape[0] // n
-            mod = self.add_module("vocab_embedding", VocabEmbedding(ax.rank * per, (ax.rank + 1) * per, wi == 0))
+            vocab = graph[nd.inputs[wi]].out.shape[0]
+            per = vocab // n
+            # the padding row takes no gradient (BERT's pad token): before, the kernel gave it one
+            mod = self.add_module("vocab_embedding", VocabEmbedding(ax.rank * per, (ax.rank + 1) * per, wi == 0,
+                                                                    _padding_idx(fnode, wi == 0), vocab))
             return self.new.call_module(mod, tuple(remap.get(i, self.env[i]) for i in nd.inputs))
         if st.kernel == "vocab_cross_entropy":
             per = graph[nd.inputs[0]].out.shape[1] // n

@@ -33,17 +33,25 @@ def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> N
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor,
-                             vocab_start: int, vocab_end: int) -> torch.Tensor:
+                             vocab_start: int, vocab_end: int, padding_idx: int | None = None,
+                             vocab_size: int | None = None) -> torch.Tensor:
     """Embedding lookup against rows ``[vocab_start, vocab_end)`` of the vocabulary.
 
     Ids in the range read the local shard, other ids give zero rows, so the
     output is Partial: summing it over the group gives ``F.embedding(ids, W)``.
-    No collective inside; the weight grad only touches looked-up local rows.
+    No collective inside; the weight grad only touches looked-up local rows,
+    and never the padding row ``padding_idx`` (as ``nn.Embedding(padding_idx=)``;
+    a negative one counts from the end of the ``vocab_size`` rows).
     """
     _check_range(weight_shard.shape[0], vocab_start, vocab_end, "vocab_parallel_embedding")
+    if padding_idx is not None and padding_idx < 0:
+        if vocab_size is None:
+            raise DistributedError("vocab_parallel_embedding: a negative padding_idx needs the vocab_size")
+        padding_idx += vocab_size
+    pad = padding_idx - vocab_start if padding_idx is not None and vocab_start <= padding_idx < vocab_end else None
     inside = (ids >= vocab_start) & (ids < vocab_end)
     local = torch.where(inside, ids - vocab_start, torch.zeros_like(ids))
-    return F.embedding(local, weight_shard).masked_fill(~inside.unsqueeze(-1), 0.0)
+    return F.embedding(local, weight_shard, padding_idx=pad).masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
 class _VocabParallelCE(torch.autograd.Function):
