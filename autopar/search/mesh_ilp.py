@@ -24,7 +24,8 @@ the placements its consumers read. One program decides all of them:
   unlike: :func:`~autopar.strategies.redistribute.nested_moves`) is not
   offered, nor, on two axes or more, a weight read on the inner axis other
   than as it is stored there (a plan records the inner axis's placements,
-  and each weight's placement is one its readers read).
+  and each weight's placement is one its readers read), nor a move of a
+  tuple (a split's pieces, read as they are made).
 
 So a weight split on one axis and split another way on the other (2D
 tensor parallelism), or a batch split on one axis under column-parallel
@@ -207,13 +208,30 @@ class _MeshProblem(_Problem):
         grad = self.grad.get(u, False)
         return w, tuple(s.ins[slot] == R and s.split and grad for s in st.parts)
 
+    def _edge_plan(self, x: dict, xp: dict) -> list[tuple]:
+        """The base plan, with the transitions' price keys telling weights and
+        tuples apart (:meth:`edge_cost` refuses some of their moves, so a
+        move priced for another value of the same size is not theirs)."""
+        if self._edges_planned is None:
+            self._edges_planned = [
+                (e, u, m, have, want, [(p, q, key + (self._kind_of_value(u),)) for p, q, key in pairs], sums)
+                for e, u, m, have, want, pairs, sums in super()._edge_plan(x, xp)]
+        return self._edges_planned
+
+    def _kind_of_value(self, u: str) -> str:
+        nd = self.by_name[u]
+        return "weight" if nd.is_state else "tuple" if nd.kind == "split" or nd.out is None else ""
+
     def edge_cost(self, u: str, have: str, read: tuple) -> float:
         want, into = read
         haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
         if nested_moves(haves, wants) is None:
             return INF       # no order of the axes runs it (the compiler refuses it too)
-        if self.k > 1 and self.by_name[u].is_state and haves[-1] != wants[-1]:
+        kind = self._kind_of_value(u)
+        if self.k > 1 and kind == "weight" and haves[-1] != wants[-1]:
             return INF       # a weight is read on the inner axis as stored there: the plan records that axis
+        if kind == "tuple" and haves != wants:
+            return INF       # a tuple (a split's pieces) is not moved: its readers take it as it is made
 
         grad, nb = self.grad.get(u, False), self.nbytes(u)
         t = 0.0
