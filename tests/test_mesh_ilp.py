@@ -301,3 +301,19 @@ def test_a_mesh_that_fits_only_bounded_is_solved_again_alike():
     again = planner_for(g, p.data["cluster"]["spec"], "adamw", "fp32", devices=4, global_batch=4)
     assert again._mesh_bound(cfg).memory_limit is not None      # decided under the bound
     _check_mesh_plan(sharding_from_plan(g, p), again.sharding(cfg)[0])
+
+
+def _gpt2_mesh(rank: int, world: int) -> tuple[list[float], int]:
+    from benchmarks.mesh_real_models import _parallel
+    r = _parallel("hf-gpt2")
+    return r["losses"], r["split_both"]
+
+
+def test_an_export_traced_model_trains_under_a_mesh():
+    """Hugging Face GPT-2 (torch.export; its fused qkv projection split in
+    three pieces, which the mesh reads as they are made) under
+    ``tp=4,tp_mode=mesh``: as one process, weights split on both axes."""
+    from benchmarks.mesh_real_models import _eager
+    losses, both = run_distributed(_gpt2_mesh, 4, timeout=300)[0]
+    assert losses == pytest.approx(_eager("hf-gpt2"), rel=1e-5, abs=1e-5)
+    assert both > 0
