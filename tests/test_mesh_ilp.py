@@ -208,13 +208,8 @@ MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches
 
 def _fast_links():
     """The cpu preset with links so fast that splitting the tiny model's work pays (its own keeps it whole)."""
-    import dataclasses
-
-    import cost_models
-    from cost_models.hardware import LinkSpec
-    link = LinkSpec(1e13, 1e-9)
-    return dataclasses.replace(cost_models.load_cluster("cpu"), name="fast-links", intra_node=link,
-                               inter_node=link, collectives={})
+    from benchmarks.mesh_real_models import fast_links
+    return fast_links()
 
 
 def _parallel_steps(strategy: str, checkpoint: str | None = None) -> tuple[list[float], dict, list[str]]:
