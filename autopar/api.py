@@ -237,7 +237,7 @@ SEARCH_MODES = {
 
 
 #: the tensor-parallel layouts the automatic search can try
-SEARCH_TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh")
+SEARCH_TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh", "mesh3")
 
 
 def check_tp_modes(tp_modes: Sequence[str]) -> tuple[str, ...]:
@@ -287,7 +287,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     Colossal-AI's q x q grids (``tp_mode=2d``), ``"2.5d"`` for them 2 and
     4 deep and ``"3d"`` for the q x q x q cubes, which the cost model prices,
     and ``"mesh"`` for tp groups as two-axis meshes whose placements one
-    program decides on both axes (``tp_mode=mesh``).
+    program decides on both axes (``tp_mode=mesh``; ``"mesh3"`` on three).
 
     Raises :class:`StrategyError` for an invalid strategy, search mode,
     solver (or one not installed) or pin (two contradicting pins are both

@@ -237,7 +237,8 @@ def plan(
                                  help="Tensor-parallel layouts the search tries, comma-separated: 1d (default), "
                                       "or 1d,2d to add Colossal-AI's q x q grids (tp_mode=2d), 1d,2d,2.5d also them 2 and "
                                       "4 deep (tp_mode=2.5d), 3d for the q x q x q cubes (tp_mode=3d), and mesh for a tp "
-                                      "group as a two-axis mesh whose placements one program decides (tp_mode=mesh)."),
+                                      "group as a two-axis mesh whose placements one program decides (tp_mode=mesh; mesh3 on three "
+                                      "axes)."),
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan_and_record as make_plan

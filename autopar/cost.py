@@ -74,7 +74,7 @@ from .sharding import AxisSharding, attention_output_aliases, backward_reads, ba
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
-from .spec import ParallelConfig, check_grid, divisors
+from .spec import MESH_MODES, ParallelConfig, check_grid, divisors
 from .spec.placement import P, R, joint_placement, mesh_partial, mesh_pieces
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time, shared_key, work_fraction
@@ -870,7 +870,7 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode == "mesh":
+        if cfg.tp_mode in MESH_MODES:
             return self._estimate_mesh(cfg, sh, shapes, global_batch, devices)
         if cfg.is_grid and cfg.pp == 1:
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)

@@ -54,7 +54,7 @@ from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import AxisSharding, batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
     positions_reduced_with_samples, samples_meet, scaled_shapes
-from .spec import ParallelConfig, check_grid, is_shard, parse_strategy
+from .spec import MESH_MODES, ParallelConfig, check_grid, is_shard, parse_strategy
 from .spec.placement import R
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
@@ -473,7 +473,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     :class:`CompileError` where the program cannot be built."""
     device = local_device()
     tp_sh = api.sharding_from_plan(plan_graph or graph, plan)
-    if tp_sh is None or cfg.tp_mode == "mesh":
+    if tp_sh is None or cfg.tp_mode in MESH_MODES:
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
         recorded, (tp_sh, _) = tp_sh, planner.sharding(cfg)
@@ -491,8 +491,9 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     full = {n.target: own[n.target] if n.target in own else get_attr(gm, n.target)
             for n in gm.graph.nodes if n.op == "get_attr"}
     grid: list[Axis] = []
-    if cfg.tp_mode == "mesh":     # the mesh's outer axis, decided with the inner one by the joint program
-        grid.append(Axis(tp_sh.others[0], mesh.coord("tp_row"), mesh.group("tp_row")))
+    if cfg.tp_mode in MESH_MODES:     # the mesh's outer axes, decided with the inner one by the joint program
+        names = ("tp_depth", "tp_row")[-len(tp_sh.others):]
+        grid.extend(Axis(o, mesh.coord(a), mesh.group(a)) for o, a in zip(tp_sh.others, names))
     elif cfg.is_grid:    # the grid's rows: the batch split, the weights stored split and gathered
         grid.append(Axis(grid_rows(graph, tp_sh, cfg.tp_grid[-2], shapes), mesh.coord("tp_row"),
                          mesh.group("tp_row"), whole_sizes=True))
@@ -500,7 +501,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         depth = follow_batch(graph, cfg.tp_grid[0], shapes, batch_axis=False)
     elif cfg.tp_mode == "3d":    # the cube's depth: the batch split again, the rows' weight shards split again
         depth = grid_rows(graph, tp_sh, cfg.tp_grid[0], shapes, inner=grid[0].sh)
-    if len(cfg.tp_grid) == 3:
+    if len(cfg.tp_grid) == 3 and cfg.is_grid:
         grid.insert(0, Axis(depth, mesh.coord("tp_depth"), mesh.group("tp_depth"), whole_sizes=True))
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,

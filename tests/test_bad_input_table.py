@@ -206,6 +206,8 @@ CASES: list[Case] = [
          r"prime"),
     Case(S, '"tp=4,tp_mode=mesh" (a 2 x 2 mesh: a correct result)',
          lambda fx: _strategy("tp=4,tp_mode=mesh").tp_grid, None, check=lambda g: g == (2, 2)),
+    Case(S, '"tp=4,tp_mode=mesh3" (three axes need three factors)', lambda fx: _strategy("tp=4,tp_mode=mesh3"),
+         r"three factors"),
     Case(S, '"tp=4,tp_mode=2d,sequence_parallel=true"',
          lambda fx: _strategy("tp=4,tp_mode=2d,sequence_parallel=true"), r"sequence_parallel"),
     Case(S, '"tp=4,tp_mode=mesh,sequence_parallel=true" (on the inner axis: a correct result)',

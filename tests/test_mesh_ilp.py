@@ -17,7 +17,7 @@ from autopar.search.ilp import solve_axis
 from autopar.search.mesh_ilp import _MeshProblem, joint_strategy, solve_mesh
 from autopar.spec.placement import axis_placements, joint_placement
 from autopar.sharding import follow_batch, scaled_shapes
-from distributed import run_distributed
+from distributed import run_distributed, spawn8
 
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
 
@@ -225,8 +225,9 @@ def _parallel_steps(strategy: str, checkpoint: str | None = None) -> tuple[list[
     losses = [pm.train_step((x,), y) for _ in range(3)]
     if checkpoint is not None:
         pm.save_checkpoint(checkpoint)
-    split = sorted(f"{r}|{c}" for name, c in pm.param_placement.items()
-                   if (r := pm.row_placement.get(name, "R")) != "R" or c != "R")
+    split = sorted("|".join(p for p in (pm.depth_placement.get(name), pm.row_placement.get(name, "R"), c) if p)
+                   for name, c in pm.param_placement.items()
+                   if c != "R" or pm.row_placement.get(name, "R") != "R" or pm.depth_placement.get(name, "R") != "R")
     return losses, pm.full_state_dict(), split
 
 
@@ -312,3 +313,21 @@ def test_an_export_traced_model_trains_under_a_mesh():
     losses, both = run_distributed(_gpt2_mesh, 4, timeout=300)[0]
     assert losses == pytest.approx(_eager("hf-gpt2"), rel=1e-5, abs=1e-5)
     assert both > 0
+
+
+def _mesh3_worker(rank: int, world: int) -> tuple[list[float], dict, list[str]]:
+    return _parallel_steps("tp=8,tp_mode=mesh3,precision=fp32")
+
+
+@spawn8
+def test_tp_mode_mesh3_on_8_processes():
+    """``tp=8,tp_mode=mesh3``: one program decides the placements on all three
+    axes of a 2 x 2 x 2 mesh (weights split on each), and the model trains as
+    one process does, gradients clipped over all three; the full state dict
+    gathers every shard back."""
+    ref, want = _eager(clip=1.0)
+    losses, state, split = run_distributed(_mesh3_worker, 8, timeout=600)[0]
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
+    for k, v in want.items():
+        assert torch.allclose(state[k], v, atol=1e-5), k
+    assert any(p.count("S") == 3 for p in split), split

@@ -212,7 +212,8 @@ def _values(k: Key) -> list:
 def _grid_extra(name: str, value) -> dict:
     """The tp (and depth) a tp_mode / tp_depth value needs: a square, depth x q^2, a cube."""
     if name == "tp_mode":
-        return {"1d": {}, "2d": {"tp": 4}, "2.5d": {"tp": 8, "tp_depth": 2}, "3d": {"tp": 8}, "mesh": {"tp": 4}}[value]
+        return {"1d": {}, "2d": {"tp": 4}, "2.5d": {"tp": 8, "tp_depth": 2}, "3d": {"tp": 8}, "mesh": {"tp": 4},
+                "mesh3": {"tp": 8}}[value]
     if name == "tp_depth" and value > 1:
         return {"tp_mode": "2.5d", "tp": 4 * value}
     return {}

@@ -160,7 +160,7 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
 def _tensor_out(cfg: ParallelConfig) -> dict[str, Any]:
     """The ``tensor`` dict of a strategy with ``tp > 1``: its size, mode (and 2.5D's depth)."""
     mode = getattr(cfg, "tp_mode", "1d")
-    if mode == "mesh":      # no Colossal-AI mode: written as 1D (common.lost_notes says so)
+    if mode in ("mesh", "mesh3"):      # no Colossal-AI mode: written as 1D (common.lost_notes says so)
         mode = "1d"
     return {"size": cfg.tp, "mode": mode, **({"depth": cfg.tp_depth} if mode == "2.5d" else {})}
 

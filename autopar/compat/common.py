@@ -181,9 +181,9 @@ def common_losses(cfg: ParallelConfig, plan: Plan | None, framework: str) -> lis
     if cfg.copies > 1 and framework != "MindFormers":
         notes.append(f"copies={cfg.copies} (multi-copy parallel, MindSpore's micro_batch_interleave_num): no "
                      f"{framework} key")
-    if getattr(cfg, "tp_mode", "1d") == "mesh":
-        notes.append(f"tp_mode=mesh (the tp group as a {' x '.join(map(str, cfg.tp_grid))} mesh whose per-op "
-                     f"placements one program decides on both axes): {framework} has no such layout, so tp={cfg.tp} "
+    if getattr(cfg, "tp_mode", "1d") in ("mesh", "mesh3"):
+        notes.append(f"tp_mode={cfg.tp_mode} (the tp group as a {' x '.join(map(str, cfg.tp_grid))} mesh whose "
+                     f"per-op placements one program decides on every axis): {framework} has no such layout, so tp={cfg.tp} "
                      f"is written as 1D")
     elif getattr(cfg, "tp_mode", "1d") != "1d" and not framework.startswith("Colossal-AI"):
         notes.append(f"tp_mode={cfg.tp_mode} (tensor parallel on a {' x '.join(map(str, cfg.tp_grid))} grid, "

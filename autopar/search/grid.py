@@ -380,8 +380,9 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
     evaluated += _try_copies(planner, feasible, manual)
-    if "mesh" in tp_modes and offload == "none" and not planner.pins:
-        evaluated += _try_mesh(planner, feasible)
+    meshes = tuple(m for m in ("mesh", "mesh3") if m in tp_modes)
+    if meshes and offload == "none" and not planner.pins:
+        evaluated += _try_mesh(planner, feasible, meshes)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -410,11 +411,12 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
 MESH_TRIES = 2     # the fastest flat configurations tp_mode=mesh refines
 
 
-def _try_mesh(planner: Planner, feasible: list) -> int:
-    """``tp_mode=mesh`` as a refinement of the flat 1d configurations that
-    fit: for the :data:`MESH_TRIES` fastest without a pipeline, cp or ZeRO-3
-    whose tp is not prime, the same dp, tp, microbatches and ZeRO with the tp
-    group as a two-axis mesh the joint program decides, with the copies and
+def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh",)) -> int:
+    """``tp_mode=mesh`` (and ``mesh3``: ``modes``) as a refinement of the flat
+    1d configurations that fit: for the :data:`MESH_TRIES` fastest without a
+    pipeline, cp or ZeRO-3 whose tp is not prime, the same dp, tp,
+    microbatches and ZeRO with the tp group as a mesh (two axes, or three
+    where tp makes them) the joint program decides, with the copies and
     the sequence parallelism (on the inner axis) the flat configuration ran
     and without each (no selective recompute, which a mesh does not run yet;
     full recompute is kept; a mesh whose unbounded program does not fit is
@@ -433,15 +435,22 @@ def _try_mesh(planner: Planner, feasible: list) -> int:
         if cfg.tp < 4 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
                 all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
-        base = dataclasses.replace(cfg, tp_mode="mesh", copies=1, sequence_parallel=False,
+        base = dataclasses.replace(cfg, copies=1, sequence_parallel=False,
                                    recompute="full" if cfg.recompute == "full" else "none")
         if base in bases:
             continue
         bases.add(base)
         # with the copies and sequence parallelism the flat configuration ran, and without: a mesh
         # has fewer collectives to hide, and splits the norms where its program finds it pays
-        variants = [dataclasses.replace(base, copies=c, sequence_parallel=sp)
-                    for c in dict.fromkeys((cfg.copies, 1)) for sp in dict.fromkeys((cfg.sequence_parallel, False))]
+        variants = []
+        for mode in modes:
+            try:
+                dataclasses.replace(base, tp_mode=mode).tp_grid     # a tp that makes this mesh
+            except StrategyError:
+                continue
+            variants += [dataclasses.replace(base, tp_mode=mode, copies=c, sequence_parallel=sp)
+                         for c in dict.fromkeys((cfg.copies, 1))
+                         for sp in dict.fromkeys((cfg.sequence_parallel, False))]
         for mesh in variants:
             found, n = _mesh_estimate(planner, mesh)
             count += n

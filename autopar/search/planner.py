@@ -35,7 +35,7 @@ from ..graph import Graph, Node
 from ..pipeline import partition as pipe
 from ..pipeline.partition import units
 from ..sharding import AxisSharding, scaled_shapes
-from ..spec import ParallelConfig
+from ..spec import MESH_MODES, ParallelConfig
 from ..spec.placement import R, mesh_partial, mesh_pieces
 from ..strategies import is_shard
 from . import mesh_ilp, solvers
@@ -190,7 +190,7 @@ class Planner:
         the grid's columns, decided as for :meth:`CostModel.grid_view` (a 1d
         config of the columns, over the rows' share of the batch), and the
         shapes are one grid rank's."""
-        if cfg.tp_mode == "mesh":
+        if cfg.tp_mode in MESH_MODES:
             if sharder.pins:
                 raise UnsupportedError("tp_mode=mesh does not take pins yet (a plan records one axis of its "
                                        "placements, and parallelize solves the mesh again); leave the pins out "

@@ -39,7 +39,8 @@ from ..errors import StrategyError, UnsupportedError
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh")
+TP_MODES = ("1d", "2d", "2.5d", "3d", "mesh", "mesh3")
+MESH_MODES = ("mesh", "mesh3")     # the tp group as a mesh whose placements one program decides
 GRID_MODES = ("2d", "2.5d", "3d")     # the layouts written out: their rows split the batch
 ZERO_STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -183,7 +184,8 @@ class ParallelConfig:
               "weight over both), 2.5d (tp_depth grids of q x q, tp = depth x q^2), 3d (a q x q x q cube, "
               "tp = q^3; the batch split over its depth and rows, the hidden dims over its columns, every weight "
               "over all three), mesh (the tp group as a two-axis a x b mesh, a the largest divisor of tp up to "
-              "its square root, whose per-op placements on both axes one ILP decides together)",
+              "its square root, whose per-op placements on both axes one ILP decides together), mesh3 (the same "
+              "on three axes, a x b x c as near a cube as tp allows)",
         choices=TP_MODES, recorded="changed", aliases=("tensor_mode", "tensor_parallel_mode"))
     tp_depth: int = _key(1, "depth of tp_mode=2.5d: the number of q x q grids (tp = tp_depth x q^2)", minimum=1,
                          recorded="changed", aliases=("tensor_depth",))
@@ -428,7 +430,7 @@ def _check_rules(vals: dict[str, Any]) -> None:
                             "the tensor-parallel group: it needs tp > 1")
     _check_copies(vals)
     tp_grid(vals["tp"], vals.get("tp_mode", "1d"), vals.get("tp_depth", 1))
-    if vals.get("tp_mode", "1d") not in ("1d", "mesh") and vals.get("sequence_parallel"):
+    if vals.get("tp_mode", "1d") not in ("1d", *MESH_MODES) and vals.get("sequence_parallel"):
         raise StrategyError(f"sequence_parallel=true is Megatron's split of the norms inside a 1d tensor-parallel "
                             f"group (or a mesh's inner axis); with tp_mode={vals['tp_mode']} the grid's rows "
                             f"already split the batch: leave it out")
@@ -457,7 +459,7 @@ def _check_copies(vals: dict[str, Any]) -> None:
     if vals.get("zero", 0) == 3:
         raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
                             "yet; use zero<=2 or copies=1")
-    if vals.get("tp_mode", "1d") not in ("1d", "mesh"):
+    if vals.get("tp_mode", "1d") not in ("1d", *MESH_MODES):
         raise StrategyError(f"copies={copies} with tp_mode={vals['tp_mode']}: multi-copy parallel is not "
                             "implemented on a tensor-parallel grid yet; use tp_mode=1d or mesh, or copies=1")
 
@@ -485,6 +487,14 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
         if a == 1:
             raise StrategyError(f"tp={tp} with tp_mode=mesh: a prime tp makes no two-axis mesh; e.g. tp=4, 6 or 8")
         return (a, tp // a)
+    if mode == "mesh3" and depth == 1:
+        a = max(d for d in range(1, int_root_floor(tp, 3) + 1) if tp % d == 0)
+        rest = tp // a
+        b = max(d for d in range(1, int_root_floor(rest, 2) + 1) if rest % d == 0)
+        if a == 1 or b == 1:
+            raise StrategyError(f"tp={tp} with tp_mode=mesh3: three axes need tp a product of three factors > 1; "
+                                f"e.g. tp=8, 12 or 16")
+        return (a, b, rest // b)
     if mode == "2d" and depth == 1:
         q = int_root(tp, 2)
         if q is None:
@@ -519,13 +529,13 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     if cfg.tp_mode == "1d":
         return
     mode = cfg.tp_mode
-    if mode == "mesh":
+    if mode in MESH_MODES:
         for what, bad in (("pp", cfg.pp > 1), ("cp", cfg.cp > 1),
                           ("recompute", cfg.recompute == "selective"), ("zero", cfg.zero == 3),
                           ("offload", cfg.offload != "none")):
             if bad:
-                raise UnsupportedError(f"tp_mode=mesh with {what}={getattr(cfg, what)} is not implemented yet; "
-                                       f"tp_mode=mesh runs with dp, microbatches, copies, full recompute and "
+                raise UnsupportedError(f"tp_mode={mode} with {what}={getattr(cfg, what)} is not implemented yet; "
+                                       f"tp_mode={mode} runs with dp, microbatches, copies, full recompute and "
                                        f"ZeRO 0-2")
         return
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
