@@ -99,7 +99,9 @@ class PlannerState:
     tensor-parallel collectives per (itemsize, tp, spans nodes); ``pending``:
     the ILPs :meth:`Planner.prefetch` started, per ``axes`` key; ``partitions``:
     the balanced pipeline stages per unit costs and memory limits (with the
-    unit costs they were balanced from)."""
+    unit costs they were balanced from); ``mesh_bounds``: the sharder each
+    ``tp_mode=mesh`` configuration is decided with, per global batch
+    (:meth:`Planner._mesh_bound`)."""
 
     models: dict[str, CostModel] = field(default_factory=dict)
     axes: dict[tuple, AxisSharding] = field(default_factory=dict)
@@ -109,6 +111,7 @@ class PlannerState:
     comm: dict[tuple, dict] = field(default_factory=dict)
     pending: dict[tuple, Any] = field(default_factory=dict)
     partitions: dict[tuple, tuple] = field(default_factory=dict)
+    mesh_bounds: dict[tuple, Sharder] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,14 +225,14 @@ class Planner:
         again): the joint program unbounded where its estimate fits, else
         bounded by the device's memory less its transients, as the 1d ILP
         retries."""
-        key = ("mesh bound", cfg)
-        if key not in self.state.axes:
+        bounds, key = self.state.mesh_bounds, (cfg, self.global_batch)
+        if key not in bounds:
             free = Sharder("ilp", (), None)
             sh, shapes = self._mesh_sharding(cfg, free)
             est = self.cost(cfg.precision).estimate(cfg, sh, shapes, self.global_batch, cfg.devices)
-            self.state.axes[key] = free if est.fits else \
+            bounds[key] = free if est.fits else \
                 Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
-        return self.state.axes[key]
+        return bounds[key]
 
     def _mesh_sharding(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[AxisSharding, dict]:
         """``tp_mode=mesh``: the decisions of both axes of the tp group's
