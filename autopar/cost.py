@@ -946,7 +946,7 @@ class CostModel:
         or selective recompute: ``check_grid``; copies as for 1d): ``sh`` is the inner axis's
         decisions with the outer ones in ``sh.others``, all from one joint
         program (:func:`autopar.search.mesh_ilp.solve_mesh`). Compute is
-        every node's share left by both axes' splits, forward and backward;
+        every node's share left by every axis's splits, forward and backward;
         the tensor group's collectives are what the joint program charged
         its decisions (``ilp.collectives_s``: per axis, each transition and
         inside collective on that axis's link); then the
@@ -966,7 +966,6 @@ class CostModel:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         fwd = 0.0
         pieces = mesh_pieces(sizes)
-        params = self.param_memory(cfg, pieces)
         saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
         local, n_tensors, outside, transient = 0.0, 0, 0.0, 0.0
         inst_saved: dict[str, float] = {}
@@ -981,7 +980,7 @@ class CostModel:
                 continue
             if any(st is None for st in sts):
                 continue
-            frac = math.prod(work_fraction(st, n) for st, n in zip(sts, sizes))
+            frac = math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))
             fwd += self.node_time(nd, self.scale(nd, local_batch), frac)
             joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
             if nd.group is None:
