@@ -141,10 +141,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     prog = apply_tp(run_graph, plan, cfg, mesh, gbatch, model=model, plan_graph=graph, batch_moves=batch_moves)
     if cfg.cp > 1:
         apply_cp(prog, run_graph, cfg, mesh, graph)
-    if weighs_parts(graph, cfg, batch_moves):    # a part that counts nothing divides by 1, not 0
+    counted = weighs_parts(graph, cfg, batch_moves)
+    if counted:    # a part that counts nothing divides by 1, not 0
         guard_empty_ratio(prog.module, run_graph)
     if cfg.copies > 1:
-        apply_copies(prog, run_graph, cfg, counted=weighs_parts(graph, cfg, batch_moves))
+        apply_copies(prog, run_graph, cfg, counted=counted)
     if cfg.pp > 1:
         pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
         for st in pipe.stages:

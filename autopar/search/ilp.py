@@ -483,6 +483,12 @@ class _Problem:
                     self.cands[k] = ok
                     changed = True
 
+    def _value_class(self, u: str) -> str:
+        """What else a transition's price depends on than the placements, the
+        bytes and the gradient (a subclass may refuse some values' moves):
+        nothing here. Part of the key transitions are priced once by."""
+        return ""
+
     def _never_given(self, i: str, want: str) -> bool:
         """Whether reading ``i`` as ``want`` asks for a partial sum its producer never gives."""
         src = self.by_name[i]
@@ -815,7 +821,8 @@ class _Problem:
                     want.setdefault(self.read(u, st, slot), []).append(xv)
                 nb, gr = self.nbytes(u), self.grad.get(u, False)
                 sums = tuple({pl: rhs(terms) for pl, terms in groups.items()} for groups in (have, want))
-                plan.append(((u, v, slot), u, m, have, want, [(p, q, (p, q, nb, gr)) for p in have for q in want],
+                tag = self._value_class(u)
+                plan.append(((u, v, slot), u, m, have, want, [(p, q, (p, q, nb, gr, tag)) for p in have for q in want],
                              sums))
             self._edges_planned = plan
         return self._edges_planned

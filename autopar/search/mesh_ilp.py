@@ -208,17 +208,9 @@ class _MeshProblem(_Problem):
         grad = self.grad.get(u, False)
         return w, tuple(s.ins[slot] == R and s.split and grad for s in st.parts)
 
-    def _edge_plan(self, x: dict, xp: dict) -> list[tuple]:
-        """The base plan, with the transitions' price keys telling weights and
-        tuples apart (:meth:`edge_cost` refuses some of their moves, so a
-        move priced for another value of the same size is not theirs)."""
-        if self._edges_planned is None:
-            self._edges_planned = [
-                (e, u, m, have, want, [(p, q, key + (self._kind_of_value(u),)) for p, q, key in pairs], sums)
-                for e, u, m, have, want, pairs, sums in super()._edge_plan(x, xp)]
-        return self._edges_planned
-
-    def _kind_of_value(self, u: str) -> str:
+    def _value_class(self, u: str) -> str:
+        """Weights and tuples apart: :meth:`edge_cost` refuses some of their
+        moves, so their prices are not another value's of the same size."""
         nd = self.by_name[u]
         return "weight" if nd.is_state else "tuple" if nd.kind == "split" or nd.out is None else ""
 
@@ -227,7 +219,7 @@ class _MeshProblem(_Problem):
         haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
         if nested_moves(haves, wants) is None:
             return INF       # no order of the axes runs it (the compiler refuses it too)
-        kind = self._kind_of_value(u)
+        kind = self._value_class(u)
         if self.k > 1 and kind == "weight" and haves[-1] != wants[-1]:
             return INF       # a weight is read on the inner axis as stored there: the plan records that axis
         if kind == "tuple" and haves != wants:
