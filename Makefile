@@ -41,7 +41,8 @@ $(BROWSER_STAMP): $(STAMP)
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q tests
 
-# the 8-process spawns (pp x dp x tp, the 2.5d and 3d cubes, a 2d grid in a pipeline and under ZeRO-3)
+# the 8-process spawns (pp x dp x tp, the 2.5d and 3d cubes, a 2d grid in a pipeline and under ZeRO-3,
+# tp_mode=mesh3, a mesh in each pipeline stage)
 # the suite skips for its time budget
 test-spawn8: $(STAMP)
 	AUTOPAR_SPAWN8=1 $(PY) -m pytest -q -k "8_processes or cube or pipelined_grid" tests/test_pipeline_runtime.py tests/test_tensor2d.py \

@@ -870,7 +870,7 @@ class CostModel:
         self.cache.hold(sh)
         if cfg.cp > 1:
             return self._estimate_cp(cfg, sh, shapes, global_batch, devices, partition, simulate_schedule)
-        if cfg.tp_mode in MESH_MODES:
+        if cfg.tp_mode in MESH_MODES and cfg.pp == 1:
             return self._estimate_mesh(cfg, sh, shapes, global_batch, devices)
         if cfg.is_grid and cfg.pp == 1:
             return self._estimate_2d(cfg, sh, shapes, global_batch, devices)
@@ -955,39 +955,28 @@ class CostModel:
         layers' inputs and one layer's values, a fourth pass and the layers'
         forward collectives again). (Long because the Estimate's fields are
         assembled here, one per line.)"""
-        axes = (*sh.others, sh)
-        sizes = tuple(ax.n for ax in axes)
-        if len(axes) < 2 or getattr(sh.ilp, "collectives_s", None) is None or math.prod(sizes) != cfg.tp:
-            raise StrategyError(f"{cfg.to_string()}: a mesh estimate needs the joint program's decisions of "
-                                f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
+        sizes = self._mesh_sizes(cfg, sh)
         dp, m, n = cfg.dp, cfg.microbatches, cfg.copies
         local_batch = global_batch / (dp * m * n)     # one copy's samples (the microbatch's without copies)
         if n > 1:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
-        fwd = 0.0
         pieces = mesh_pieces(sizes)
-        saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
-        local, n_tensors, outside, transient = 0.0, 0, 0.0, 0.0
+        fwd, outside, transient = 0.0, 0.0, 0.0
         inst_saved: dict[str, float] = {}
-        for nd in self.graph.nodes:
-            sts = [ax.strategy.get(nd.name) for ax in axes]
-            place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
-            if nd.is_state:
-                info = self.graph.params.get(nd.param) if nd.param else None
-                if info is not None and not info.is_buffer and info.requires_grad:
-                    local += info.numel / pieces(place)
-                    n_tensors += 1
-                continue
-            if any(st is None for st in sts):
-                continue
-            frac = math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))
-            fwd += self.node_time(nd, self.scale(nd, local_batch), frac)
-            joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
+        for nd, t, kept, out_bytes in self._mesh_ops(cfg, sh, shapes, local_batch):
+            fwd += t
             if nd.group is None:
-                outside += saved(nd, joint)
+                outside += kept
             else:
-                inst_saved[nd.group] = inst_saved.get(nd.group, 0.0) + saved(nd, joint)
-            transient = max(transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
+                inst_saved[nd.group] = inst_saved.get(nd.group, 0.0) + kept
+            transient = max(transient, out_bytes)
+        axes = (*sh.others, sh)
+        local, n_tensors = 0.0, 0
+        for nd in self.params.values():
+            info = self.graph.params.get(nd.param)
+            if info is not None and not info.is_buffer and info.requires_grad:
+                local += info.numel / pieces(joint_placement([ax.out.get(nd.name, R) for ax in axes]))
+                n_tensors += 1
         tp_comm = sh.ilp.collectives_s or 0.0      # what the joint program charged its collectives
         full = cfg.recompute == "full" and bool(inst_saved)
         recomputed = max(inst_saved.values()) if full else 0.0     # one layer's values made again in backward
@@ -1023,6 +1012,95 @@ class CostModel:
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )
+
+    @staticmethod
+    def _mesh_sizes(cfg: ParallelConfig, sh: AxisSharding) -> tuple[int, ...]:
+        """The axis sizes of a ``tp_mode=mesh`` ``cfg``'s decisions ``sh`` (its
+        inner axis, the outer ones in ``sh.others``), checked to be one
+        joint program's decisions of every axis of ``cfg``'s mesh."""
+        sizes = tuple(ax.n for ax in (*sh.others, sh))
+        if len(sizes) < 2 or getattr(sh.ilp, "node_collectives_s", None) is None or math.prod(sizes) != cfg.tp:
+            raise StrategyError(f"{cfg.to_string()}: a mesh estimate needs the joint program's decisions of "
+                                f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
+        return sizes
+
+    def _mesh_ops(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
+                  local_batch: float) -> list[tuple[Node, float, float, float]]:
+        """``(node, forward time, bytes it keeps for backward, local bytes of
+        its output)`` of every op a mesh's joint decisions ``sh`` place, at
+        ``local_batch`` samples: each node does its share of the work every
+        axis's split leaves, and keeps what its joint strategy reads."""
+        axes = (*sh.others, sh)
+        sizes = tuple(ax.n for ax in axes)
+        pieces = mesh_pieces(sizes)
+        saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
+        out = []
+        for nd in self.graph.nodes:
+            sts = [ax.strategy.get(nd.name) for ax in axes]
+            if nd.is_state or any(st is None for st in sts):
+                continue
+            place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
+            frac = math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))
+            joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
+            out.append((nd, self.node_time(nd, self.scale(nd, local_batch), frac), saved(nd, joint),
+                        _numel(shapes.get(nd.name)) * self.itemsize / pieces(place)))
+        return out
+
+    def _mesh_unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
+                         global_batch: int) -> "UnitCosts":
+        """:meth:`unit_costs` of a pipelined ``tp_mode=mesh`` ``cfg``: per
+        unit, its ops' forward time at their joint split (:meth:`_mesh_ops`),
+        the collectives the joint program charged them
+        (``ilp.node_collectives_s``: their own and the transitions into
+        them), what they keep, the parameters at their mesh placements, and
+        the local bytes crossing each cut. Full recompute keeps a layer's
+        input and makes its values again while its backward runs, as for 1d."""
+        sizes = self._mesh_sizes(cfg, sh)
+        key = ("mesh", id(sh), id(shapes), cfg.dp, cfg.microbatches, cfg.recompute, global_batch)
+        hit = self.cache.units.get(key)
+        if hit is not None and hit[0] is sh:
+            return hit[1]
+        axes, pieces = (*sh.others, sh), mesh_pieces(sizes)
+
+        def share(name: str) -> int:
+            return pieces(joint_placement([ax.out.get(name, R) for ax in axes]))
+
+        u = units(self.graph)
+        n = u.layers + 2
+        layers = {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
+        unit_of = self._outside_unit()
+        charged = sh.ilp.node_collectives_s
+        fwd, comm, saved, kept, transient = ([0.0] * n for _ in range(5))
+        for nd, t, keep, out_bytes in self._mesh_ops(cfg, sh, shapes, global_batch / (cfg.dp * cfg.microbatches)):
+            k = unit_of.get(nd.name, 0) if nd.group is None else \
+                layers.get(nd.group) or unit_of.get(self._first_node(nd.group), 0)
+            fwd[k] += t
+            comm[k] += charged.get(nd.name, 0.0)
+            saved[k] += keep
+            kept[k] += keep if nd.group is None else 0.0
+            transient[k] = max(transient[k], out_bytes)
+        layer_in = {inst: _numel(shapes.get(i)) * self.itemsize / share(i) for inst, i in self._layer_inputs_of}
+        passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
+        out = UnitCosts(n)
+        for k in range(n):
+            layer = 0 < k < n - 1
+            out.fwd[k] = fwd[k] + comm[k] / 2
+            out.comm[k] = comm[k] * (_comm_passes(cfg) if layer else 1.0)
+            out.time[k] = passes * fwd[k] + out.comm[k]
+            if cfg.recompute == "full" and layer:
+                out.act[k] = layer_in.get(u.labels[k], 0.0) + kept[k]
+                out.fixed[k] = 2 * transient[k] + saved[k] - kept[k]
+            else:
+                out.act[k] = saved[k]
+                out.fixed[k] = 2 * transient[k]
+        lists, _, _ = self._unit_param_lists
+        for k, params in enumerate(lists):
+            out.params[k] = sum(numel / share(name) for name, numel in params)
+            out.tensors[k] = float(len(params))
+        out.cut = self._cut_bytes(sh, shapes, cfg.tp, n, share)
+        self.cache.hold(sh)
+        self.cache.units[key] = (sh, out)
+        return out
 
     def _meeting_comm(self, cfg: ParallelConfig, mb_global: int, topo: MeshTopology) -> float:
         """Seconds per microbatch of ``mb_global`` samples the data-parallel
@@ -1226,7 +1304,10 @@ class CostModel:
         for name, numel, us in shared:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
-                if cfg.is_grid:     # a grid rank's part: split on its columns, rows and depth
+                if cfg.tp_mode in MESH_MODES:     # a mesh rank's part: split on every axis placing it so
+                    place = joint_placement([ax.out.get(name, R) for ax in (*sh.others, sh)])
+                    local = numel / mesh_pieces(self._mesh_sizes(cfg, sh))(place)
+                elif cfg.is_grid:     # a grid rank's part: split on its columns, rows and depth
                     local = _grid_share(cfg, *self._grid_split(self.graph[name], sh, cfg))
                 else:
                     local = numel / cfg.tp if is_shard(sh.out.get(name, R)) else numel
@@ -1274,6 +1355,8 @@ class CostModel:
         being recomputed), and the bytes crossing each cut. What the stage
         balancing of :func:`autopar.pipeline.partition.balance` weighs.
         Raises :class:`StrategyError` for a graph without pipeline units."""
+        if cfg.tp_mode in MESH_MODES:
+            return self._mesh_unit_costs(cfg, sh, shapes, global_batch)
         if cfg.is_grid:
             return self._grid_unit_costs(cfg, sh, shapes, global_batch)
         if cfg.cp > 1:     # a cp rank's share of the tokens, as data parallelism over dp x cp
@@ -1394,14 +1477,17 @@ class CostModel:
             kinds.append(ids.setdefault((inst is None, key), len(ids)))
         return lists, kinds, {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
 
-    def _cut_bytes(self, sh: AxisSharding, shapes: dict, tp: int, n: int) -> list[float]:
+    def _cut_bytes(self, sh: AxisSharding, shapes: dict, tp: int, n: int,
+                   share: Callable[[str], int] | None = None) -> list[float]:
         """``cut[k]``: bytes per microbatch one rank sends from the units
         before ``k`` to those from ``k`` on (values produced on one side and
         read on the other; graph inputs, weights and shape arithmetic are
-        available on every stage)."""
+        available on every stage). ``share(value)``: the parts a rank's
+        share is of the whole (default: ``tp`` where ``sh`` splits it)."""
         diff = [0.0] * (n + 1)
         for name, u, last, isz in self._crossing:
-            local = _numel(shapes.get(name)) * isz / (tp if is_shard(sh.out.get(name, R)) else 1)
+            parts = share(name) if share is not None else tp if is_shard(sh.out.get(name, R)) else 1
+            local = _numel(shapes.get(name)) * isz / parts
             diff[u + 1] += local
             diff[last + 1] -= local
         cut, acc = [0.0] * (n + 1), 0.0

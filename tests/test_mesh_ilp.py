@@ -331,3 +331,81 @@ def test_tp_mode_mesh3_on_8_processes():
     for k, v in want.items():
         assert torch.allclose(state[k], v, atol=1e-5), k
     assert any(p.count("S") == 3 for p in split), split
+
+
+MESH_PIPELINES = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
+                  "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32"]
+
+
+def _mesh_pipeline_worker(rank: int, world: int) -> list:
+    return [_parallel_steps(s) for s in MESH_PIPELINES]
+
+
+@spawn8
+def test_a_mesh_in_each_pipeline_stage_on_8_processes():
+    """``tp=4,tp_mode=mesh,pp=2``: two pipeline stages, each on its own 2 x 2
+    mesh whose placements the joint program decided (plain, and with four
+    microbatches, full recompute and sequence parallelism): the model trains
+    as one process does, gradients clipped over the stages and both axes,
+    and the full state dict gathers every stage's shards back."""
+    ref, want = _eager(clip=1.0)
+    got = run_distributed(_mesh_pipeline_worker, 8, timeout=600)[0]
+    for strategy, (losses, state, split) in zip(MESH_PIPELINES, got):
+        assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5), strategy
+        for k, v in want.items():
+            assert torch.allclose(state[k], v, atol=1e-5), (strategy, k)
+        assert any(p.count("S") == 2 for p in split), (strategy, split)    # a weight split on both axes
+
+
+def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole():
+    """The per-unit costs of a pipelined mesh (what the stage balance and the
+    schedule read) add up to what the flat estimate of the same decisions
+    charges: compute forward and backward plus the collectives the joint
+    program charged, and the local parameters at their mesh placements."""
+    from autopar.search.planner import Planner, Sharder
+    from autopar.spec import parse_strategy
+    g = autopar.api.as_graph("gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128")
+    planner = Planner(g, _fast_links(), global_batch=8, devices=8)
+    flat, piped = parse_strategy("tp=4,tp_mode=mesh,dp=2", 8), parse_strategy("tp=4,tp_mode=mesh,pp=2", 8)
+    sh, shapes = planner.sharding(flat, Sharder("ilp", (), None))
+    assert any(p.count("S") == 2 for p in (joint_placement([sh.others[0].out.get(n, "R"), sh.out.get(n, "R")])
+                                           for n in planner.cost().params)), "the weights stay whole: no test"
+    model = planner.cost()
+    est = model.estimate(flat, sh, shapes, 8, 8)
+    assert piped.microbatches == 2
+    per = model.unit_costs(piped, sh, shapes, 8)     # a microbatch of 4 samples, as a dp rank's of flat
+    assert sum(per.time) == pytest.approx(est.compute_time_s + est.tp_comm_time_s, rel=1e-9)
+    assert sum(per.comm) == pytest.approx(sh.ilp.collectives_s, rel=1e-9)
+    local = 0.0
+    for n, nd in model.params.items():
+        info = g.params.get(nd.param)
+        if info is not None and info.requires_grad and not info.is_buffer:
+            local += info.numel / (2 if "S" in sh.out.get(n, "R") else 1) / \
+                (2 if "S" in sh.others[0].out.get(n, "R") else 1)
+    assert sum(per.params) == pytest.approx(local, rel=1e-9)
+    # estimated as a pipeline: two stages of two layers, the cut sent as a mesh rank's shard
+    e = planner.evaluate(piped, Sharder("ilp", (), None))
+    assert e.pipeline["layers"] == [2, 2] and e.fits
+
+
+def test_the_search_refines_pipelines_as_meshes():
+    """With ``tp_mode=mesh`` in the search, the fastest configurations it
+    refines include pipelined ones (a 96-layer GPT-3 on 1024 H100 needs a
+    pipeline), and the plan it returns is no slower than the 1d search's."""
+    from autopar.search import grid
+    g = autopar.api.as_graph("gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200")
+    flat = autopar.plan(g, cluster="dgx-h100", devices=1024, global_batch=1536)
+    tried = []
+    inner = grid._mesh_estimate
+
+    def recording(planner, mesh):
+        tried.append(mesh)
+        return inner(planner, mesh)
+
+    grid._mesh_estimate = recording
+    try:
+        p = autopar.plan(g, cluster="dgx-h100", devices=1024, global_batch=1536, tp_modes=("1d", "mesh"))
+    finally:
+        grid._mesh_estimate = inner
+    assert flat.config.pp > 1 and any(m.pp > 1 and m.tp_mode == "mesh" for m in tried), tried
+    assert p.predicted["step_time_s"] <= flat.predicted["step_time_s"]

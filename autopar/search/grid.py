@@ -380,9 +380,6 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
     evaluated += _try_copies(planner, feasible, manual)
-    meshes = tuple(m for m in ("mesh", "mesh3") if m in tp_modes)
-    if meshes and offload == "none" and not planner.pins:
-        evaluated += _try_mesh(planner, feasible, meshes)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -390,6 +387,9 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
 
         evaluated, closest, pin_error = _search_pipelines(planner, piped, manual, feasible, evaluated, closest,
                                                           pin_error, tick)
+    meshes = tuple(m for m in ("mesh", "mesh3") if m in tp_modes)
+    if meshes and offload == "none" and not planner.pins:     # the fastest flat and pipelined ones, as meshes
+        evaluated += _try_mesh(planner, feasible, meshes)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
     if not feasible:
@@ -408,18 +408,19 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
                         ilp_time_s=planner.tally.ilp_time_s)
 
 
-MESH_TRIES = 2     # the fastest flat configurations tp_mode=mesh refines
+MESH_TRIES = 2     # the fastest configurations tp_mode=mesh refines
 
 
 def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh",)) -> int:
-    """``tp_mode=mesh`` (and ``mesh3``: ``modes``) as a refinement of the flat
-    1d configurations that fit: for the :data:`MESH_TRIES` fastest without a
-    pipeline, cp or ZeRO-3 whose tp is not prime, the same dp, tp,
+    """``tp_mode=mesh`` (and ``mesh3``: ``modes``) as a refinement of the 1d
+    configurations that fit: for the :data:`MESH_TRIES` fastest without cp
+    or ZeRO-3 whose tp is not prime, the same dp, tp, pipeline,
     microbatches and ZeRO with the tp group as a mesh (two axes, or three
     where tp makes them) the joint program decides, with the copies and
-    the sequence parallelism (on the inner axis) the flat configuration ran
-    and without each (no selective recompute, which a mesh does not run yet;
-    full recompute is kept; a mesh whose unbounded program does not fit is
+    the sequence parallelism (on the inner axis) the configuration ran
+    and without each (no selective recompute, which a mesh does not run yet:
+    a pipeline that ran it tries none and full; full recompute is kept; a
+    flat mesh whose unbounded program does not fit is
     solved under the memory bound). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
@@ -432,7 +433,7 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
     for est, cfg, _ in sorted(feasible, key=lambda f: f[0].step_time_s):
         if len(bases) >= MESH_TRIES:
             break
-        if cfg.tp < 4 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
+        if cfg.tp < 4 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
                 all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
         base = dataclasses.replace(cfg, copies=1, sequence_parallel=False,
@@ -441,16 +442,20 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
             continue
         bases.add(base)
         # with the copies and sequence parallelism the flat configuration ran, and without: a mesh
-        # has fewer collectives to hide, and splits the norms where its program finds it pays
+        # has fewer collectives to hide, and splits the norms where its program finds it pays; a
+        # pipeline that recomputed selectively tries no recompute and full (one joint program for all:
+        # a pipelined mesh is decided without a memory row)
+        recomputes = dict.fromkeys((base.recompute, "full" if cfg.pp > 1 and cfg.recompute == "selective" else
+                                    base.recompute))
         variants = []
         for mode in modes:
             try:
                 dataclasses.replace(base, tp_mode=mode).tp_grid     # a tp that makes this mesh
             except StrategyError:
                 continue
-            variants += [dataclasses.replace(base, tp_mode=mode, copies=c, sequence_parallel=sp)
+            variants += [dataclasses.replace(base, tp_mode=mode, copies=c, sequence_parallel=sp, recompute=rc)
                          for c in dict.fromkeys((cfg.copies, 1))
-                         for sp in dict.fromkeys((cfg.sequence_parallel, False))]
+                         for sp in dict.fromkeys((cfg.sequence_parallel, False)) for rc in recomputes]
         for mesh in variants:
             found, n = _mesh_estimate(planner, mesh)
             count += n

@@ -94,8 +94,10 @@ class IlpInfo:
     memory_limited: bool
     runners_up_fn: Callable[[], dict] | None = None
     # the joint program of several axes (search.mesh_ilp): the seconds per microbatch of the
-    # collectives its decisions run, on every axis (the objective less compute and weights' terms)
+    # collectives its decisions run, on every axis (the objective less compute and weights' terms),
+    # and the same per node (its own collectives and the transitions into it; a pipeline's stages sum them)
     collectives_s: float | None = None
+    node_collectives_s: dict[str, float] | None = None
 
     def runners_up(self) -> dict[str, list[tuple[str, str, float]]]:
         """Per op decision (named by its first node), the other candidates as

@@ -235,7 +235,7 @@ class _MeshProblem(_Problem):
 def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | None], *,
                comm: Sequence[Comm], compute: Callable[[Node, float], float],
                param_time: Callable[[Node, str], float] | None = None, pins: dict[str, str] | None = None,
-               memory: MemoryTerms | None = None, time_limit_s: float = 60.0,
+               memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0,
                solver: str = DEFAULT) -> list[AxisSharding]:
     """The placements of every node on each axis of a mesh of ``sizes``,
     decided together (module docstring). ``shapes``: node shapes (local to
@@ -247,7 +247,7 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     reduction over dp, its optimizer update: a weight the mesh keeps whole
     has more of both); ``pins``: placements fixed for nodes, on the mesh
     (``S(0)|R``) or, written for one axis (``S(1)``), on the inner axis;
-    ``memory``: a memory row whose ``param`` and ``saved`` read mesh
+    ``memory``: a memory row (or one per pipeline rank) whose ``param`` and ``saved`` read mesh
     placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
     and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces`
     and ``mesh_partial``). Returns one
@@ -262,9 +262,15 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     prob.param_time = param_time or (lambda nd, p: 0.0)
     built = prob.build(memory)
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
-    compute_s = sum(3.0 * compute(prob.by_name[name], math.prod(work_fraction(p, n) for p, n in zip(st.parts, sizes)))
-                    for name, st in whole.strategy.items())
-    whole.ilp.collectives_s = max(0.0, prob.objective(whole.strategy, whole.out) - compute_s)
+    per_node: dict[str, float] = {}
+    charged: set = set()
+    for nd in graph.nodes:     # what the program charges each decision, less its compute (objective's order)
+        st = whole.strategy.get(nd.name)
+        if st is not None:
+            own = 3.0 * compute(nd, math.prod(work_fraction(p, n) for p, n in zip(st.parts, sizes)))
+            per_node[nd.name] = prob.charge(nd, st, whole.out, charged) - own
+    whole.ilp.node_collectives_s = per_node
+    whole.ilp.collectives_s = max(0.0, sum(per_node.values()))
     out = []
     for a, n in enumerate(sizes):
         sh = AxisSharding(n=n)

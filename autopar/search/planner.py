@@ -224,15 +224,37 @@ class Planner:
         every request (plan, evaluate, the search, parallelize solving the plan
         again): the joint program unbounded where its estimate fits, else
         bounded by the device's memory less its transients, as the 1d ILP
-        retries."""
+        retries. A pipeline whose unbounded decisions do not fit, or fit only
+        with stages unbalanced for memory, is decided again with a memory row
+        per pipeline rank at even stages (:meth:`_pipeline_rows`; not with
+        full recompute, as for 1d), kept where that fits and is faster."""
         bounds, key = self.state.mesh_bounds, (cfg, self.global_batch)
         if key not in bounds:
             free = Sharder("ilp", (), None)
-            sh, shapes = self._mesh_sharding(cfg, free)
-            est = self.cost(cfg.precision).estimate(cfg, sh, shapes, self.global_batch, cfg.devices)
-            bounds[key] = free if est.fits else \
-                Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
+            est = self._mesh_estimate(cfg, free)
+            bounds[key] = free
+            if cfg.pp == 1:
+                if not est.fits:
+                    bounds[key] = Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM -
+                                          est.memory["transient"])
+            elif cfg.recompute != "full" and (not est.fits or est.pipeline["layers"] !=
+                                              pipe.even_layers(units(self.graph).layers, cfg.stages)):
+                # the stages had to give way to memory: rows per rank may fit them evenly at less cost
+                bounded = Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
+                try:
+                    got = self._mesh_estimate(cfg, bounded)
+                except StrategyError:     # no placements fit the even stages
+                    got = None
+                if got is not None and got.fits and (not est.fits or got.step_time_s < est.step_time_s):
+                    bounds[key] = bounded
         return bounds[key]
+
+    def _mesh_estimate(self, cfg: ParallelConfig, sharder: Sharder) -> Estimate:
+        """A ``tp_mode=mesh`` ``cfg`` estimated as decided by ``sharder`` (its stages balanced)."""
+        model = self.cost(cfg.precision)
+        sh, shapes = self._mesh_sharding(cfg, sharder)
+        split = self._partition(model, cfg, sh, shapes, "balanced") if cfg.pp > 1 else None
+        return model.estimate(cfg, sh, shapes, self.global_batch, cfg.devices, split)
 
     def _mesh_sharding(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[AxisSharding, dict]:
         """``tp_mode=mesh``: the decisions of both axes of the tp group's
@@ -254,7 +276,8 @@ class Planner:
             self.state.shapes[skey] = scaled_shapes(self.graph, mb_global, cfg.dp)
         shapes = self.state.shapes[skey]
         # the weights' terms read ZeRO and the microbatches; a memory row, the recompute too
-        bound = None if sharder.memory_limit is None else (sharder.memory_limit, cfg.recompute)
+        bound = None if sharder.memory_limit is None else \
+            (sharder.memory_limit, cfg.recompute, cfg.pp, cfg.schedule, cfg.chunks)
         key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.microbatches, cfg.copies, mb_global, cfg.zero,
                cfg.reduce_dtype, cfg.offload, bound, sharder.pins, self.solver)
         if key not in self.state.axes:
@@ -273,6 +296,9 @@ class Planner:
                 saved=model.saved_memory(cfg, shapes, mesh_pieces(sizes), mesh_partial(sizes)),
                 limit=sharder.memory_limit,
                 **({"group_factor": lambda k: 1.0} if cfg.recompute == "full" else {}))
+            if memory is not None and cfg.pp > 1:     # per pipeline rank, at even stages
+                memory = self._pipeline_rows(model, cfg, pipe.even_layers(units(self.graph).layers, cfg.stages),
+                                             memory)
             axes = mesh_ilp.solve_mesh(self.graph, sizes, shapes, comm=[comm(1 + a) for a in range(len(sizes))],
                                        compute=compute, param_time=model.param_time(cfg, topo, mesh_pieces(sizes)),
                                        pins=dict(sharder.pins), memory=memory, solver=self.solver)
@@ -479,13 +505,19 @@ class Planner:
         of other ranks count nothing. Not for full recompute (one recomputed
         layer at a time is not linear in the choices)."""
         free = self.evaluate(cfg, Sharder("ilp", sharder.pins), devices=cfg.devices)
-        bounds = pipe.unit_bounds((free.pipeline or {})["layers"])
+        return self._pipeline_rows(model, cfg, (free.pipeline or {})["layers"],
+                                   self._memory_terms(model, cfg, shapes, sharder.memory_limit))
+
+    def _pipeline_rows(self, model: CostModel, cfg: ParallelConfig, layers: Sequence[int],
+                       flat: MemoryTerms) -> list[MemoryTerms]:
+        """``flat``'s terms as one row per pipeline rank of ``cfg`` with the
+        virtual stages of ``layers`` layers each (:meth:`_pipeline_memory_terms`)."""
+        bounds = pipe.unit_bounds(list(layers))
         stage_of_unit = [v for v in range(cfg.stages) for _ in range(bounds[v + 1] - bounds[v])]
         flights = pipe.in_flight(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
         u = units(self.graph)
-        layers = set(u.labels[1:-1])
+        in_layers = set(u.labels[1:-1])
         param_units = model.param_units()
-        flat = self._memory_terms(model, cfg, shapes, sharder.memory_limit)
 
         def rank_terms(rank: int) -> MemoryTerms:
             held = {k for k, v in enumerate(stage_of_unit) if v % cfg.pp == rank}
@@ -493,14 +525,14 @@ class Planner:
             layer_share = sum(1 for k in held if 0 < k <= u.layers) / u.layers
 
             def share(nd: Node) -> float:
-                if nd.group in layers:
+                if nd.group in in_layers:
                     return layer_share
                 us = param_units.get(nd.name) if nd.is_state else [u.of_node.get(nd.name, 0)]
                 return 1.0 if us and any(k in held for k in us) else 0.0
 
             return MemoryTerms(param=lambda nd, p: flat.param(nd, p) * share(nd),
                                saved=lambda nd, st: flat.saved(nd, st) * share(nd) * flight,
-                               limit=sharder.memory_limit)
+                               limit=flat.limit)
 
         return [rank_terms(r) for r in range(cfg.pp)]
 
