@@ -475,8 +475,10 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     device = local_device()
     tp_sh = api.sharding_from_plan(plan_graph or graph, plan)
     if tp_sh is None or cfg.tp_mode in MESH_MODES:
+        # a mesh is solved again as the plan was: with the plan's pins
+        pins = _pins.resolve(plan_graph or graph, (plan.data.get("search") or {}).get("pins"))
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
-                                  plan.data["precision"], devices=cfg.devices, global_batch=global_batch)
+                                  plan.data["precision"], devices=cfg.devices, global_batch=global_batch, pins=pins)
         recorded, (tp_sh, _) = tp_sh, planner.sharding(cfg)
         if recorded is not None:     # a mesh: the plan records its inner axis; the joint program gives every axis
             _check_mesh_plan(recorded, tp_sh)

@@ -203,7 +203,10 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
 
 MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
              "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "tp=4,tp_mode=mesh,copies=2,precision=fp32",
-             "searched"]
+             "searched", "pinned"]
+#: semi-automatic on a mesh: the MLPs' first weights pinned otherwise than the program places them alone
+#: (``S(0)|S(0)``, see test_pins_hold_on_a_mesh), the rest decided around them
+MESH_PINS = {"blocks.0.mlp.fc.weight": "S(1)|S(0)", "blocks.1.mlp.fc.weight": "S(1)|S(0)"}
 
 
 def _fast_links():
@@ -219,9 +222,15 @@ def _parallel_steps(strategy: str, checkpoint: str | None = None) -> tuple[list[
         strategy = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"),
                                 precision="fp32")
         assert strategy.config.tp_mode == "mesh"
+    pins = MESH_PINS if strategy == "pinned" else None
+    if pins:
+        strategy = "tp=4,tp_mode=mesh,precision=fp32"
     pm = autopar.parallelize(model, (x,), loss_fn=_loss, example_target=y, strategy=strategy,
                              cluster=_fast_links(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5),
-                             max_grad_norm=1.0)
+                             max_grad_norm=1.0, shardings=pins)
+    if pins:     # the pinned weights are stored as pinned: S(1) on the outer axis, S(0) on the inner
+        fc = [n for n in pm.param_placement if "mlp" in n and "fc" in n and n.endswith("weight")]
+        assert len(fc) == 2 and all((pm.row_placement[n], pm.param_placement[n]) == ("S(1)", "S(0)") for n in fc)
     losses = [pm.train_step((x,), y) for _ in range(3)]
     if checkpoint is not None:
         pm.save_checkpoint(checkpoint)
@@ -237,7 +246,7 @@ def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
 
 def test_tp_mode_mesh_trains_as_one_process(tmp_path):
     """``tp=4,tp_mode=mesh`` (with microbatches and full recompute, with
-    sequence parallelism, with copies):
+    sequence parallelism, with copies, the search's plan, with pins):
     parallelize plans the 2 x 2 mesh with the joint program, compiles both
     axes, clips the gradients over both, and trains
     as one process does; the full state dict and a checkpoint read in one
@@ -409,3 +418,33 @@ def test_the_search_refines_pipelines_as_meshes():
         grid._mesh_estimate = inner
     assert flat.config.pp > 1 and any(m.pp > 1 and m.tp_mode == "mesh" for m in tried), tried
     assert p.predicted["step_time_s"] <= flat.predicted["step_time_s"]
+
+
+def test_pins_hold_on_a_mesh():
+    """Semi-automatic mode on a mesh: a pin of every axis (``S(1)|S(0)``)
+    fixes the weight so, a pin of one axis its inner axis, the program
+    decides the rest around them (the MLPs' second weights follow the
+    first); a pin with the wrong number of axes, and a pin of several axes
+    on a 1d group, are refused in words."""
+    model, x, y = _model_and_batch()
+    g = autopar.trace(model, (x,), loss_fn=_loss, target=y)
+
+    def placements(pins):
+        _, rec = autopar.api.plan_and_record(g, cluster=_fast_links(), devices=4, global_batch=4,
+                                             strategy="tp=4,tp_mode=mesh,precision=fp32", shardings=pins)
+        sh = rec.sharding
+        return {nd.param.split("model.")[-1]: f"{sh.others[0].out.get(nd.name, 'R')}|{sh.out.get(nd.name, 'R')}"
+                for nd in g.nodes if nd.param and ".mlp." in nd.param and nd.param.endswith("weight")}
+
+    alone = placements(None)
+    assert alone["blocks.0.mlp.fc.weight"] == "S(0)|S(0)"     # what the pins below change
+    pinned = placements(MESH_PINS)
+    assert pinned["blocks.0.mlp.fc.weight"] == pinned["blocks.1.mlp.fc.weight"] == "S(1)|S(0)"
+    assert pinned["blocks.0.mlp.proj.weight"] == "S(0)|S(1)"    # decided around the pin: the matching row split
+    inner = placements({"blocks.0.mlp.fc.weight": "S(1)"})
+    assert inner["blocks.0.mlp.fc.weight"].endswith("|S(1)")
+    with pytest.raises(autopar.errors.StrategyError, match="names 3 axes"):
+        placements({"blocks.0.mlp.fc.weight": "S(1)|S(0)|R"})
+    with pytest.raises(autopar.errors.StrategyError, match="several axes"):
+        autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, strategy="tp=4",
+                     shardings={"blocks.0.mlp.fc.weight": "S(1)|S(0)"})

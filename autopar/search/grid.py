@@ -388,7 +388,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         evaluated, closest, pin_error = _search_pipelines(planner, piped, manual, feasible, evaluated, closest,
                                                           pin_error, tick)
     meshes = tuple(m for m in ("mesh", "mesh3") if m in tp_modes)
-    if meshes and offload == "none" and not planner.pins:     # the fastest flat and pipelined ones, as meshes
+    if meshes and offload == "none":     # the fastest flat and pipelined ones, as meshes
         evaluated += _try_mesh(planner, feasible, meshes)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
@@ -424,7 +424,8 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
     solved under the memory bound). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
-    against 0.8 s without). Not with pins (a mesh takes none yet). Appends
+    against 0.8 s without). The request's pins hold on the meshes (a pin of
+    one axis on the inner one). Appends
     what fits to ``feasible``; returns how many were evaluated."""
     if samples_meet(planner.graph) is not None:
         return 0
@@ -468,7 +469,7 @@ def _mesh_estimate(planner: Planner, mesh: ParallelConfig) -> tuple[tuple | None
     """``mesh`` evaluated (under the memory bound where its unbounded
     program does not fit: :meth:`Planner._mesh_bound`): ``((estimate,
     config, sharder) or None where it does not fit, evaluations)``."""
-    sharder = Sharder("ilp", (), None)     # the planner bounds it as every request does (_mesh_bound)
+    sharder = Sharder("ilp", planner.pins, None)     # the planner bounds it as every request does (_mesh_bound)
     try:
         est = planner.evaluate(mesh, sharder)
     except StrategyError:

@@ -11,7 +11,9 @@ output; the search decides the rest around it. Pins come from
 A placement is ``"R"`` / ``"Replicate()"``, ``"S(d)"`` / ``"Shard(d)"``
 (``d`` may be negative), a ``torch.distributed.tensor`` placement object,
 or a ``(dp, tp)`` pair whose data-parallel part must be what data
-parallelism gives (replicated weights, batch-sharded activations).
+parallelism gives (replicated weights, batch-sharded activations). Under
+``tp_mode=mesh`` a placement of one axis pins the mesh's inner axis, and
+``"S(0)|S(1)"`` (one placement per axis, outermost first) pins every axis.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 
 from ..errors import StrategyError
 from ..graph import NO_DISPATCH, Graph, Node
-from ..spec.placement import R, S
+from ..spec.placement import SEP, R, S
 
 _ATTR = "_autopar_shard"
 
@@ -61,7 +63,11 @@ def annotations(model: Any) -> dict[str, Any]:
 
 def _parse_one(value: Any, what: str) -> str:
     """One placement on one axis, as a placement string with a possibly
-    negative dim kept as ``S(-k)`` until the tensor rank is known."""
+    negative dim kept as ``S(-k)`` until the tensor rank is known; or a
+    placement on every axis of a ``tp_mode=mesh`` tensor group, outermost
+    first, joined by ``|`` (``S(0)|S(1)``)."""
+    if isinstance(value, str) and SEP in value:
+        return SEP.join(_parse_one(part, what) for part in value.split(SEP))
     if hasattr(value, "is_shard") and hasattr(value, "is_replicate"):   # torch.distributed.tensor placements
         if value.is_shard():
             return f"S({value.dim})"
@@ -125,14 +131,8 @@ def _resolve(graph: Graph, shardings: dict[str, Any] | None, dp_placement: dict[
             if len(value) != 2:
                 raise StrategyError(f"pin {key!r}: a pair (dp, tp) of placements is expected, got {value!r}")
             dp_part, value = _parse_one(value[0], key), value[1]
-        p = _parse_one(value, key)
         rank = len(nd.out.shape) if nd.out is not None else 0
-        if p.startswith("S("):
-            d = int(p[2:-1])
-            if not -rank <= d < rank:
-                raise StrategyError(f"pin {key!r}: dim {d} is out of range for a tensor of shape "
-                                    f"{tuple(nd.out.shape) if nd.out else ()}")
-            p = S(d % rank)
+        p = SEP.join(_dim_in_range(part, rank, key, nd) for part in _parse_one(value, key).split(SEP))
         if dp_part is not None and check_dp:
             want = (dp_placement or {}).get(nd.name, R)
             if dp_part.startswith("S(") and rank:
@@ -147,3 +147,15 @@ def _resolve(graph: Graph, shardings: dict[str, Any] | None, dp_placement: dict[
                                 f"the same tensor")
         out[nd.name] = (key, p)
     return out
+
+
+def _dim_in_range(p: str, rank: int, key: str, nd: Node) -> str:
+    """``p`` with its dim taken modulo the tensor's ``rank``; raises
+    :class:`StrategyError` naming ``key`` for a dim out of range."""
+    if not p.startswith("S("):
+        return p
+    d = int(p[2:-1])
+    if not -rank <= d < rank:
+        raise StrategyError(f"pin {key!r}: dim {d} is out of range for a tensor of shape "
+                            f"{tuple(nd.out.shape) if nd.out else ()}")
+    return S(d % rank)

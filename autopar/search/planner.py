@@ -30,13 +30,13 @@ import cost_models
 from cost_models import ClusterSpec
 
 from ..cost import MEMORY_HEADROOM, CostCache, CostModel, Estimate, check_config
-from ..errors import StrategyError, UnsupportedError
+from ..errors import StrategyError
 from ..graph import Graph, Node
 from ..pipeline import partition as pipe
 from ..pipeline.partition import units
 from ..sharding import AxisSharding, scaled_shapes
 from ..spec import MESH_MODES, ParallelConfig
-from ..spec.placement import R, mesh_partial, mesh_pieces
+from ..spec.placement import SEP, R, mesh_partial, mesh_pieces
 from ..strategies import is_shard
 from . import mesh_ilp, solvers
 from .ilp import InfeasiblePins, MemoryTerms, PendingAxis, start_axis, stop_workers
@@ -193,12 +193,20 @@ class Planner:
         the grid's columns, decided as for :meth:`CostModel.grid_view` (a 1d
         config of the columns, over the rows' share of the batch), and the
         shapes are one grid rank's."""
-        if cfg.tp_mode in MESH_MODES:
-            if sharder.pins:
-                raise UnsupportedError("tp_mode=mesh does not take pins yet (a plan records one axis of its "
-                                       "placements, and parallelize solves the mesh again); leave the pins out "
-                                       "or use tp_mode=1d")
-            return self._mesh_sharding(cfg, self._mesh_bound(cfg) if sharder.memory_limit is None else sharder)
+        if cfg.tp_mode in MESH_MODES:    # the request's pins hold on every mesh (parallelize solves it again)
+            pins = sharder.pins or self.pins
+            for name, p in pins:
+                if SEP in p and p.count(SEP) + 1 != len(cfg.tp_grid):
+                    raise InfeasiblePins(f"the pinned placement {p} names {p.count(SEP) + 1} axes, but the "
+                                         f"tp_mode={cfg.tp_mode} group is a {'x'.join(map(str, cfg.tp_grid))} mesh "
+                                         f"of {len(cfg.tp_grid)}: give one placement per axis, outermost first, "
+                                         f"or one for the inner axis", (name,))
+            return self._mesh_sharding(cfg, self._mesh_bound(cfg, pins) if sharder.memory_limit is None else
+                                       Sharder(sharder.mode, pins, sharder.memory_limit))
+        joint = next((n for n, p in sharder.pins if SEP in p), None)
+        if joint is not None:
+            raise InfeasiblePins(f"a placement on several axes ({dict(sharder.pins)[joint]}) pins a tp_mode=mesh "
+                                 f"tensor group; with tp_mode={cfg.tp_mode} pin one placement (e.g. S(0))", (joint,))
         if cfg.is_grid:
             return self.sharding(CostModel.grid_view(cfg), sharder)
         key, model, sharder, shapes = self._axis_key(cfg, sharder)
@@ -219,7 +227,7 @@ class Planner:
             axes[key] = self._decide(model, cfg, sharder, shapes)
         return axes[key], shapes
 
-    def _mesh_bound(self, cfg: ParallelConfig) -> Sharder:
+    def _mesh_bound(self, cfg: ParallelConfig, pins: tuple = ()) -> Sharder:
         """The sharder a ``tp_mode=mesh`` ``cfg`` is decided with, the same for
         every request (plan, evaluate, the search, parallelize solving the plan
         again): the joint program unbounded where its estimate fits, else
@@ -228,19 +236,19 @@ class Planner:
         with stages unbalanced for memory, is decided again with a memory row
         per pipeline rank at even stages (:meth:`_pipeline_rows`; not with
         full recompute, as for 1d), kept where that fits and is faster."""
-        bounds, key = self.state.mesh_bounds, (cfg, self.global_batch)
+        bounds, key = self.state.mesh_bounds, (cfg, self.global_batch, pins)
         if key not in bounds:
-            free = Sharder("ilp", (), None)
+            free = Sharder("ilp", pins, None)
             est = self._mesh_estimate(cfg, free)
             bounds[key] = free
             if cfg.pp == 1:
                 if not est.fits:
-                    bounds[key] = Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM -
+                    bounds[key] = Sharder("ilp", pins, est.device_memory_bytes * MEMORY_HEADROOM -
                                           est.memory["transient"])
             elif cfg.recompute != "full" and (not est.fits or est.pipeline["layers"] !=
                                               pipe.even_layers(units(self.graph).layers, cfg.stages)):
                 # the stages had to give way to memory: rows per rank may fit them evenly at less cost
-                bounded = Sharder("ilp", (), est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
+                bounded = Sharder("ilp", pins, est.device_memory_bytes * MEMORY_HEADROOM - est.memory["transient"])
                 try:
                     got = self._mesh_estimate(cfg, bounded)
                 except StrategyError:     # no placements fit the even stages
