@@ -16,10 +16,10 @@ per data-parallel rank) this benchmark solves
 
 * **1d**: the single-axis ILP on the whole group as one axis;
 * **joint**: the three-axis program, free;
-* **Bian**: the three-axis program with every linear weight pinned to
-  Bian's layout (``R|S(0)|S(1)``: whole on the outer axis, which then splits
-  the samples; the output dim on the middle axis; the contraction dim on the
-  inner one), the rest decided around it;
+* **Bian**: the three-axis program with every linear pinned to Bian's
+  layout (its weight ``R|S(0)|S(1)``: whole on the outer axis, which splits
+  the samples, or the tokens of a single sample; the output dim on the middle axis; the contraction dim on the
+  inner one, whose output is a partial sum), the rest decided around it;
 
 and counts the linears whose joint strategy is Bian's triple (a batch, a
 column and a row split, one per axis, in any order). Times are one
@@ -59,12 +59,18 @@ CASES = [
 QUICK = [(GPT3_6, "dgx-a100-80g", (2, 2, 2), 1)]
 
 
-def _linear_weights(graph) -> list[str]:
-    """The weight nodes the model's linears read."""
-    out = []
+def _bian_pins(graph, shapes: dict, outer: int) -> dict[str, str]:
+    """Every linear run as Bian's: its weight stored ``R|S(0)|S(1)`` and its
+    output made ``S(d)|S(last)|P`` (the samples split on the outer axis, on
+    the tokens ``d = 1`` where a microbatch has fewer samples than the axis;
+    the output dim on the middle one; a partial sum over the contraction on
+    the inner one), so that no linear reads its weight gathered instead."""
+    out = {}
     for nd in graph.nodes:
-        if nd.kind == "linear" and len(nd.inputs) > 1 and graph[nd.inputs[1]].is_state:
-            out.append(nd.inputs[1])
+        if nd.kind == "linear" and len(nd.inputs) > 1 and graph[nd.inputs[1]].is_state and nd.out is not None:
+            shape = shapes[nd.name]
+            out[nd.inputs[1]] = BIAN
+            out[nd.name] = f"S({0 if shape[0] % outer == 0 else 1})|S({len(shape) - 1})|P"
     return out
 
 
@@ -103,7 +109,7 @@ def row(spec: str, cluster: str, mesh: tuple[int, int, int], batch: int) -> dict
     joint_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     bian = solve_mesh(graph, mesh, shapes, comm=comms, compute=compute,
-                      pins={w: BIAN for w in _linear_weights(graph)})
+                      pins=_bian_pins(graph, shapes, mesh[0]))
     bian_s = time.perf_counter() - t0
     hits, linears = _bian_share(graph, joint)
     bian_hits, _ = _bian_share(graph, bian)
@@ -136,7 +142,8 @@ def main(quick: bool = False) -> dict:
                        "(compute of the local share forward + backward and every axis's collectives, bf16; no "
                        "data-parallel tail, no memory bound). 1d: the single-axis ILP on the group as one axis; "
                        "joint: `search/mesh_ilp.py` deciding the three axes together; Bian pinned: the same with "
-                       "every linear weight pinned to Bian et al.'s 3D layout (R|S(0)|S(1)). The Bian columns "
+                       "every linear pinned to Bian et al.'s 3D layout (weight R|S(0)|S(1), output S(0)|S(-1)|P). "
+                       "The Bian columns "
                        "count the linears whose joint strategy is one batch, one column and one row split.",
         "notes": ["A tp group spanning nodes is priced as one flat group at one GPU's inter-node bandwidth "
                   "(pessimistic for 1d), each mesh axis on its own link (see mesh_ilp)."],

@@ -92,3 +92,22 @@ def test_mesh_ilp_row_structure():
     assert r["spans_nodes"] == [False, False] and r["variables"] > 0
     assert r["joint_s"] <= r["one_d_s"] * (1 + 1e-9)
     assert r["batch_1d_s"] is not None and r["joint_s"] <= r["batch_1d_s"] * (1 + 1e-9)
+
+
+def test_mesh3_bian_row_structure():
+    """benchmarks/mesh3_bian.py on a tiny GPT: the pins do force Bian's triple
+    on every linear, and the free three-axis program is never worse than
+    that pinned layout (it is one of its choices)."""
+    from benchmarks import mesh3_bian
+    r = mesh3_bian.row("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128", "dgx-a100-80g", (2, 2, 2), 4)
+    assert r["linears"] > 0 and r["pinned_bian_linears"] == r["linears"]
+    assert r["joint_s"] <= r["bian_s"] * (1 + 1e-9)
+
+
+def test_mesh_search_row_structure():
+    """benchmarks/mesh_search.py on a tiny GPT: the search with meshes tries
+    some and its plan is no slower than the 1d search's."""
+    from benchmarks import mesh_search
+    mesh_search.NAMES["gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"] = "tiny"
+    r = mesh_search.row("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128", "dgx-a100-80g", 8, 8)
+    assert r["meshes_tried"] >= 0 and r["searched_step_s"] <= r["flat_step_s"] * (1 + 1e-9)
