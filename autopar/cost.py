@@ -334,8 +334,12 @@ class CostModel:
         attention that waits for them) and the gathered keys and values kept
         for backward."""
         eff, shp = self.token_view(cfg), self.token_shapes(shapes, cfg.cp)
-        est = self._estimate_pipeline(eff, sh, shp, global_batch, devices, partition, simulate_schedule) \
-            if cfg.pp > 1 else self._estimate_flat(eff, sh, shp, global_batch, devices)
+        if cfg.pp > 1:
+            est = self._estimate_pipeline(eff, sh, shp, global_batch, devices, partition, simulate_schedule)
+        elif cfg.tp_mode in MESH_MODES:
+            est = self._estimate_mesh(eff, sh, shp, global_batch, devices)
+        else:
+            est = self._estimate_flat(eff, sh, shp, global_batch, devices)
         per_mb, kv = self.cp_attention_costs(cfg, sh, shp)
         m, pp = cfg.microbatches, cfg.pp
         comm = m * per_mb / pp               # a pipeline rank gathers for its share of the layers
@@ -533,12 +537,17 @@ class CostModel:
         cp, tp = cfg.cp, cfg.tp
         mesh = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cp, tp)
         topo, axis = self.topology(mesh), len(mesh) - 2
+        axes = (*sh.others, sh)     # a tp_mode=mesh group's axes (the tp axis alone for 1d)
+        pieces = mesh_pieces(tuple(ax.n for ax in axes))
 
         def local(name: str, reader: str) -> float:
-            """Bytes of ``name`` on one rank as ``reader``'s strategy reads it on the tp axis."""
-            st, node = sh.strategy.get(reader), self.graph[reader]
-            want = st.ins[node.inputs.index(name)] if st is not None and name in node.inputs else sh.out.get(name, R)
-            return _numel(shapes.get(name)) * self.itemsize / (tp if is_shard(want) else 1)
+            """Bytes of ``name`` on one rank as ``reader``'s strategy reads it on the tensor axes."""
+            node, wants = self.graph[reader], []
+            for ax in axes:
+                st = ax.strategy.get(reader)
+                wants.append(st.ins[node.inputs.index(name)] if st is not None and name in node.inputs
+                             else ax.out.get(name, R))
+            return _numel(shapes.get(name)) * self.itemsize / pieces(joint_placement(wants))
 
         total, kv = 0.0, []
         for att in attentions(self.graph):
@@ -752,6 +761,10 @@ class CostModel:
             if nd.name not in out and nd.out is not None and not nd.is_state and any(i in out for i in nd.inputs):
                 out.add(nd.name)
         return frozenset(out)
+
+    def per_sample_nodes(self) -> frozenset[str]:
+        """The nodes whose work (and values) grow with the samples (:attr:`_per_sample`)."""
+        return self._per_sample
 
     def scale(self, nd: Node, local_batch: float) -> float:
         """How much of ``nd``'s traced work one device does at ``local_batch`` samples."""

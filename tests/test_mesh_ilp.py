@@ -342,24 +342,27 @@ def test_tp_mode_mesh3_on_8_processes():
     assert any(p.count("S") == 3 for p in split), split
 
 
-MESH_PIPELINES = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
-                  "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32"]
+MESH_8 = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
+          "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32",
+          "tp=4,tp_mode=mesh,cp=2,precision=fp32",
+          "tp=4,tp_mode=mesh,cp=2,microbatches=2,recompute=full,sequence_parallel=true,precision=fp32"]
 
 
-def _mesh_pipeline_worker(rank: int, world: int) -> list:
-    return [_parallel_steps(s) for s in MESH_PIPELINES]
+def _mesh_8_worker(rank: int, world: int) -> list:
+    return [_parallel_steps(s) for s in MESH_8]
 
 
 @spawn8
-def test_a_mesh_in_each_pipeline_stage_on_8_processes():
-    """``tp=4,tp_mode=mesh,pp=2``: two pipeline stages, each on its own 2 x 2
-    mesh whose placements the joint program decided (plain, and with four
-    microbatches, full recompute and sequence parallelism): the model trains
-    as one process does, gradients clipped over the stages and both axes,
-    and the full state dict gathers every stage's shards back."""
+def test_a_mesh_in_each_pipeline_stage_or_cp_rank_on_8_processes():
+    """``tp=4,tp_mode=mesh`` with ``pp=2`` (two pipeline stages, each on its
+    own 2 x 2 mesh) and with ``cp=2`` (each half of the sequence on its own
+    2 x 2 mesh, attention over the whole of it), plain and with microbatches,
+    full recompute and sequence parallelism: the joint program decides the
+    placements, and the model trains as one process does, gradients clipped
+    over every axis; the full state dict gathers every shard back."""
     ref, want = _eager(clip=1.0)
-    got = run_distributed(_mesh_pipeline_worker, 8, timeout=600)[0]
-    for strategy, (losses, state, split) in zip(MESH_PIPELINES, got):
+    got = run_distributed(_mesh_8_worker, 8, timeout=900)[0]
+    for strategy, (losses, state, split) in zip(MESH_8, got):
         assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5), strategy
         for k, v in want.items():
             assert torch.allclose(state[k], v, atol=1e-5), (strategy, k)

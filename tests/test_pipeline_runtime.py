@@ -169,3 +169,40 @@ def test_split_stages_places_inserted_collectives_with_their_users():
     assert set(placed) == {n.name for n in gm.graph.nodes if n.op == "call_module" and
                            n.target.startswith("_autopar_")}
     assert sum(st.comms for st in parts) == len(placed)
+
+
+def test_a_weight_moved_for_readers_on_two_stages_is_moved_on_each():
+    """A tied embedding and head read through one move the compiler inserted
+    (under ``tp_mode=mesh`` a gather on an axis that stores the weight split;
+    here a stand-in computed from the weight alone): each stage runs its own
+    move of the weight it holds, nothing of the weight crosses the cut, and
+    the chained stages give the whole program's loss and gradients."""
+    import operator
+
+    from autopar.compile.stages import split_stages
+    from autopar.pipeline.partition import assign, even_layers, units
+
+    graph, gm, x, y = _compiled("gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64,tie=1", 1)
+    weight = next(n for n in gm.graph.nodes if n.op == "get_attr" and "wte" in str(n.target))
+    readers = list(weight.users)
+    assert len(readers) == 2    # the embedding and the head
+    with gm.graph.inserting_after(weight):
+        moved = gm.graph.call_function(operator.mul, (weight, 1.0))
+    for r in readers:
+        r.replace_input_with(weight, moved)
+    gm.recompile()
+    ref = gm(x, y)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    gm.zero_grad(set_to_none=True)
+    parts = split_stages(gm, graph, assign(graph, even_layers(units(graph).layers, 2)), [0, 1])
+    for st in parts:    # each stage moves the weight itself
+        assert any(n.name == moved.name for n in st.module.graph.nodes), st.stage
+        assert moved.name not in st.inputs and moved.name not in st.outputs
+    h = parts[0].module(*[{"input_0": x, "target": y}[n] for n in parts[0].args])
+    loss = parts[1].module(*[dict({"input_0": x, "target": y}, **dict(zip(parts[0].outputs, h)))[n]
+                             for n in parts[1].args])
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    loss.backward()
+    for n, p in gm.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)

@@ -7,7 +7,12 @@ pipeline rank holds, which :class:`~autopar.runtime.pipeline.PipelineExecutor`
 runs. Which node runs where:
 
 * original nodes: the stage :func:`autopar.pipeline.partition.assign` gave them;
-* collectives the compiler inserted: the stage of their first user;
+* collectives the compiler inserted: the stage of their first user; but a
+  weight's own moves (a weight gathered on an axis that stores it split,
+  computed from parameters alone) run in every stage that reads them, as
+  the weight is held by every stage reading it (a tied embedding and head
+  under ``tp_mode=mesh``: sending the moved weight between stages would
+  leave the head's stage without the weight its gradient is summed into);
 * *free* nodes (computed from graph inputs, buffers and constants only, such as
   ``x.size()``, positions, masks, rotary tables) are recomputed in every stage
   that reads them instead of being sent, as are ``get_attr`` reads; graph
@@ -20,12 +25,13 @@ the weights several pipeline ranks hold a copy of.
 from __future__ import annotations
 
 import torch.fx as fx
+import torch.nn as nn
 
 from ..errors import CompileError, UnsupportedError
 from ..graph import Graph
 from ..pipeline.partition import param_stages
 from ..runtime.pipeline import StageModule
-from .fx_utils import free_nodes
+from .fx_utils import free_nodes, get_attr
 
 __all__ = ["split_stages", "tied_params"]
 
@@ -91,11 +97,28 @@ def split_stages(gm: fx.GraphModule, graph: Graph, stage_of: dict[str, int], sta
     traced node. The stage modules share ``gm``'s parameters and submodules.
     """
     free = free_nodes(gm)
+    free |= _weight_moves(gm, stage_of, free)
     stage = _node_stages(gm, graph, stage_of, free)
     boundary = _boundary(gm, graph, stage)
     ids = {name: k for k, name in enumerate(boundary)}
     last = max(stage_of.values())
     return [_stage_module(gm, v, stage, boundary, ids, v == last) for v in stages]
+
+
+def _weight_moves(gm: fx.GraphModule, stage_of: dict[str, int], free: set[str]) -> set[str]:
+    """The nodes the compiler inserted that compute from parameters (and
+    free values) alone: a weight's own moves, which every stage reading
+    them runs (module docstring)."""
+    out: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module") or n.name in stage_of or n.name in free:
+            continue
+        ins = n.all_input_nodes
+        weights = [i for i in ins if i.name in out or
+                   (i.op == "get_attr" and isinstance(get_attr(gm, i.target), nn.Parameter))]
+        if weights and all(i in weights or i.name in free for i in ins):
+            out.add(n.name)
+    return out
 
 
 def _stage_module(gm: fx.GraphModule, v: int, stage: dict[str, int], boundary: dict[str, list[int]],

@@ -101,6 +101,7 @@ class _MeshProblem(_Problem):
         self.sizes = tuple(sizes)
         self.k = len(self.sizes)
         self.comms: list[Comm] = []
+        self.byte_scale: Callable[[str], float] = lambda name: 1.0
         super().__init__(graph, math.prod(self.sizes), shapes, pins)
 
     # -- candidates -----------------------------------------------------------------
@@ -190,13 +191,14 @@ class _MeshProblem(_Problem):
         frac = math.prod(work_fraction(s, n) for s, n in zip(parts, self.sizes))
         c = 3.0 * self.compute(nd, frac)
         outs = [s.out for s in parts]
+        scale = self.byte_scale(k)
         for a, s in enumerate(parts):
             if s.comm:
-                share = self._local(outs, a)
+                share = self._local(outs, a) * scale
                 c += inside_time(s, lambda kind, nb, a=a, share=share: self.comms[a](kind, nb * share))
         if nd.name == self.graph.output:
             for a, p in enumerate(outs):
-                c += output_time(p, self.nbytes(k) * self._local(outs, a), self.comms[a])
+                c += output_time(p, self.nbytes(k) * scale * self._local(outs, a), self.comms[a])
         return c
 
     def param_cost(self, k: str, p: str) -> float:
@@ -225,7 +227,7 @@ class _MeshProblem(_Problem):
         if kind == "tuple" and haves != wants:
             return INF       # a tuple (a split's pieces) is not moved: its readers take it as it is made
 
-        grad, nb = self.grad.get(u, False), self.nbytes(u)
+        grad, nb = self.grad.get(u, False), self.nbytes(u) * self.byte_scale(u)
         t = 0.0
         for a in range(self.k):
             t += transition_time(haves[a], wants[a], nb * self._local(haves, a), grad, into[a], self.comms[a])
@@ -236,7 +238,7 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
                comm: Sequence[Comm], compute: Callable[[Node, float], float],
                param_time: Callable[[Node, str], float] | None = None, pins: dict[str, str] | None = None,
                memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0,
-               solver: str = DEFAULT) -> list[AxisSharding]:
+               solver: str = DEFAULT, byte_scale: Callable[[str], float] | None = None) -> list[AxisSharding]:
     """The placements of every node on each axis of a mesh of ``sizes``,
     decided together (module docstring). ``shapes``: node shapes (local to
     any axis outside the mesh); ``comm[a](kind, nbytes)``: the time of a
@@ -250,7 +252,10 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     ``memory``: a memory row (or one per pipeline rank) whose ``param`` and ``saved`` read mesh
     placements and joint strategies (:meth:`autopar.cost.CostModel.param_memory`
     and ``saved_memory`` with :func:`~autopar.spec.placement.mesh_pieces`
-    and ``mesh_partial``). Returns one
+    and ``mesh_partial``); ``byte_scale(node)``: the share of its value's
+    bytes (and of those its op moves inside) a rank moves (with context
+    parallelism a cp rank's tokens: ``1 / cp`` for the values that grow
+    with the samples; the shapes stay whole, for what divides them). Returns one
     :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
     :class:`InfeasiblePins` when the pins admit none, :class:`StrategyError`
     when the program (or the memory bound) has no solution."""
@@ -260,6 +265,8 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
     prob.comms, prob.comm, prob.compute = list(comm), comm[0], compute
     prob.param_time = param_time or (lambda nd, p: 0.0)
+    if byte_scale is not None:
+        prob.byte_scale = byte_scale
     built = prob.build(memory)
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
     per_node: dict[str, float] = {}

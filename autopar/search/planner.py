@@ -286,12 +286,17 @@ class Planner:
         # the weights' terms read ZeRO and the microbatches; a memory row, the recompute too
         bound = None if sharder.memory_limit is None else \
             (sharder.memory_limit, cfg.recompute, cfg.pp, cfg.schedule, cfg.chunks)
-        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.microbatches, cfg.copies, mb_global, cfg.zero,
-               cfg.reduce_dtype, cfg.offload, bound, sharder.pins, self.solver)
+        key = ("mesh", model.precision, cfg.tp_grid, cfg.dp, cfg.cp, cfg.microbatches, cfg.copies, mb_global,
+               cfg.zero, cfg.reduce_dtype, cfg.offload, bound, sharder.pins, self.solver)
         if key not in self.state.axes:
             sizes = cfg.tp_grid
-            topo = model.topology((cfg.dp, *sizes))
-            local_batch = mb_global / cfg.dp
+            # with cp, priced at a cp rank's tokens (its share of the work and of the values the
+            # tensor axes move; the whole shapes say what divides), the weights reduced over dp x cp,
+            # as the estimate counts them
+            view, token_shapes = model.token_view(cfg), model.token_shapes(shapes, cfg.cp)
+            per_sample = model.per_sample_nodes()
+            topo = model.topology((view.dp, *sizes))
+            local_batch = mb_global / view.dp
 
             def comm(axis: int) -> Callable[[str, float], float]:
                 return lambda kind, nbytes: topo.collective_time(kind, nbytes * model.itemsize / 4, axis)
@@ -300,16 +305,18 @@ class Planner:
                 return model.node_time(nd, model.scale(nd, local_batch), frac)
 
             memory = None if sharder.memory_limit is None else MemoryTerms(
-                param=model.param_memory(cfg, mesh_pieces(sizes)),
-                saved=model.saved_memory(cfg, shapes, mesh_pieces(sizes), mesh_partial(sizes)),
+                param=model.param_memory(view, mesh_pieces(sizes)),
+                saved=model.saved_memory(view, token_shapes, mesh_pieces(sizes), mesh_partial(sizes)),
                 limit=sharder.memory_limit,
                 **({"group_factor": lambda k: 1.0} if cfg.recompute == "full" else {}))
             if memory is not None and cfg.pp > 1:     # per pipeline rank, at even stages
                 memory = self._pipeline_rows(model, cfg, pipe.even_layers(units(self.graph).layers, cfg.stages),
                                              memory)
             axes = mesh_ilp.solve_mesh(self.graph, sizes, shapes, comm=[comm(1 + a) for a in range(len(sizes))],
-                                       compute=compute, param_time=model.param_time(cfg, topo, mesh_pieces(sizes)),
-                                       pins=dict(sharder.pins), memory=memory, solver=self.solver)
+                                       compute=compute, param_time=model.param_time(view, topo, mesh_pieces(sizes)),
+                                       pins=dict(sharder.pins), memory=memory, solver=self.solver,
+                                       byte_scale=None if cfg.cp == 1 else
+                                       (lambda name: 1.0 / cfg.cp if name in per_sample else 1.0))
             inner = axes[-1]
             inner.others = tuple(axes[:-1])
             self.state.axes[key] = inner
