@@ -827,7 +827,8 @@ class CostModel:
         return param
 
     def saved_memory(self, cfg: ParallelConfig, shapes: dict, pieces: Callable[[str], int] | None = None,
-                     partial: Callable[[str], bool] | None = None) -> Callable[[Node, Any], float]:
+                     partial: Callable[[str], bool] | None = None,
+                     keeps: frozenset[str] | None = None) -> Callable[[Node, Any], float]:
         """``f(node, strategy)``: bytes of the activations the node keeps for
         backward per microbatch under ``cfg``'s recompute, its inputs in the
         placements the strategy reads (a value read by several nodes counts
@@ -836,8 +837,13 @@ class CostModel:
         (:func:`~autopar.sharding.selective_keeps`) unless the strategy
         leaves it partial: a reduction, not a backward, reads that first.
         ``pieces`` as :meth:`param_memory`'s; ``partial(placement)``: whether a
-        value so placed is a partial sum (default: ``P``)."""
-        keeps = self._keeps(None) if cfg.recompute == "selective" else frozenset()
+        value so placed is a partial sum (default: ``P``); ``keeps``: what
+        selective recompute keeps (default: as on one device, what the
+        decisions are not known yet to change)."""
+        if cfg.recompute != "selective":
+            keeps = frozenset()
+        elif keeps is None:
+            keeps = self._keeps(None)
         pieces = pieces or _tp_pieces(cfg.tp)
         partial = partial or (lambda p: p == P)
 
@@ -974,15 +980,8 @@ class CostModel:
         if n > 1:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
         pieces = mesh_pieces(sizes)
-        fwd, outside, transient = 0.0, 0.0, 0.0
-        inst_saved: dict[str, float] = {}
-        for nd, t, kept, out_bytes in self._mesh_ops(cfg, sh, shapes, local_batch):
-            fwd += t
-            if nd.group is None:
-                outside += kept
-            else:
-                inst_saved[nd.group] = inst_saved.get(nd.group, 0.0) + kept
-            transient = max(transient, out_bytes)
+        b = self._mesh_buckets(cfg, sh, shapes, local_batch, lambda nd: 0, 1)[0]
+        fwd, outside, transient, inst_saved = b.fwd, b.outside, b.transient, b.saved
         axes = (*sh.others, sh)
         local, n_tensors = 0.0, 0
         for nd in self.params.values():
@@ -990,17 +989,19 @@ class CostModel:
             if info is not None and not info.is_buffer and info.requires_grad:
                 local += info.numel / pieces(joint_placement([ax.out.get(nd.name, R) for ax in axes]))
                 n_tensors += 1
-        tp_comm = sh.ilp.collectives_s or 0.0      # what the joint program charged its collectives
+        tp_comm = b.comm      # what the joint program charged its collectives (selective: the replays too)
         full = cfg.recompute == "full" and bool(inst_saved)
-        recomputed = max(inst_saved.values()) if full else 0.0     # one layer's values made again in backward
+        selective = cfg.recompute == "selective" and bool(inst_saved)
+        activations = outside + sum(inst_saved.values())
+        recomputed = 0.0      # one layer's values made again while its backward runs
         if full:     # the layers' inputs are kept; their forward, collectives included, runs again
-            activations = outside + sum(
-                _numel(shapes.get(i)) * self.itemsize / pieces(joint_placement([ax.out.get(i, R) for ax in axes]))
-                for _, i in self._layer_inputs_of)
-        else:
-            activations = outside + sum(inst_saved.values())
+            recomputed = max(inst_saved.values())
+            activations = outside + sum(self._mesh_layer_inputs(sh, shapes).values())
+        elif selective:      # the layers' inputs and what the decisions keep; the rest made again
+            recomputed = max(b.full[k] - inst_saved[k] for k in inst_saved)
+            activations += sum(self._mesh_layer_inputs(sh, shapes).values())
         # the recomputed forward's collectives: about half of forward and backward's; n copies' add up
-        compute = m * n * (4.0 if full else 3.0) * fwd
+        compute = m * n * ((4.0 if full else 3.0) * fwd + b.refwd)
         tp_comm_total = m * n * tp_comm * (1.5 if full else 1.0)
         if n > 1:     # one copy's collectives beside the others' compute; the copies' values live at once
             tp_comm_total, compute = self._copies_overlap(n, compute, tp_comm_total)
@@ -1008,7 +1009,18 @@ class CostModel:
         topo = self.topology((dp, cfg.tp))
         dp_comm, opt_time, states = self._dp_tail(cfg, local, n_tensors, topo, 0, fwd + tp_comm / 2,
                                                   2 * fwd + tp_comm / 2, self._fsdp_units())
-        peak = states["total"] + activations + recomputed + 2 * transient
+        # ZeRO-3: FSDP2's units gathered at the peak; as for 1d, DDP-style and FSDP2 reductions with one
+        # microbatch make the gradients as the backward frees the activations
+        gathered = 0.0
+        if cfg.zero >= 3 and (dp > 1 or cfg.offload != "none"):
+            try:
+                gathered = _fsdp_peak(self._mesh_unit_elems(cfg, sh)) * self.itemsize
+            except StrategyError:     # no repeated layers: one unit, the whole model
+                gathered = local * self.itemsize
+        ddp = (cfg.zero == 0 and self.precision == "fp32") or cfg.zero == 3
+        freed = -min(activations + recomputed, states["gradients"]) if m == 1 and ddp and cfg.offload == "none" \
+            else 0.0
+        peak = states["total"] + activations + recomputed + 2 * transient + gathered + freed
         step = compute + tp_comm_total + dp_comm + opt_time
         cap = self.cluster.device.memory_bytes * MEMORY_HEADROOM
         return Estimate(
@@ -1019,7 +1031,8 @@ class CostModel:
             peak_memory_bytes=peak,
             memory={"weights": states["weights"], "gradients": states["gradients"],
                     "optimizer": states["optimizer"], "activations": activations,
-                    "transient": 2 * transient + recomputed},
+                    "transient": 2 * transient + recomputed + gathered,
+                    **({"freed_by_backward": freed} if freed else {})},
             fits=peak <= cap and self._host_fits(states["offloaded"]),
             device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
@@ -1037,37 +1050,78 @@ class CostModel:
                                 f"every axis ({'x'.join(map(str, cfg.tp_grid))})")
         return sizes
 
-    def _mesh_ops(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
-                  local_batch: float) -> list[tuple[Node, float, float, float]]:
-        """``(node, forward time, bytes it keeps for backward, local bytes of
-        its output)`` of every op a mesh's joint decisions ``sh`` place, at
-        ``local_batch`` samples: each node does its share of the work every
-        axis's split leaves, and keeps what its joint strategy reads."""
+    def _mesh_buckets(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, local_batch: float,
+                      bucket: Callable[[Node], int], n: int) -> list["_MeshSums"]:
+        """The ops a mesh's joint decisions ``sh`` place, at ``local_batch``
+        samples, summed into ``n`` buckets (``bucket(node)``: the whole model
+        in one, or a pipeline's units): each op's forward time at the share of
+        its work every axis's split leaves, the collectives the joint program
+        charged it (``ilp.node_collectives_s``: its own and the transitions
+        into it; half as much again where selective recompute replays it),
+        what it keeps for backward at the placements its joint strategy
+        reads (per layer instance; under selective recompute what the
+        decisions keep, :meth:`_keeps`, and what no recompute would), the
+        forward selective recompute runs again, and the largest output."""
         axes = (*sh.others, sh)
         sizes = tuple(ax.n for ax in axes)
-        pieces = mesh_pieces(sizes)
-        saved = self.saved_memory(cfg, shapes, pieces, mesh_partial(sizes))
-        out = []
+        pieces, partial = mesh_pieces(sizes), mesh_partial(sizes)
+        selective = cfg.recompute == "selective"
+        keeps = self._keeps(sh) if selective else frozenset()
+        saved = self.saved_memory(cfg, shapes, pieces, partial, keeps=keeps)
+        whole = self.saved_memory(dataclasses.replace(cfg, recompute="none"), shapes, pieces, partial) \
+            if selective else saved
+        tail, charged = self._replay_tail, sh.ilp.node_collectives_s
+        out = [_MeshSums() for _ in range(n)]
         for nd in self.graph.nodes:
             sts = [ax.strategy.get(nd.name) for ax in axes]
             if nd.is_state or any(st is None for st in sts):
                 continue
+            b = out[bucket(nd)]
             place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
-            frac = math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))
+            t = self.node_time(nd, self.scale(nd, local_batch),
+                               math.prod(work_fraction(st, size) for st, size in zip(sts, sizes)))
             joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
-            out.append((nd, self.node_time(nd, self.scale(nd, local_batch), frac), saved(nd, joint),
-                        _numel(shapes.get(nd.name)) * self.itemsize / pieces(place)))
+            replayed = selective and nd.group is not None and nd.name not in tail
+            b.fwd += t
+            b.refwd += t if replayed and nd.name not in keeps else 0.0
+            b.comm += charged.get(nd.name, 0.0) * (1.5 if replayed else 1.0)
+            kept = saved(nd, joint)
+            if nd.group is None:
+                b.outside += kept
+            else:
+                b.saved[nd.group] = b.saved.get(nd.group, 0.0) + kept
+                b.full[nd.group] = b.full.get(nd.group, 0.0) + whole(nd, joint)
+                b.ops[nd.group] = b.ops.get(nd.group, 0) + checkpoint_dispatches(nd.kind, nd.target)
+            b.transient = max(b.transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
+        if selective:     # the dispatch mode's host time per replayed layer
+            for b in out:
+                b.refwd += sum(2 * k * self.cluster.device.checkpoint_dispatch_s for k in b.ops.values())
         return out
+
+    def _mesh_layer_inputs(self, sh: AxisSharding, shapes: dict) -> dict[str, float]:
+        """Per repeated-layer instance, the local bytes of its input at its
+        mesh placement (what full and selective recompute keep of it)."""
+        axes = (*sh.others, sh)
+        pieces = mesh_pieces(tuple(ax.n for ax in axes))
+        return {inst: _numel(shapes.get(i)) * self.itemsize / pieces(joint_placement([ax.out.get(i, R) for ax in axes]))
+                for inst, i in self._layer_inputs_of}
+
+    def _mesh_unit_elems(self, cfg: ParallelConfig, sh: AxisSharding) -> list[float]:
+        """Per pipeline unit (embedding, layers, head), the local trainable
+        elements of a mesh rank: each parameter the unit reads at its mesh
+        placement (a tied one in each unit reading it)."""
+        axes, pieces = (*sh.others, sh), mesh_pieces(self._mesh_sizes(cfg, sh))
+        return [sum(numel / pieces(joint_placement([ax.out.get(name, R) for ax in axes])) for name, numel in params)
+                for params in self._unit_param_lists[0]]
 
     def _mesh_unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                          global_batch: int) -> "UnitCosts":
         """:meth:`unit_costs` of a pipelined ``tp_mode=mesh`` ``cfg``: per
-        unit, its ops' forward time at their joint split (:meth:`_mesh_ops`),
-        the collectives the joint program charged them
-        (``ilp.node_collectives_s``: their own and the transitions into
-        them), what they keep, the parameters at their mesh placements, and
-        the local bytes crossing each cut. Full recompute keeps a layer's
-        input and makes its values again while its backward runs, as for 1d."""
+        unit, its ops' sums (:meth:`_mesh_buckets`), the parameters at their
+        mesh placements, and the local bytes crossing each cut. Full
+        recompute keeps a layer's input and makes its values again while its
+        backward runs, selective its input and what the decisions keep, as
+        for 1d."""
         sizes = self._mesh_sizes(cfg, sh)
         key = ("mesh", id(sh), id(shapes), cfg.dp, cfg.microbatches, cfg.recompute, global_batch)
         hit = self.cache.units.get(key)
@@ -1082,34 +1136,33 @@ class CostModel:
         n = u.layers + 2
         layers = {inst: k + 1 for k, inst in enumerate(u.labels[1:-1])}
         unit_of = self._outside_unit()
-        charged = sh.ilp.node_collectives_s
-        fwd, comm, saved, kept, transient = ([0.0] * n for _ in range(5))
-        for nd, t, keep, out_bytes in self._mesh_ops(cfg, sh, shapes, global_batch / (cfg.dp * cfg.microbatches)):
-            k = unit_of.get(nd.name, 0) if nd.group is None else \
-                layers.get(nd.group) or unit_of.get(self._first_node(nd.group), 0)
-            fwd[k] += t
-            comm[k] += charged.get(nd.name, 0.0)
-            saved[k] += keep
-            kept[k] += keep if nd.group is None else 0.0
-            transient[k] = max(transient[k], out_bytes)
-        layer_in = {inst: _numel(shapes.get(i)) * self.itemsize / share(i) for inst, i in self._layer_inputs_of}
+
+        def unit(nd: Node) -> int:
+            if nd.group is None:
+                return unit_of.get(nd.name, 0)
+            return layers.get(nd.group) or unit_of.get(self._first_node(nd.group), 0)
+
+        sums = self._mesh_buckets(cfg, sh, shapes, global_batch / (cfg.dp * cfg.microbatches), unit, n)
+        layer_in = self._mesh_layer_inputs(sh, shapes)
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         out = UnitCosts(n)
-        for k in range(n):
+        for k, b in enumerate(sums):
             layer = 0 < k < n - 1
-            out.fwd[k] = fwd[k] + comm[k] / 2
-            out.comm[k] = comm[k] * (_comm_passes(cfg) if layer else 1.0)
-            out.time[k] = passes * fwd[k] + out.comm[k]
+            inner = sum(b.saved.values())
+            out.fwd[k] = b.fwd + b.comm / 2
+            out.comm[k] = b.comm * (_comm_passes(cfg) if layer else 1.0)
+            out.time[k] = passes * b.fwd + b.refwd + out.comm[k]
             if cfg.recompute == "full" and layer:
-                out.act[k] = layer_in.get(u.labels[k], 0.0) + kept[k]
-                out.fixed[k] = 2 * transient[k] + saved[k] - kept[k]
+                out.act[k] = layer_in.get(u.labels[k], 0.0) + b.outside
+                out.fixed[k] = 2 * b.transient + inner
+            elif cfg.recompute == "selective" and layer:
+                out.act[k] = layer_in.get(u.labels[k], 0.0) + b.outside + inner
+                out.fixed[k] = 2 * b.transient + sum(b.full.values()) - inner
             else:
-                out.act[k] = saved[k]
-                out.fixed[k] = 2 * transient[k]
-        lists, _, _ = self._unit_param_lists
-        for k, params in enumerate(lists):
-            out.params[k] = sum(numel / share(name) for name, numel in params)
-            out.tensors[k] = float(len(params))
+                out.act[k] = b.outside + inner
+                out.fixed[k] = 2 * b.transient
+        out.params = self._mesh_unit_elems(cfg, sh)
+        out.tensors = [float(len(params)) for params in self._unit_param_lists[0]]
         out.cut = self._cut_bytes(sh, shapes, cfg.tp, n, share)
         self.cache.hold(sh)
         self.cache.units[key] = (sh, out)
@@ -1907,6 +1960,20 @@ def _grid_share(cfg: ParallelConfig, cube: float, split: float, whole: float) ->
     grid = cfg.tp_grid
     rows, depth = grid[-2], (grid[0] if cfg.tp_mode == "3d" else 1)
     return whole + split / rows + cube / (rows * depth)
+
+
+@dataclass
+class _MeshSums:
+    """One bucket of :meth:`CostModel._mesh_buckets` (per microbatch)."""
+
+    fwd: float = 0.0           # forward time
+    comm: float = 0.0          # the collectives charged, forward and backward (selective: replays too)
+    refwd: float = 0.0         # the forward selective recompute runs again (with its dispatch)
+    outside: float = 0.0       # bytes kept by the ops outside any layer
+    transient: float = 0.0     # the largest output
+    saved: dict[str, float] = field(default_factory=dict)   # per layer instance, bytes kept
+    full: dict[str, float] = field(default_factory=dict)    # per instance, kept without recompute
+    ops: dict[str, int] = field(default_factory=dict)       # per instance, checkpointed dispatches
 
 
 @dataclass(frozen=True)

@@ -790,7 +790,8 @@ def selective_keeps(graph: Graph, sh: AxisSharding | None = None) -> frozenset[s
     them): every :func:`selective_candidate` whose output a backward of its
     layer needs, read directly or through ops that run again cheaply and
     locally (views, bias adds, activations, norms) and do not communicate
-    in forward on the tensor-parallel axis ``sh`` (None: one device). Not
+    in forward on the tensor-parallel axis ``sh`` (None: one device; a
+    ``tp_mode=mesh`` group's inner axis, its outer ones in ``sh.others``). Not
     kept, and run again with the layer: a row-parallel linear's partial
     output, whose readers (a reduce-scatter or all-reduce, then adds) keep
     nothing for backward, and any output no backward reads.
@@ -800,15 +801,14 @@ def selective_keeps(graph: Graph, sh: AxisSharding | None = None) -> frozenset[s
     keeps of the same values, and keeps a matmul's output instead of the
     values computed from it. Memoised on the graph per decisions: the
     placements of the layer nodes (many searched shardings share them)."""
-    if sh is None or sh.n == 1:
+    if sh is None or (sh.n == 1 and not sh.others):
         return graph.memo(("selective_keeps", None), lambda: _selective_keeps(graph, None))
     # an instance copied from another has its decisions position by position, so it keeps what
     # its source keeps: the key and the search run over the other instances alone (flat in depth)
     inst, copied = _walk_structure(graph).inst, sh.copied_from
-    out, strategy = sh.out, sh.strategy
     key = ("selective_keeps", tuple(sorted(copied.items())),
-           tuple((out.get(x.name), strategy.get(x.name)) for g, nodes in inst.items() if g not in copied
-                 for x in nodes))
+           tuple((ax.out.get(x.name), ax.strategy.get(x.name)) for ax in (*sh.others, sh)
+                 for g, nodes in inst.items() if g not in copied for x in nodes))
     return graph.memo(key, lambda: _selective_keeps(graph, sh))
 
 
@@ -818,13 +818,17 @@ def _selective_keeps(graph: Graph, sh: AxisSharding | None) -> frozenset[str]:
     copied = sh.copied_from if sh is not None else {}
 
     def moves(value: str, reader: Node) -> bool:
-        """Whether the value reaches ``reader`` through a forward collective."""
+        """Whether the value reaches ``reader`` through a forward collective
+        (on any axis of a ``tp_mode=mesh`` group)."""
         if sh is None:
             return False
-        st = sh.strategy.get(reader.name)
-        have = sh.out.get(value, R)
-        want = st.ins[reader.inputs.index(value)] if st is not None else have
-        return have != want and have != R     # R -> S(d) is a local slice
+        for ax in (*sh.others, sh):
+            st = ax.strategy.get(reader.name)
+            have = ax.out.get(value, R)
+            want = st.ins[reader.inputs.index(value)] if st is not None else have
+            if have != want and have != R:     # R -> S(d) is a local slice
+                return True
+        return False
 
     def kept(nd: Node) -> bool:
         todo, seen = [nd], {nd.name}

@@ -214,8 +214,8 @@ CASES: list[Case] = [
          lambda fx: _strategy("tp=4,tp_mode=mesh,sequence_parallel=true").sequence_parallel, None,
          check=lambda sp: sp is True),
     # -- plan / evaluate requests
-    Case(PL, 'evaluate "tp=4,tp_mode=mesh,recompute=selective"',
-         lambda fx: _eval("tp=4,tp_mode=mesh,recompute=selective"),
+    Case(PL, 'evaluate "tp=4,tp_mode=mesh,offload=optimizer"',
+         lambda fx: _eval("tp=4,tp_mode=mesh,offload=optimizer"),
          r"not implemented yet", error=UnsupportedError),
     Case(PL, 'evaluate "tp=4,tp_mode=mesh" (a correct result)',
          lambda fx: _eval("tp=4,tp_mode=mesh").step_time_s, None, check=lambda t: 0 < t < math.inf),

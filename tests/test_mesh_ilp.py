@@ -6,6 +6,8 @@ replicated); and the decisions it takes, compiled as a 2 x 2 mesh of
 tensor axes, train as one process does."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -202,6 +204,7 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
 
 
 MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
+             "tp=4,tp_mode=mesh,microbatches=2,recompute=selective,precision=fp32",
              "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "tp=4,tp_mode=mesh,copies=2,precision=fp32",
              "searched", "pinned"]
 #: semi-automatic on a mesh: the MLPs' first weights pinned otherwise than the program places them alone
@@ -245,8 +248,9 @@ def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
 
 
 def test_tp_mode_mesh_trains_as_one_process(tmp_path):
-    """``tp=4,tp_mode=mesh`` (with microbatches and full recompute, with
-    sequence parallelism, with copies, the search's plan, with pins):
+    """``tp=4,tp_mode=mesh`` (with microbatches and full or selective
+    recompute, with sequence parallelism, with copies, the search's plan,
+    with pins):
     parallelize plans the 2 x 2 mesh with the joint program, compiles both
     axes, clips the gradients over both, and trains
     as one process does; the full state dict and a checkpoint read in one
@@ -300,7 +304,7 @@ def test_a_mesh_that_fits_only_bounded_is_solved_again_alike():
     sh, shapes = free._mesh_sharding(cfg, Sharder("ilp", (), None))
     peak = free.cost("fp32").estimate(cfg, sh, shapes, 4, 4).peak_memory_bytes
     small = dataclasses.replace(cpu, name="small", device=dataclasses.replace(
-        cpu.device, memory_bytes=0.7 * peak / MEMORY_HEADROOM))
+        cpu.device, memory_bytes=int(0.7 * peak / MEMORY_HEADROOM)))     # bytes are whole, as a plan records them
     p = autopar.plan(g, cluster=small, devices=4, global_batch=4, strategy="tp=4,tp_mode=mesh,precision=fp32")
     assert p.predicted["fits"]
     again = planner_for(g, p.data["cluster"]["spec"], "adamw", "fp32", devices=4, global_batch=4)
@@ -345,7 +349,8 @@ def test_tp_mode_mesh3_on_8_processes():
 MESH_8 = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
           "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32",
           "tp=4,tp_mode=mesh,cp=2,precision=fp32",
-          "tp=4,tp_mode=mesh,cp=2,microbatches=2,recompute=full,sequence_parallel=true,precision=fp32"]
+          "tp=4,tp_mode=mesh,cp=2,microbatches=2,recompute=full,sequence_parallel=true,precision=fp32",
+          "dp=2,tp=4,tp_mode=mesh,zero=3,precision=fp32"]
 
 
 def _mesh_8_worker(rank: int, world: int) -> list:
@@ -357,7 +362,8 @@ def test_a_mesh_in_each_pipeline_stage_or_cp_rank_on_8_processes():
     """``tp=4,tp_mode=mesh`` with ``pp=2`` (two pipeline stages, each on its
     own 2 x 2 mesh) and with ``cp=2`` (each half of the sequence on its own
     2 x 2 mesh, attention over the whole of it), plain and with microbatches,
-    full recompute and sequence parallelism: the joint program decides the
+    full recompute and sequence parallelism, and under ZeRO-3 over dp=2
+    (FSDP2 sharding the mesh's shards again): the joint program decides the
     placements, and the model trains as one process does, gradients clipped
     over every axis; the full state dict gathers every shard back."""
     ref, want = _eager(clip=1.0)
@@ -369,16 +375,19 @@ def test_a_mesh_in_each_pipeline_stage_or_cp_rank_on_8_processes():
         assert any(p.count("S") == 2 for p in split), (strategy, split)    # a weight split on both axes
 
 
-def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole():
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole(recompute):
     """The per-unit costs of a pipelined mesh (what the stage balance and the
     schedule read) add up to what the flat estimate of the same decisions
-    charges: compute forward and backward plus the collectives the joint
-    program charged, and the local parameters at their mesh placements."""
+    charges: compute forward and backward (with selective recompute's
+    replayed forward) plus the collectives the joint program charged (and
+    the replays'), and the local parameters at their mesh placements."""
     from autopar.search.planner import Planner, Sharder
     from autopar.spec import parse_strategy
     g = autopar.api.as_graph("gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128")
     planner = Planner(g, _fast_links(), global_batch=8, devices=8)
-    flat, piped = parse_strategy("tp=4,tp_mode=mesh,dp=2", 8), parse_strategy("tp=4,tp_mode=mesh,pp=2", 8)
+    flat, piped = (parse_strategy(f"{s},recompute={recompute}", 8)
+                   for s in ("tp=4,tp_mode=mesh,dp=2", "tp=4,tp_mode=mesh,pp=2"))
     sh, shapes = planner.sharding(flat, Sharder("ilp", (), None))
     assert any(p.count("S") == 2 for p in (joint_placement([sh.others[0].out.get(n, "R"), sh.out.get(n, "R")])
                                            for n in planner.cost().params)), "the weights stay whole: no test"
@@ -387,7 +396,11 @@ def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole():
     assert piped.microbatches == 2
     per = model.unit_costs(piped, sh, shapes, 8)     # a microbatch of 4 samples, as a dp rank's of flat
     assert sum(per.time) == pytest.approx(est.compute_time_s + est.tp_comm_time_s, rel=1e-9)
-    assert sum(per.comm) == pytest.approx(sh.ilp.collectives_s, rel=1e-9)
+    if recompute == "none":
+        assert sum(per.comm) == pytest.approx(sh.ilp.collectives_s, rel=1e-9)
+    else:     # selective: the ops it replays run their forward (and collectives) again
+        none = model.unit_costs(dataclasses.replace(piped, recompute="none"), sh, shapes, 8)
+        assert sum(per.time) > sum(none.time) and sum(per.act) < sum(none.act)
     local = 0.0
     for n, nd in model.params.items():
         info = g.params.get(nd.param)
@@ -451,3 +464,22 @@ def test_pins_hold_on_a_mesh():
     with pytest.raises(autopar.errors.StrategyError, match="several axes"):
         autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, strategy="tp=4",
                      shardings={"blocks.0.mlp.fc.weight": "S(1)|S(0)"})
+
+
+def test_zero3_on_a_mesh_is_costed_as_fsdp_of_the_mesh_shards():
+    """``dp=2,tp=4,tp_mode=mesh,zero=3``: the model states are the mesh
+    shards' over dp, and FSDP2's gathered units (the root and two layers of
+    mesh shards) are part of the peak, as for 1d."""
+    from autopar.search.planner import Planner, Sharder
+    from autopar.spec import parse_strategy
+    g = autopar.api.as_graph("gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128")
+    planner = Planner(g, _fast_links(), global_batch=8, devices=8)
+    zero0, zero3 = (parse_strategy(f"dp=2,tp=4,tp_mode=mesh,zero={z},precision=fp32", 8) for z in (0, 3))
+    e0, e3 = (planner.evaluate(c, Sharder("ilp", (), None)) for c in (zero0, zero3))
+    sh, _ = planner.sharding(zero3, Sharder("ilp", (), None))
+    model = planner.cost("fp32")
+    elems = model._mesh_unit_elems(zero3, sh)
+    assert e3.memory["weights"] == pytest.approx(e0.memory["weights"] / 2, rel=1e-6)
+    gathered = (elems[0] + elems[-1] + 2 * max(elems[1:-1])) * 4
+    assert e3.memory["transient"] - e0.memory["transient"] == pytest.approx(gathered, rel=1e-6)
+    assert e3.dp_comm_time_s > e0.dp_comm_time_s     # the gathers of every unit in forward and backward

@@ -413,15 +413,14 @@ MESH_TRIES = 2     # the fastest configurations tp_mode=mesh refines
 
 def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh",)) -> int:
     """``tp_mode=mesh`` (and ``mesh3``: ``modes``) as a refinement of the 1d
-    configurations that fit: for the :data:`MESH_TRIES` fastest without cp
-    or ZeRO-3 whose tp is not prime, the same dp, tp, pipeline,
+    configurations that fit: for the :data:`MESH_TRIES` fastest without
+    offload whose tp is not prime, the same dp, tp, pipeline, cp,
     microbatches and ZeRO with the tp group as a mesh (two axes, or three
     where tp makes them) the joint program decides, with the copies and
     the sequence parallelism (on the inner axis) the configuration ran
-    and without each (no selective recompute, which a mesh does not run yet:
-    a pipeline that ran it tries none and full; full recompute is kept; a
-    flat mesh whose unbounded program does not fit is
-    solved under the memory bound). One joint
+    and without each (its recompute kept; a mesh whose unbounded program
+    does not fit is solved under the memory bound,
+    :meth:`Planner._mesh_bound`). One joint
     program each (a line of every microbatch count would solve one per
     count: 14 programs and 12 s for Llama-3 70B's 8 layers on 64 H100,
     against 0.8 s without). The request's pins hold on the meshes (a pin of
@@ -434,29 +433,23 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
     for est, cfg, _ in sorted(feasible, key=lambda f: f[0].step_time_s):
         if len(bases) >= MESH_TRIES:
             break
-        if cfg.tp < 4 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or \
-                all(cfg.tp % d for d in range(2, cfg.tp)):
+        if cfg.tp < 4 or cfg.offload != "none" or cfg.tp_mode != "1d" or all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
-        base = dataclasses.replace(cfg, copies=1, sequence_parallel=False,
-                                   recompute="full" if cfg.recompute == "full" else "none")
+        base = dataclasses.replace(cfg, copies=1, sequence_parallel=False)
         if base in bases:
             continue
         bases.add(base)
-        # with the copies and sequence parallelism the flat configuration ran, and without: a mesh
-        # has fewer collectives to hide, and splits the norms where its program finds it pays; a
-        # pipeline that recomputed selectively tries no recompute and full (one joint program for all:
-        # a pipelined mesh is decided without a memory row)
-        recomputes = dict.fromkeys((base.recompute, "full" if cfg.pp > 1 and cfg.recompute == "selective" else
-                                    base.recompute))
+        # with the copies and sequence parallelism the configuration ran, and without: a mesh has
+        # fewer collectives to hide, and splits the norms where its program finds it pays
         variants = []
         for mode in modes:
             try:
                 dataclasses.replace(base, tp_mode=mode).tp_grid     # a tp that makes this mesh
             except StrategyError:
                 continue
-            variants += [dataclasses.replace(base, tp_mode=mode, copies=c, sequence_parallel=sp, recompute=rc)
+            variants += [dataclasses.replace(base, tp_mode=mode, copies=c, sequence_parallel=sp)
                          for c in dict.fromkeys((cfg.copies, 1))
-                         for sp in dict.fromkeys((cfg.sequence_parallel, False)) for rc in recomputes]
+                         for sp in dict.fromkeys((cfg.sequence_parallel, False))]
         for mesh in variants:
             found, n = _mesh_estimate(planner, mesh)
             count += n
