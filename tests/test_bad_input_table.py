@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import autopar  # noqa: E402
-from autopar.errors import AutoparError, UnsupportedError  # noqa: E402
+from autopar.errors import AutoparError  # noqa: E402
 
 DOC = ROOT / "docs" / "bad-inputs.md"
 GPT = "gpt:layers=2,hidden=32,heads=4,seq=8,vocab=64"
@@ -214,9 +214,9 @@ CASES: list[Case] = [
          lambda fx: _strategy("tp=4,tp_mode=mesh,sequence_parallel=true").sequence_parallel, None,
          check=lambda sp: sp is True),
     # -- plan / evaluate requests
-    Case(PL, 'evaluate "tp=4,tp_mode=mesh,offload=optimizer"',
-         lambda fx: _eval("tp=4,tp_mode=mesh,offload=optimizer"),
-         r"not implemented yet", error=UnsupportedError),
+    Case(PL, 'evaluate "tp=4,tp_mode=mesh,recompute=selective,offload=optimizer" (a correct result)',
+         lambda fx: _eval("tp=4,tp_mode=mesh,recompute=selective,offload=optimizer").step_time_s, None,
+         check=lambda t: 0 < t < math.inf),
     Case(PL, 'evaluate "tp=4,tp_mode=mesh" (a correct result)',
          lambda fx: _eval("tp=4,tp_mode=mesh").step_time_s, None, check=lambda t: 0 < t < math.inf),
     Case(PL, "global_batch=-8", lambda fx: _plan(global_batch=-8), r"global_batch"),

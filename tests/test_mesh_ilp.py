@@ -205,6 +205,7 @@ def test_a_memory_row_makes_the_joint_program_shard_what_does_not_fit():
 
 MESH_RUNS = ["tp=4,tp_mode=mesh,precision=fp32", "tp=4,tp_mode=mesh,microbatches=2,recompute=full,precision=fp32",
              "tp=4,tp_mode=mesh,microbatches=2,recompute=selective,precision=fp32",
+             "tp=4,tp_mode=mesh,offload=optimizer,precision=fp32",
              "tp=4,tp_mode=mesh,sequence_parallel=true,precision=fp32", "tp=4,tp_mode=mesh,copies=2,precision=fp32",
              "searched", "pinned"]
 #: semi-automatic on a mesh: the MLPs' first weights pinned otherwise than the program places them alone
@@ -249,8 +250,8 @@ def _mesh_worker(rank: int, world: int, checkpoint: str) -> list:
 
 def test_tp_mode_mesh_trains_as_one_process(tmp_path):
     """``tp=4,tp_mode=mesh`` (with microbatches and full or selective
-    recompute, with sequence parallelism, with copies, the search's plan,
-    with pins):
+    recompute, with sequence parallelism, with copies, with the optimizer
+    offloaded, the search's plan, with pins):
     parallelize plans the 2 x 2 mesh with the joint program, compiles both
     axes, clips the gradients over both, and trains
     as one process does; the full state dict and a checkpoint read in one
@@ -350,7 +351,7 @@ MESH_8 = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
           "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32",
           "tp=4,tp_mode=mesh,cp=2,precision=fp32",
           "tp=4,tp_mode=mesh,cp=2,microbatches=2,recompute=full,sequence_parallel=true,precision=fp32",
-          "dp=2,tp=4,tp_mode=mesh,zero=3,precision=fp32"]
+          "dp=2,tp=4,tp_mode=mesh,zero=3,precision=fp32", "dp=2,tp=4,tp_mode=mesh,zero=3,offload=optimizer,precision=fp32"]
 
 
 def _mesh_8_worker(rank: int, world: int) -> list:

@@ -388,7 +388,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         evaluated, closest, pin_error = _search_pipelines(planner, piped, manual, feasible, evaluated, closest,
                                                           pin_error, tick)
     meshes = tuple(m for m in ("mesh", "mesh3") if m in tp_modes)
-    if meshes and offload == "none":     # the fastest flat and pipelined ones, as meshes
+    if meshes:     # the fastest flat and pipelined ones, as meshes
         evaluated += _try_mesh(planner, feasible, meshes)
     if not feasible and closest is None and pin_error is not None:
         raise pin_error
@@ -413,9 +413,9 @@ MESH_TRIES = 2     # the fastest configurations tp_mode=mesh refines
 
 def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh",)) -> int:
     """``tp_mode=mesh`` (and ``mesh3``: ``modes``) as a refinement of the 1d
-    configurations that fit: for the :data:`MESH_TRIES` fastest without
-    offload whose tp is not prime, the same dp, tp, pipeline, cp,
-    microbatches and ZeRO with the tp group as a mesh (two axes, or three
+    configurations that fit: for the :data:`MESH_TRIES` fastest whose tp
+    is not prime, the same dp, tp, pipeline, cp, microbatches, ZeRO and
+    offload with the tp group as a mesh (two axes, or three
     where tp makes them) the joint program decides, with the copies and
     the sequence parallelism (on the inner axis) the configuration ran
     and without each (its recompute kept; a mesh whose unbounded program
@@ -433,7 +433,7 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
     for est, cfg, _ in sorted(feasible, key=lambda f: f[0].step_time_s):
         if len(bases) >= MESH_TRIES:
             break
-        if cfg.tp < 4 or cfg.offload != "none" or cfg.tp_mode != "1d" or all(cfg.tp % d for d in range(2, cfg.tp)):
+        if cfg.tp < 4 or cfg.tp_mode != "1d" or all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
         base = dataclasses.replace(cfg, copies=1, sequence_parallel=False)
         if base in bases:

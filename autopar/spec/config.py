@@ -521,8 +521,7 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
-    mesh runs with dp, pipelines, cp, microbatches, copies, recompute and ZeRO 0-3, without offload (:class:`UnsupportedError`
-    for the rest); 2d, 2.5d and 3d run without context parallelism and copies
+    mesh runs with whatever a 1d group runs with; 2d, 2.5d and 3d run without context parallelism and copies
     (:class:`UnsupportedError`), with the samples of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
     times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
@@ -530,10 +529,6 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
         return
     mode = cfg.tp_mode
     if mode in MESH_MODES:
-        if cfg.offload != "none":
-            raise UnsupportedError(f"tp_mode={mode} with offload={cfg.offload} is not implemented yet; "
-                                   f"tp_mode={mode} runs with dp, pipelines, cp, microbatches, copies, recompute "
-                                   f"and ZeRO 0-3")
         return
     for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
         if bad:
