@@ -257,6 +257,11 @@ class Planner:
                     bounds[key] = bounded
         return bounds[key]
 
+    def mesh_estimate(self, cfg: ParallelConfig) -> Estimate:
+        """A ``tp_mode=mesh`` ``cfg`` estimated as its unbounded joint program
+        decides it (with the request's pins), whether or not that fits."""
+        return self._mesh_estimate(cfg, Sharder("ilp", self.pins, None))
+
     def _mesh_estimate(self, cfg: ParallelConfig, sharder: Sharder) -> Estimate:
         """A ``tp_mode=mesh`` ``cfg`` estimated as decided by ``sharder`` (its stages balanced)."""
         model = self.cost(cfg.precision)
