@@ -25,8 +25,8 @@ from .search.grid import search_grid
 from .search.ilp import InfeasiblePins
 from .search.planner import Planner, PlannerState, SearchRecord, Sharder
 from .sharding import AxisSharding, track_batch
-from .spec import ParallelConfig, parse_strategy
-from .spec.placement import R
+from .spec import MESH_MODES, ParallelConfig, parse_strategy
+from .spec.placement import SEP, R, axis_placements, joint_placement
 from .strategies.rules import Strategy, grouped_warnings
 from .trace import trace
 
@@ -388,12 +388,14 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
     params: dict[str, list[str]] = {}
     ops: dict[str, Any] = {}
     keys = graph.op_keys()
+    axes = (*tp_sharding.others, tp_sharding)     # tp_mode=mesh: the tp column holds every axis, S(0)|S(1)
     for nd in graph.nodes:
         if nd.is_state:
             if nd.param is not None:
-                params[nd.param] = [dp_sh.out.get(nd.name, R), tp_sharding.out.get(nd.name, R)]
+                params[nd.param] = [dp_sh.out.get(nd.name, R),
+                                    joint_placement([ax.out.get(nd.name, R) for ax in axes])]
             continue
-        sd, st = dp_sh.strategy.get(nd.name), tp_sharding.strategy.get(nd.name)
+        sd, st = dp_sh.strategy.get(nd.name), _joint_strategy(axes, nd.name)
         if sd is None and st is None:
             continue
         sd = sd or Strategy("replicate", tuple(R for _ in nd.inputs), R, False)
@@ -445,19 +447,44 @@ def build_plan(graph: Graph, model: CostModel, cfg: ParallelConfig, est: Estimat
     return Plan({k: v if k in ("params", "ops") else rounded(v) for k, v in data.items()})
 
 
+def _joint_strategy(axes: tuple[AxisSharding, ...], name: str) -> Strategy | None:
+    """The strategy ``name`` runs on the tensor axes ``axes`` (one for 1d) as
+    the plan records it: on a mesh, each field joined over the axes
+    (``S(0)|S(1)``, ``colwise|rowwise``), split if any axis splits, the
+    scales multiplied, the one special kernel."""
+    sts = [ax.strategy.get(name) for ax in axes]
+    if len(sts) == 1 or any(st is None for st in sts):
+        return sts[-1]
+    return Strategy(SEP.join(st.name for st in sts),
+                    tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(sts[-1].ins))),
+                    joint_placement([st.out for st in sts]), any(st.split for st in sts), (),
+                    math.prod(st.scale for st in sts), next((st.kernel for st in sts if st.kernel), None))
+
+
 def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
     """The tensor-parallel decisions recorded in ``plan_`` for ``graph``, or
     None when the graph's ops differ from the plan's (e.g. another loss
-    function): the caller then re-derives them from the strategy."""
+    function): the caller then re-derives them from the strategy. A
+    ``tp_mode=mesh`` plan records every axis joined (``S(0)|S(1)``): the
+    inner axis is returned with the outer ones in ``others`` (their
+    placements and strategy names; ``parallelize`` solves the mesh again
+    and compares, :func:`autopar.parallelize._check_mesh_plan`)."""
     ops = plan_.data["ops"]
     keys = plan_.op_keys(graph)
-    sh = AxisSharding(n=plan_.config.tp_grid[-1])     # tp_mode=2d: the grid's columns
+    grid = plan_.config.tp_grid
+    k = len(grid) if plan_.config.tp_mode in MESH_MODES else 1
+    axes = [AxisSharding(n=n) for n in grid[-k:]]     # tp_mode=2d: the grid's columns
     by_param = {v: k for k, v in ((nd.name, nd.param) for nd in graph.nodes if nd.param)}
+
+    def parts(p: str) -> tuple[str, ...]:
+        return axis_placements(p, k) if k > 1 else (p,)
+
     for pname, placements in plan_.data["params"].items():
         node = by_param.get(pname)
         if node is None:
             return None
-        sh.out[node] = placements[1]
+        for ax, p in zip(axes, parts(placements[1])):
+            ax.out[node] = p
     for nd in graph.nodes:
         if nd.is_state:
             continue
@@ -466,15 +493,24 @@ def sharding_from_plan(graph: Graph, plan_: Plan) -> AxisSharding | None:
             if nd.kind in ("shape", "constant", "output") or (nd.out is None and nd.kind != "split"):
                 continue
             if nd.kind == "input":
-                sh.out[nd.name] = R
+                for ax in axes:
+                    ax.out[nd.name] = R
                 continue
             return None
         if len(e["in"]) != len(nd.inputs):
             return None
-        scale = e.get("scale", [1.0, 1.0])[1]
-        sh.strategy[nd.name] = Strategy(e["strategy"][1], tuple(p[1] for p in e["in"]), e["out"][1],
-                                        bool(e.get("split", [False, False])[1]), (), scale, e.get("kernel"))
-        sh.out[nd.name] = e["out"][1]
+        names, outs = e["strategy"][1].split(SEP) if k > 1 else [e["strategy"][1]], parts(e["out"][1])
+        ins = list(zip(*[parts(p[1]) for p in e["in"]])) or [()] * k
+        if len(names) != k or len(outs) != k or len(ins) != k:
+            return None
+        split = bool(e.get("split", [False, False])[1])
+        for a, ax in enumerate(axes):     # a mesh's scales and kernel are recorded for the whole strategy
+            ax.strategy[nd.name] = Strategy(names[a], tuple(ins[a]), outs[a], split, (),
+                                            e.get("scale", [1.0, 1.0])[1] if k == 1 else 1.0,
+                                            e.get("kernel") if k == 1 else None)
+            ax.out[nd.name] = outs[a]
+    sh = axes[-1]
+    sh.others = tuple(axes[:-1])
     return sh
 
 

@@ -55,7 +55,7 @@ from .search import pins as _pins
 from .sharding import AxisSharding, batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
     positions_reduced_with_samples, samples_meet, scaled_shapes
 from .spec import MESH_MODES, ParallelConfig, check_grid, is_shard, parse_strategy
-from .spec.placement import R
+from .spec.placement import R, joint_placement
 from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
 
@@ -483,7 +483,7 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
         planner = api.planner_for(plan_graph or graph, plan.data["cluster"]["spec"], plan.data["optimizer"],
                                   plan.data["precision"], devices=cfg.devices, global_batch=global_batch, pins=pins)
         recorded, (tp_sh, _) = tp_sh, planner.sharding(cfg)
-        if recorded is not None:     # a mesh: the plan records its inner axis; the joint program gives every axis
+        if recorded is not None:     # a mesh: the plan's record of every axis must be the joint program's again
             _check_mesh_plan(recorded, tp_sh)
     # one copy's, on one data-parallel rank (whole along dp where the dp axis is compiled in)
     shapes = scaled_shapes(graph, global_batch // (cfg.microbatches * cfg.copies), 1 if batch_moves else cfg.dp)
@@ -518,13 +518,18 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
 
 
 def _check_mesh_plan(recorded: AxisSharding, solved: AxisSharding) -> None:
-    """A ``tp_mode=mesh`` plan's recorded placements (its inner axis's) are
-    the joint program's again, or the plan was edited: refuse it."""
-    moved = [name for name, p in recorded.out.items() if solved.out.get(name, R) != p]
-    if moved:
-        raise PlanError(f"the plan's tp_mode=mesh placements are not what its joint program decides "
-                        f"({moved[0]}: {recorded.out[moved[0]]} in the plan, {solved.out.get(moved[0], R)} decided); "
-                        f"the plan was edited or made for another model: plan it again")
+    """A ``tp_mode=mesh`` plan's recorded placements (every axis's; a plan
+    of the first mesh release, the inner axis's) are the joint program's
+    again, or the plan was edited: refuse it."""
+    pairs = list(zip((*recorded.others, recorded)[::-1], (*solved.others, solved)[::-1]))
+    for rec, got in pairs:
+        moved = [name for name, p in rec.out.items() if got.out.get(name, R) != p]
+        if moved:
+            def joint(sh: AxisSharding) -> str:
+                return joint_placement([ax.out.get(moved[0], R) for ax in (*sh.others, sh)])
+            raise PlanError(f"the plan's tp_mode=mesh placements are not what its joint program decides "
+                            f"({moved[0]}: {joint(recorded)} in the plan, {joint(solved)} decided); "
+                            f"the plan was edited or made for another model: plan it again")
 
 
 def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: Any, loss_fn: Any, target: Any,

@@ -30,13 +30,16 @@ import jsonschema
 
 from . import __version__, units
 from .errors import PlanError
-from .spec import FIELDS, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks, shard_dim
+from .spec import FIELDS, MESH_MODES, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks, shard_dim
+from .spec.placement import SEP
 
 PLAN_VERSION = 2
 #: the versions :meth:`Plan.load` reads: 1 (ops keyed by fx node names, every layer written out) and 2
 PLAN_VERSIONS = (1, 2)
 
-_PLACEMENT = {"type": "string", "pattern": r"^(R|P|S\([0-9]+\)|S\([0-9]+,([2-9]|[1-9][0-9]+)\))$"}
+# one placement, or (tp_mode=mesh) one per axis of the tp group's mesh, outermost first: S(0)|S(1)
+_ONE = r"(R|P|S\([0-9]+\)|S\([0-9]+,([2-9]|[1-9][0-9]+)\))"
+_PLACEMENT = {"type": "string", "pattern": rf"^{_ONE}(\|{_ONE})*$"}
 _PARAMS = {"type": "object", "additionalProperties": {"type": "array", "items": _PLACEMENT}}
 _OPS = {
     "type": "object",
@@ -360,7 +363,8 @@ class Plan:
             path = "/".join(str(p) for p in e.absolute_path) or "<top>"
             why = e.message
             if e.validator == "pattern" and e.schema is _PLACEMENT:
-                why = f"{e.instance!r} is not a placement (R, P, S(d), or S(d,k) with k >= 2 blocks)"
+                why = (f"{e.instance!r} is not a placement (R, P, S(d), or S(d,k) with k >= 2 blocks; under "
+                       f"tp_mode=mesh one per axis joined by '|', S(0)|S(1))")
             raise PlanError(f"{where}: invalid plan at '{path}': {why}") from None
         _check_consistent(d, where)
         return cls(expand(d) if version >= 2 else d)
@@ -420,7 +424,8 @@ class Plan:
         way by every op that reads it in ``ops`` (an edited plan would
         otherwise be run as something else than its predictions describe)."""
         where = f"plan for {self.data['model']['name']!r}"
-        tp = self.config.tp_grid[-1]       # tp_mode=2d: the placements are the grid's columns
+        # tp_mode=2d: the placements are the grid's columns; tp_mode=mesh: one per axis of its mesh
+        sizes = self.config.tp_grid if self.config.tp_mode in MESH_MODES else self.config.tp_grid[-1:]
         params = self.data["params"]
         names = {nd.param: nd for nd in graph.nodes if nd.param and nd.kind == "param"}
         missing = sorted(set(names) - set(params))
@@ -432,7 +437,7 @@ class Plan:
         state = {nd.param: nd for nd in graph.nodes if nd.param}
         for pname, (_, place) in params.items():
             nd = state[pname]
-            _check_shard(f"{where}: parameter {pname}", place, nd.out.shape if nd.out is not None else (), tp)
+            _check_shard(f"{where}: parameter {pname}", place, nd.out.shape if nd.out is not None else (), sizes)
         by_node = {nd.name: nd.param for nd in graph.nodes if nd.param}
         reads: dict[str, list[tuple[str, str]]] = {}     # parameter -> (op, placement it reads) per reader
         ops = self.data["ops"]
@@ -443,10 +448,13 @@ class Plan:
             for i, ins in zip(graph[name].inputs, e["in"]):
                 if by_node.get(i) in params:
                     reads.setdefault(by_node[i], []).append((op, ins[1]))
+        def stored(p: str) -> str:     # a mesh moves a weight on its outer axes, never on the inner one
+            return p.split(SEP)[-1]
+
         for pname, readers in reads.items():
             # a reader may take a weight in another placement after a redistribution (the head of a tied
             # embedding reads it whole), but a placement no reader takes is one the plan was not made for
-            if all(r != params[pname][1] for _, r in readers):
+            if all(stored(r) != stored(params[pname][1]) for _, r in readers):
                 op, r = readers[0]
                 raise PlanError(f"{where}: parameter {pname} is placed {params[pname][1]} in 'params' but op "
                                 f"{op} reads it as {r} in 'ops'; the plan was edited inconsistently: "
@@ -571,18 +579,31 @@ class Plan:
         return f"Plan({self.data['model']['name']!r}, {self.strategy}, step {self.predicted['step_time_s']:.4g} s)"
 
 
-def _check_shard(what: str, place: str, shape: tuple[int, ...], n: int) -> None:
-    """A ``S(d)`` placement must name a dim of ``shape`` that ``n`` divides (``S(d,k)``: ``k`` blocks of it)."""
-    if not place.startswith("S("):
-        return
-    d, k = shard_dim(place), shard_blocks(place)
-    if d >= len(shape):
-        raise PlanError(f"{what}: placement {place} splits dim {d}, but the tensor has {len(shape)} dims "
-                        f"(shape {tuple(shape)})")
-    if n > 1 and shape[d] % (n * k):
-        blocks = f"{k} blocks x " if k > 1 else ""
-        raise PlanError(f"{what}: placement {place} splits dim {d} of size {shape[d]}, which {blocks}tp={n} "
-                        f"does not divide")
+def _check_shard(what: str, place: str, shape: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    """A placement on the tensor axes of ``sizes`` (one for 1d, a mesh's
+    several) names one placement per axis, and each ``S(d)`` a dim of
+    ``shape`` that the axes splitting it divide (``S(d,k)``: ``k`` blocks of it)."""
+    parts = place.split(SEP)
+    if len(parts) != len(sizes):
+        raise PlanError(f"{what}: placement {place} names {len(parts)} tensor axes, but the plan's tp group has "
+                        f"{len(sizes)} ({'x'.join(map(str, sizes))})")
+    names = ("tp",) if len(sizes) == 1 else (("tp_depth",) if len(sizes) == 3 else ()) + ("tp_row", "tp")
+    split: dict[int, list[str]] = {}      # dim -> the factors splitting it
+    for part, n, axis in zip(parts, sizes, names):
+        if not part.startswith("S("):
+            continue
+        d, k = shard_dim(part), shard_blocks(part)
+        if d >= len(shape):
+            raise PlanError(f"{what}: placement {place} splits dim {d}, but the tensor has {len(shape)} dims "
+                            f"(shape {tuple(shape)})")
+        split.setdefault(d, [f"{k} blocks"] if k > 1 else []).append(f"{axis}={n}")
+    for d, factors in split.items():
+        total = 1
+        for f in factors:
+            total *= int(f.split("=")[-1]) if "=" in f else int(f.split()[0])
+        if total > 1 and shape[d] % total:
+            raise PlanError(f"{what}: placement {place} splits dim {d} of size {shape[d]}, which "
+                            f"{' x '.join(factors)} does not divide")
 
 
 def _check_consistent(d: dict[str, Any], where: str) -> None:

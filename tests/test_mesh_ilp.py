@@ -484,3 +484,40 @@ def test_zero3_on_a_mesh_is_costed_as_fsdp_of_the_mesh_shards():
     gathered = (elems[0] + elems[-1] + 2 * max(elems[1:-1])) * 4
     assert e3.memory["transient"] - e0.memory["transient"] == pytest.approx(gathered, rel=1e-6)
     assert e3.dp_comm_time_s > e0.dp_comm_time_s     # the gathers of every unit in forward and backward
+
+
+def test_a_mesh_plan_records_every_axis_and_refuses_an_edit(tmp_path):
+    """A ``tp_mode=mesh`` plan records each weight's and op's placement on
+    every axis of the mesh (``S(0)|S(1)``, outermost first), reads back,
+    and is refused where edited: an outer axis changed (the joint program
+    decides otherwise when parallelize solves it again) or a placement with
+    another number of axes than the mesh."""
+    import copy
+
+    from autopar.api import planner_for, sharding_from_plan
+    from autopar.errors import PlanError
+    from autopar.parallelize import _check_mesh_plan
+    model, x, y = _model_and_batch()
+    g = autopar.trace(model, (x,), loss_fn=_loss, target=y)
+    p = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, strategy="tp=4,tp_mode=mesh,precision=fp32")
+    split_both = {k: v[1] for k, v in p.data["params"].items() if v[1].count("S") == 2}
+    assert split_both and all(v[1].count("|") == 1 for v in p.data["params"].values())
+    path = tmp_path / "mesh.json"
+    p.save(path)
+    again = autopar.Plan.load(path)
+    again.check_graph(g)
+    solved = planner_for(g, again.data["cluster"]["spec"], "adamw", "fp32", devices=4,
+                         global_batch=4).sharding(again.config)[0]
+    _check_mesh_plan(sharding_from_plan(g, again), solved)     # the recorded decisions are the program's
+    name, place = next(iter(split_both.items()))
+
+    def edited(value: str):
+        data = copy.deepcopy(again.data)
+        data["params"][name] = [data["params"][name][0], value]
+        return autopar.Plan(data)
+
+    outer_moved = edited("R|" + place.split("|")[1])
+    with pytest.raises(PlanError, match="not what its joint program decides"):
+        _check_mesh_plan(sharding_from_plan(g, outer_moved), solved)
+    with pytest.raises(PlanError, match="names 1 tensor axes"):
+        edited(place.split("|")[1]).check_graph(g)

@@ -23,8 +23,8 @@ the placements its consumers read. One program decides all of them:
   a move no order of the axes runs (two axes sharing a dim moving it
   unlike: :func:`~autopar.strategies.redistribute.nested_moves`) is not
   offered, nor, on two axes or more, a weight read on the inner axis other
-  than as it is stored there (a plan records the inner axis's placements,
-  and each weight's placement is one its readers read), nor a move of a
+  than as it is stored there (a weight is moved on the outer axes only, as
+  a plan's check of its readers assumes), nor a move of a
   tuple (a split's pieces, read as they are made).
 
 So a weight split on one axis and split another way on the other (2D
