@@ -458,7 +458,7 @@ def show(
     typer.echo(p.summary(max(out.width, 100)).rstrip("\n"))
     if timeline is not None:
         out.print(f"predicted pipeline timeline written to [bold]{escape(str(timeline))}[/]")
-    axes = [a for a in p.data["mesh"]["axes"] if a != "pp"]   # placements are per (dp, tp)
+    axes = p.placement_axes()   # placements are per (dp, tp); a mesh's tp column holds each of its axes
     params: dict[str, list[str]] = p.data["params"]
 
     # placement pairs: how many parameter tensors sit where

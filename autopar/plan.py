@@ -416,6 +416,18 @@ class Plan:
             d["layers"] = [{"name": g.name, "instances": list(g.instances)} for g in graph.groups]
         return Plan(_round(d), planning_time_s=self.planning_time_s, graph=graph)
 
+    def placement_axes(self) -> list[str]:
+        """The mesh axes the ``params`` and ``ops`` placements are given on:
+        ``dp`` and ``tp`` (pp and cp hold none: a cp rank holds the weights
+        whole and its part of the sequence), ``tp`` under ``tp_mode=mesh``
+        holding every axis of the tp group's mesh, joined (``tp_row|tp``,
+        ``tp_depth|tp_row|tp``)."""
+        axes = [a for a in self.data["mesh"]["axes"] if a not in ("pp", "cp")]
+        if self.config.tp_mode in MESH_MODES:
+            names = (("tp_depth",) if len(self.config.tp_grid) == 3 else ()) + ("tp_row", "tp")
+            axes = [SEP.join(names) if a == "tp" else a for a in axes]
+        return axes
+
     def check_graph(self, graph: Any) -> None:
         """Refuse a plan whose placements cannot be this graph's: a parameter
         missing from ``params`` (or one the graph lacks), a shard dim a

@@ -170,7 +170,7 @@ def _timeline(plan: Plan) -> str:
 def _placements(plan: Plan) -> str:
     """Every parameter's placement per mesh axis, repeated layers collapsed
     (``blocks.7.attn.q.weight`` counts under ``blocks.*.attn.q.weight``)."""
-    axes = [a for a in plan.data["mesh"]["axes"] if a != "pp"]
+    axes = plan.placement_axes()
     patterns: dict[str, Counter] = {}
     pattern = plan.patterns()
     for name, pl in plan.data["params"].items():

@@ -222,3 +222,18 @@ def test_diff_two_plans(tmp_path, monkeypatch):
     same = run("diff", a, a, "--json")
     assert same.exit_code == 0 and json.loads(same.stdout)["identical"]
     assert "does not exist" in fails("diff", a, tmp_path / "none.json")
+
+@pytest.mark.parametrize("strategy,devices,header", [("dp=2,cp=2,tp=2", 8, ["dp", "tp"]),
+                                                     ("dp=2,tp=4,tp_mode=mesh", 8, ["dp", "tp_row|tp"])])
+def test_show_heads_the_placement_columns_by_the_axes_they_hold(tmp_path, strategy, devices, header):
+    """The placements are per (dp, tp): with cp there is no cp column (a cp
+    rank holds the weights whole; the tp placements were shown under cp
+    before), and a mesh's tp column holds each of its axes."""
+    g = autopar.api.as_graph("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64")
+    p = autopar.plan(g, cluster="cpu", devices=devices, global_batch=8, strategy=strategy)
+    assert p.placement_axes() == header
+    path = p.save(tmp_path / "p.json")
+    out = ok("show", path, "--limit", "0").stdout
+    table = out.split("parameter placements")[1].split("\n")
+    heads = next(line for line in table if "tensors" in line)
+    assert [c.strip() for c in re.split(r"[┃│]", heads) if c.strip()][:len(header) + 1] == [*header, "tensors"]
