@@ -351,6 +351,8 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
                 est, sharder = planner.choose(cfg, float("inf"))
                 search = {"mode": search_mode, "tp_axis": sharder.label}
         sh, _ = planner.sharding(cfg, sharder)
+    if cfg.tp_mode in MESH_MODES:    # one joint program decides a mesh, in every mode (a manual one too)
+        search["tp_axis"] = "mesh" + ("+memory" if getattr(sh.ilp, "memory_limited", False) else "")
     if pins:
         names = _pins.keys(graph, user_pins)
         search["pins"] = {names[n]: p for n, p in pins}

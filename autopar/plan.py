@@ -572,7 +572,10 @@ class Plan:
         if s.get("tp_axis"):
             rows.append(("tp placements", {"ilp": "per op, ILP", "ilp+memory": "per op, ILP under the memory bound",
                                            "greedy": "per op, greedy propagation",
-                                           "manual": "Megatron-style (every splittable weight split)"}
+                                           "manual": "Megatron-style (every splittable weight split)",
+                                           "mesh": "per op, one ILP over every axis of the tp mesh",
+                                           "mesh+memory": "per op, one ILP over every axis of the tp mesh, "
+                                                          "under the memory bound"}
                          .get(s["tp_axis"], s["tp_axis"])))
         if s.get("ilp"):
             i = s["ilp"]
