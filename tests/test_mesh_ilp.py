@@ -521,3 +521,21 @@ def test_a_mesh_plan_records_every_axis_and_refuses_an_edit(tmp_path):
         _check_mesh_plan(sharding_from_plan(g, outer_moved), solved)
     with pytest.raises(PlanError, match="names 1 tensor axes"):
         edited(place.split("|")[1]).check_graph(g)
+
+
+def test_a_mesh_the_request_cannot_make_is_counted_not_raised(monkeypatch):
+    """The search's mesh refinement counts a mesh whose program refuses the
+    request (pins it cannot hold, shapes it cannot split) and goes on: the
+    plan is the flat search's."""
+    from autopar.errors import StrategyError
+    from autopar.search.planner import Planner
+    g = autopar.api.as_graph("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128")
+    flat = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4)
+
+    def refuse(self, cfg):
+        raise StrategyError("this mesh cannot be made")
+
+    monkeypatch.setattr(Planner, "mesh_estimate", refuse)
+    monkeypatch.setattr(Planner, "_mesh_bound", lambda self, cfg, pins=(): refuse(self, cfg))
+    p = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"))
+    assert p.strategy == flat.strategy
