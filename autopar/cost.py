@@ -1000,9 +1000,10 @@ class CostModel:
         elif selective:      # the layers' inputs and what the decisions keep; the rest made again
             recomputed = max(b.full[k] - inst_saved[k] for k in inst_saved)
             activations += sum(self._mesh_layer_inputs(sh, shapes).values())
-        # the recomputed forward's collectives: about half of forward and backward's; n copies' add up
+        # full recompute: the layers' forward collectives again, about half of their forward and backward's
+        # (as for 1d, _comm_passes); n copies' add up
         compute = m * n * ((4.0 if full else 3.0) * fwd + b.refwd)
-        tp_comm_total = m * n * tp_comm * (1.5 if full else 1.0)
+        tp_comm_total = m * n * (tp_comm + (_comm_passes(cfg) - 1) * b.layer_comm)
         if n > 1:     # one copy's collectives beside the others' compute; the copies' values live at once
             tp_comm_total, compute = self._copies_overlap(n, compute, tp_comm_total)
             activations, recomputed, transient = n * activations, n * recomputed, n * transient
@@ -1084,7 +1085,9 @@ class CostModel:
             replayed = selective and nd.group is not None and nd.name not in tail
             b.fwd += t
             b.refwd += t if replayed and nd.name not in keeps else 0.0
-            b.comm += charged.get(nd.name, 0.0) * (1.5 if replayed else 1.0)
+            c = charged.get(nd.name, 0.0) * (1.5 if replayed else 1.0)
+            b.comm += c
+            b.layer_comm += c if nd.group is not None else 0.0
             kept = saved(nd, joint)
             if nd.group is None:
                 b.outside += kept
@@ -1968,6 +1971,7 @@ class _MeshSums:
 
     fwd: float = 0.0           # forward time
     comm: float = 0.0          # the collectives charged, forward and backward (selective: replays too)
+    layer_comm: float = 0.0    # the part of it inside the repeated layers (what full recompute replays)
     refwd: float = 0.0         # the forward selective recompute runs again (with its dispatch)
     outside: float = 0.0       # bytes kept by the ops outside any layer
     transient: float = 0.0     # the largest output

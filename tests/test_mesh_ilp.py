@@ -376,13 +376,13 @@ def test_a_mesh_in_each_pipeline_stage_or_cp_rank_on_8_processes():
         assert any(p.count("S") == 2 for p in split), (strategy, split)    # a weight split on both axes
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole(recompute):
     """The per-unit costs of a pipelined mesh (what the stage balance and the
     schedule read) add up to what the flat estimate of the same decisions
-    charges: compute forward and backward (with selective recompute's
-    replayed forward) plus the collectives the joint program charged (and
-    the replays'), and the local parameters at their mesh placements."""
+    charges: compute forward and backward (with the forward recompute
+    replays) plus the collectives the joint program charged (and the
+    replays'), and the local parameters at their mesh placements."""
     from autopar.search.planner import Planner, Sharder
     from autopar.spec import parse_strategy
     g = autopar.api.as_graph("gpt:layers=4,hidden=64,heads=4,seq=16,vocab=128")
@@ -399,7 +399,7 @@ def test_a_pipelined_mesh_costs_its_units_as_the_flat_mesh_costs_the_whole(recom
     assert sum(per.time) == pytest.approx(est.compute_time_s + est.tp_comm_time_s, rel=1e-9)
     if recompute == "none":
         assert sum(per.comm) == pytest.approx(sh.ilp.collectives_s, rel=1e-9)
-    else:     # selective: the ops it replays run their forward (and collectives) again
+    else:     # the ops a recompute replays run their forward (and collectives) again
         none = model.unit_costs(dataclasses.replace(piped, recompute="none"), sh, shapes, 8)
         assert sum(per.time) > sum(none.time) and sum(per.act) < sum(none.act)
     local = 0.0
