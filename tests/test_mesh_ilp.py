@@ -539,3 +539,29 @@ def test_a_mesh_the_request_cannot_make_is_counted_not_raised(monkeypatch):
     monkeypatch.setattr(Planner, "_mesh_bound", lambda self, cfg, pins=(): refuse(self, cfg))
     p = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"))
     assert p.strategy == flat.strategy
+
+
+LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=8,vocab=64"
+
+
+def _llama_searched(rank: int, world: int) -> tuple[str, list[float], int]:
+    z = autopar.zoo.build(LLAMA, device="cpu", seed=0, batch=4)
+    g = autopar.trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target)
+    plan = autopar.plan(g, cluster=_fast_links(), devices=4, global_batch=4, tp_modes=("1d", "mesh"),
+                        precision="fp32")
+    pm = autopar.parallelize(z.model, z.example_inputs, loss_fn=z.loss_fn, example_target=z.example_target,
+                             strategy=plan, cluster=_fast_links(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    both = sum(1 for n, p in pm.param_placement.items() if p != "R" and pm.row_placement.get(n, "R") != "R")
+    return plan.strategy, [pm.train_step(z.example_inputs, z.example_target) for _ in range(3)], both
+
+
+def test_the_search_picks_a_mesh_for_the_llama_model_and_it_trains_as_one_process():
+    """The automatic search with meshes on the Llama-like model (GQA, RoPE,
+    SwiGLU, RMSNorm) picks a 2 x 2 mesh on links fast enough for the tiny
+    model, with weights split on both axes, and it trains as one process."""
+    from distributed import eager_steps
+    z = autopar.zoo.build(LLAMA, device="cpu", seed=0, batch=4)
+    ref = eager_steps(z.model, z.example_inputs, z.example_target, z.loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    strategy, losses, both = run_distributed(_llama_searched, 4, timeout=300)[0]
+    assert "tp_mode=mesh" in strategy and both > 0, (strategy, both)
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
