@@ -30,7 +30,8 @@ import jsonschema
 
 from . import __version__, units
 from .errors import PlanError
-from .spec import FIELDS, MESH_MODES, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks, shard_dim
+from .spec import (FIELDS, MESH_MODES, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks,
+                   shard_dim)
 from .spec.placement import SEP
 
 PLAN_VERSION = 2

@@ -351,7 +351,8 @@ MESH_8 = ["tp=4,tp_mode=mesh,pp=2,microbatches=2,precision=fp32",
           "tp=4,tp_mode=mesh,pp=2,microbatches=4,recompute=full,sequence_parallel=true,precision=fp32",
           "tp=4,tp_mode=mesh,cp=2,precision=fp32",
           "tp=4,tp_mode=mesh,cp=2,microbatches=2,recompute=full,sequence_parallel=true,precision=fp32",
-          "dp=2,tp=4,tp_mode=mesh,zero=3,precision=fp32", "dp=2,tp=4,tp_mode=mesh,zero=3,offload=optimizer,precision=fp32"]
+          "dp=2,tp=4,tp_mode=mesh,zero=3,precision=fp32",
+          "dp=2,tp=4,tp_mode=mesh,zero=3,offload=optimizer,precision=fp32"]
 
 
 def _mesh_8_worker(rank: int, world: int) -> list:
