@@ -538,7 +538,7 @@ class CostModel:
         mesh = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cp, tp)
         topo, axis = self.topology(mesh), len(mesh) - 2
         axes = (*sh.others, sh)     # a tp_mode=mesh group's axes (the tp axis alone for 1d)
-        pieces = mesh_pieces(tuple(ax.n for ax in axes))
+        pieces = mesh_pieces(tuple(ax.n for ax in axes))     # of what a reader wants, not of what is stored
 
         def local(name: str, reader: str) -> float:
             """Bytes of ``name`` on one rank as ``reader``'s strategy reads it on the tensor axes."""
@@ -974,20 +974,19 @@ class CostModel:
         layers' inputs and one layer's values, a fourth pass and the layers'
         forward collectives again). (Long because the Estimate's fields are
         assembled here, one per line.)"""
-        sizes = self._mesh_sizes(cfg, sh)
+        self._mesh_sizes(cfg, sh)     # checked: the joint decisions of every axis
         dp, m, n = cfg.dp, cfg.microbatches, cfg.copies
         local_batch = global_batch / (dp * m * n)     # one copy's samples (the microbatch's without copies)
         if n > 1:
             shapes = scaled_shapes(self.graph, global_batch // (m * n), dp)
-        pieces = mesh_pieces(sizes)
+        parts = self._mesh_parts(sh)
         b = self._mesh_buckets(cfg, sh, shapes, local_batch, lambda nd: 0, 1)[0]
         fwd, outside, transient, inst_saved = b.fwd, b.outside, b.transient, b.saved
-        axes = (*sh.others, sh)
         local, n_tensors = 0.0, 0
         for nd in self.params.values():
             info = self.graph.params.get(nd.param)
             if info is not None and not info.is_buffer and info.requires_grad:
-                local += info.numel / pieces(joint_placement([ax.out.get(nd.name, R) for ax in axes]))
+                local += info.numel / parts(nd.name)
                 n_tensors += 1
         tp_comm = b.comm      # what the joint program charged its collectives (selective: the replays too)
         full = cfg.recompute == "full" and bool(inst_saved)
@@ -1101,21 +1100,28 @@ class CostModel:
                 b.refwd += sum(2 * k * self.cluster.device.checkpoint_dispatch_s for k in b.ops.values())
         return out
 
+    @staticmethod
+    def _mesh_parts(sh: AxisSharding) -> Callable[[str], int]:
+        """``parts(value)``: how many parts the tensor axes of ``sh`` (a
+        mesh's inner axis with its outer ones in ``sh.others``; one axis for
+        1d) cut a value in, by its placement on each."""
+        axes = (*sh.others, sh)
+        pieces = mesh_pieces(tuple(ax.n for ax in axes))
+        return lambda name: pieces(joint_placement([ax.out.get(name, R) for ax in axes]))
+
     def _mesh_layer_inputs(self, sh: AxisSharding, shapes: dict) -> dict[str, float]:
         """Per repeated-layer instance, the local bytes of its input at its
         mesh placement (what full and selective recompute keep of it)."""
-        axes = (*sh.others, sh)
-        pieces = mesh_pieces(tuple(ax.n for ax in axes))
-        return {inst: _numel(shapes.get(i)) * self.itemsize / pieces(joint_placement([ax.out.get(i, R) for ax in axes]))
-                for inst, i in self._layer_inputs_of}
+        parts = self._mesh_parts(sh)
+        return {inst: _numel(shapes.get(i)) * self.itemsize / parts(i) for inst, i in self._layer_inputs_of}
 
     def _mesh_unit_elems(self, cfg: ParallelConfig, sh: AxisSharding) -> list[float]:
         """Per pipeline unit (embedding, layers, head), the local trainable
         elements of a mesh rank: each parameter the unit reads at its mesh
         placement (a tied one in each unit reading it)."""
-        axes, pieces = (*sh.others, sh), mesh_pieces(self._mesh_sizes(cfg, sh))
-        return [sum(numel / pieces(joint_placement([ax.out.get(name, R) for ax in axes])) for name, numel in params)
-                for params in self._unit_param_lists[0]]
+        self._mesh_sizes(cfg, sh)     # checked: the joint decisions of every axis
+        parts = self._mesh_parts(sh)
+        return [sum(numel / parts(name) for name, numel in params) for params in self._unit_param_lists[0]]
 
     def _mesh_unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                          global_batch: int) -> "UnitCosts":
@@ -1125,15 +1131,11 @@ class CostModel:
         recompute keeps a layer's input and makes its values again while its
         backward runs, selective its input and what the decisions keep, as
         for 1d."""
-        sizes = self._mesh_sizes(cfg, sh)
+        self._mesh_sizes(cfg, sh)     # checked: the joint decisions of every axis
         key = ("mesh", id(sh), id(shapes), cfg.dp, cfg.microbatches, cfg.recompute, global_batch)
         hit = self.cache.units.get(key)
         if hit is not None and hit[0] is sh:
             return hit[1]
-        axes, pieces = (*sh.others, sh), mesh_pieces(sizes)
-
-        def share(name: str) -> int:
-            return pieces(joint_placement([ax.out.get(name, R) for ax in axes]))
 
         u = units(self.graph)
         n = u.layers + 2
@@ -1166,7 +1168,7 @@ class CostModel:
                 out.fixed[k] = 2 * b.transient
         out.params = self._mesh_unit_elems(cfg, sh)
         out.tensors = [float(len(params)) for params in self._unit_param_lists[0]]
-        out.cut = self._cut_bytes(sh, shapes, cfg.tp, n, share)
+        out.cut = self._cut_bytes(sh, shapes, cfg.tp, n, self._mesh_parts(sh))
         self.cache.hold(sh)
         self.cache.units[key] = (sh, out)
         return out
@@ -1374,8 +1376,7 @@ class CostModel:
             ranks = {stage_of_unit[u] % cfg.pp for u in us}
             if len(ranks) > 1:
                 if cfg.tp_mode in MESH_MODES:     # a mesh rank's part: split on every axis placing it so
-                    place = joint_placement([ax.out.get(name, R) for ax in (*sh.others, sh)])
-                    local = numel / mesh_pieces(self._mesh_sizes(cfg, sh))(place)
+                    local = numel / self._mesh_parts(sh)(name)
                 elif cfg.is_grid:     # a grid rank's part: split on its columns, rows and depth
                     local = _grid_share(cfg, *self._grid_split(self.graph[name], sh, cfg))
                 else:

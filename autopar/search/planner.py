@@ -100,8 +100,9 @@ class PlannerState:
     the ILPs :meth:`Planner.prefetch` started, per ``axes`` key; ``partitions``:
     the balanced pipeline stages per unit costs and memory limits (with the
     unit costs they were balanced from); ``mesh_bounds``: the sharder each
-    ``tp_mode=mesh`` configuration is decided with, per global batch
-    (:meth:`Planner._mesh_bound`)."""
+    ``tp_mode=mesh`` configuration is decided with, per global batch and
+    pins (:meth:`Planner._mesh_bound`), and ``mesh_estimates`` the estimates
+    it and the search's refinement read, per sharder."""
 
     models: dict[str, CostModel] = field(default_factory=dict)
     axes: dict[tuple, AxisSharding] = field(default_factory=dict)
@@ -112,6 +113,7 @@ class PlannerState:
     pending: dict[tuple, Any] = field(default_factory=dict)
     partitions: dict[tuple, tuple] = field(default_factory=dict)
     mesh_bounds: dict[tuple, Sharder] = field(default_factory=dict)
+    mesh_estimates: dict[tuple, Estimate] = field(default_factory=dict)
 
 
 @dataclass
@@ -263,11 +265,16 @@ class Planner:
         return self._mesh_estimate(cfg, Sharder("ilp", self.pins, None))
 
     def _mesh_estimate(self, cfg: ParallelConfig, sharder: Sharder) -> Estimate:
-        """A ``tp_mode=mesh`` ``cfg`` estimated as decided by ``sharder`` (its stages balanced)."""
-        model = self.cost(cfg.precision)
-        sh, shapes = self._mesh_sharding(cfg, sharder)
-        split = self._partition(model, cfg, sh, shapes, "balanced") if cfg.pp > 1 else None
-        return model.estimate(cfg, sh, shapes, self.global_batch, cfg.devices, split)
+        """A ``tp_mode=mesh`` ``cfg`` estimated as decided by ``sharder`` (its
+        stages balanced), once per request: the bound and the search's
+        refinement both read the unbounded one."""
+        key = (cfg, self.global_batch, sharder)
+        if key not in self.state.mesh_estimates:
+            model = self.cost(cfg.precision)
+            sh, shapes = self._mesh_sharding(cfg, sharder)
+            split = self._partition(model, cfg, sh, shapes, "balanced") if cfg.pp > 1 else None
+            self.state.mesh_estimates[key] = model.estimate(cfg, sh, shapes, self.global_batch, cfg.devices, split)
+        return self.state.mesh_estimates[key]
 
     def _mesh_sharding(self, cfg: ParallelConfig, sharder: Sharder) -> tuple[AxisSharding, dict]:
         """``tp_mode=mesh``: the decisions of both axes of the tp group's
