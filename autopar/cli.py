@@ -201,6 +201,58 @@ def _print_explain(p, record) -> None:
         out.print(escape(e["note"]))
 
 
+def _parse_pins(items: list[str]) -> dict[str, str]:
+    """``--pin NAME=PLACEMENT`` options as a dict; a malformed one, or a name
+    pinned twice to different placements, is an error in words."""
+    shardings: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            _fail(f"--pin {item!r}: expected NAME=PLACEMENT, e.g. blocks.0.mlp.fc.weight=S(0)")
+        key, value = key.strip(), value.strip()
+        if key in shardings and shardings[key] != value:
+            _fail(f"--pin {key}: pinned twice, to {shardings[key]} and to {value}; keep one")
+        shardings[key] = value
+    return shardings
+
+
+@contextmanager
+def _search_progress(quiet: bool) -> Iterator[Callable[[int, int], None]]:
+    """A progress callback for the search: a bar on a terminal, one line per
+    quarter on stderr when piped (none with ``quiet``)."""
+    progress = Progress(TextColumn("searching dp x tp x microbatches x recompute x zero"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True,
+                        disable=not err.is_terminal)
+    with progress:
+        task = progress.add_task("search", total=None)
+        t0, shown = time.perf_counter(), [-1]
+
+        def tick(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+            quarter = 4 * done // max(total, 1)     # piped: one line per quarter, not a bar
+            if not err.is_terminal and not quiet and quarter > shown[0]:
+                shown[0] = quarter
+                err.print(f"searching: {done}/{total} configurations ({time.perf_counter() - t0:.1f} s)")
+
+        yield tick
+
+
+def _write_plan(p: Any, record: Any, out_path: Optional[Path], html_out: Optional[Path]) -> None:
+    """Write the plan JSON to ``out_path`` and its HTML report to ``html_out``
+    (each when given)."""
+    if out_path is not None:
+        try:
+            p.save(out_path)
+        except OSError as e:
+            _fail(f"cannot write the plan to {str(out_path)!r}: {e.strerror or e}")
+    if html_out is not None:
+        from .explain import explain as why
+        from .report import html_report
+        with _errors():
+            html_report(p, html_out, explained=why(p, record))
+        err.print(f"report written to {escape(str(html_out))}")
+
+
 @app.command()
 def plan(
     model: str = typer.Argument(..., help=MODEL_HELP),
@@ -243,34 +295,13 @@ def plan(
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan_and_record as make_plan
     _check_options(optimizer, precision)
-    shardings = {}
-    for item in pin or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            _fail(f"--pin {item!r}: expected NAME=PLACEMENT, e.g. blocks.0.mlp.fc.weight=S(0)")
-        key, value = key.strip(), value.strip()
-        if key in shardings and shardings[key] != value:
-            _fail(f"--pin {key}: pinned twice, to {shardings[key]} and to {value}; keep one")
-        shardings[key] = value
+    shardings = _parse_pins(pin or [])
     _check_out_dir(out_path, "plan")
     _check_out_dir(html_out, "report")
     graph = _load_graph(model, quiet=as_json)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":
-            progress = Progress(TextColumn("searching dp x tp x microbatches x recompute x zero"), BarColumn(),
-                                MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True,
-                                disable=not err.is_terminal)
-            with progress:
-                task = progress.add_task("search", total=None)
-                t0, shown = time.perf_counter(), [-1]
-
-                def tick(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
-                    quarter = 4 * done // max(total, 1)     # piped: one line per quarter, not a bar
-                    if not err.is_terminal and not as_json and quarter > shown[0]:
-                        shown[0] = quarter
-                        err.print(f"searching: {done}/{total} configurations ({time.perf_counter() - t0:.1f} s)")
-
+            with _search_progress(quiet=as_json) as tick:
                 p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                                       strategy="auto", optimizer=optimizer, precision=precision,
                                       memory_options=not plain, progress=tick, search_mode=search_mode,
@@ -280,17 +311,7 @@ def plan(
             p, record = make_plan(graph, cluster=cluster, devices=devices, global_batch=global_batch,
                                   strategy=strategy, optimizer=optimizer, precision=precision,
                                   search_mode=search_mode, shardings=shardings, solver=solver)
-    if out_path is not None:
-        try:
-            p.save(out_path)
-        except OSError as e:
-            _fail(f"cannot write the plan to {str(out_path)!r}: {e.strerror or e}")
-    if html_out is not None:
-        from .explain import explain as why
-        from .report import html_report
-        with _errors():
-            html_report(p, html_out, explained=why(p, record))
-        err.print(f"report written to {escape(str(html_out))}")
+    _write_plan(p, record, out_path, html_out)
     if as_json:
         if explain:
             from .explain import explain as why

@@ -60,7 +60,7 @@ from .strategies.context import positions, sequence_length
 from .trace import batch_meets, keyword_inputs, trace
 
 __all__ = ["parallelize", "resolve_plan", "check_runnable", "build_mesh", "apply_tp", "apply_cp", "apply_loss_parts",
-           "trace_local_sequence", "apply_copies", "apply_pipeline",
+           "trace_local_sequence", "apply_copies", "apply_pipeline", "apply_stages",
            "PipelineStages", "apply_recompute", "apply_fsdp", "apply_optimizer", "default_cluster"]
 
 
@@ -117,15 +117,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     max_grad_norm = _check_arguments(model, optimizer, on_nonfinite, lr_scheduler, max_grad_norm)
     rank, world = init_process_group(backend, timeout_s=timeout_s)
-    keys = None
-    if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
-        example_inputs, example_target, keys = keyword_inputs(example_inputs, example_target, loss_fn)
-    inputs = as_tuple(example_inputs)
-    target = _example_target(inputs, example_target)
+    graph, inputs, target, keys = _trace_request(model, example_inputs, example_target, loss_fn)
     traced_inputs = dict(zip(keys, inputs)) if keys else inputs
-    graph = trace(model, traced_inputs, loss_fn=loss_fn, target=target)
-    api.check_trainable(graph)
-    api.check_loss(graph)          # without loss_fn too: the output is the loss
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
@@ -146,33 +139,16 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         guard_empty_ratio(prog.module, run_graph)
     if cfg.copies > 1:
         apply_copies(prog, run_graph, cfg, counted=counted)
-    if cfg.pp > 1:
-        pipe = apply_pipeline(prog, run_graph, plan, cfg, mesh)
-        for st in pipe.stages:
-            st.module = apply_recompute(st.module, run_graph, cfg, prog.keeps)
-        modules = [st.module for st in pipe.stages]
-        local = local_tensors(modules)
-        tied = tie_groups(pipe.tied, local, dp=cfg.dp * cfg.cp, tp=cfg.tp, rank=rank)
-        placement = {k: v for k, v in prog.param_placement.items() if k in local}
-        comms = sum(st.comms for st in pipe.stages)
-    else:
-        pipe, tied, placement, comms = None, [], prog.param_placement, prog.comms
-        modules = [apply_fsdp(apply_recompute(prog.module, run_graph, cfg, prog.keeps), cfg, mesh)]
+    pipe, modules, tied, placement, comms = apply_stages(prog, run_graph, plan, cfg, mesh, rank)
     copies = grad_copies(local_tensors(modules), placement, tied, cfg.tp_grid[-1], prog.row_placement,
                          cfg.tp_grid[-2] if len(cfg.tp_grid) > 1 else 1,
                          cfg.tp_grid[0] if len(cfg.tp_grid) == 3 else 1,
                          prog.depth_placement) if max_grad_norm is not None else {}
     opt, dist_opt = apply_optimizer(modules, cfg, mesh, optimizer, tied=tied, max_grad_norm=max_grad_norm,
                                     copies=copies)
-    aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
-    for alias, canon in graph.aliases.items():
-        aliases.setdefault(canon, []).append(alias)
-    pre = graph.loss_prefix or ""
-    read = {n[len(pre):] if n.startswith(pre) else n for n in [*graph.params, *graph.aliases]}
-    constant = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in read}
     pm = ParallelModule(
         modules, plan=plan, config=cfg, mesh=mesh, optimizer=opt, dist_optimizer=dist_opt,
-        state_names=StateNames(pre, aliases, frozenset(model.state_dict()), constant),
+        state_names=_state_names(graph, model),
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
@@ -190,6 +166,52 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
+
+
+def _trace_request(model: nn.Module, example_inputs: Any, example_target: Any,
+                   loss_fn: Callable | str) -> tuple[Graph, tuple, Any, list[str] | None]:
+    """Trace ``model`` with its loss on the example batch, checked (something
+    trains, the output is a loss): (graph, the inputs as a tuple, the
+    target, the input keys of a keyword batch or None)."""
+    keys = None
+    if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
+        example_inputs, example_target, keys = keyword_inputs(example_inputs, example_target, loss_fn)
+    inputs = as_tuple(example_inputs)
+    target = _example_target(inputs, example_target)
+    graph = trace(model, dict(zip(keys, inputs)) if keys else inputs, loss_fn=loss_fn, target=target)
+    api.check_trainable(graph)
+    api.check_loss(graph)          # without loss_fn too: the output is the loss
+    return graph, inputs, target, keys
+
+
+def apply_stages(prog: LocalProgram, graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, rank: int):
+    """The modules this rank runs, with recompute (and ZeRO-3 without a
+    pipeline) applied: ``(pipeline stages or None, modules, tied groups,
+    placement of the local parameters, collectives per step)``."""
+    if cfg.pp == 1:
+        modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg, prog.keeps), cfg, mesh)]
+        return None, modules, [], prog.param_placement, prog.comms
+    pipe = apply_pipeline(prog, graph, plan, cfg, mesh)
+    for st in pipe.stages:
+        st.module = apply_recompute(st.module, graph, cfg, prog.keeps)
+    modules = [st.module for st in pipe.stages]
+    local = local_tensors(modules)
+    tied = tie_groups(pipe.tied, local, dp=cfg.dp * cfg.cp, tp=cfg.tp, rank=rank)
+    placement = {k: v for k, v in prog.param_placement.items() if k in local}
+    return pipe, modules, tied, placement, sum(st.comms for st in pipe.stages)
+
+
+def _state_names(graph: Graph, model: nn.Module) -> StateNames:
+    """How the program's tensors map back to ``model``'s state dict: the
+    loss's prefix, each tied tensor's other names, and the entries the
+    program never reads (kept as they are)."""
+    aliases: dict[str, list[str]] = {}    # a tied tensor's name -> its other names
+    for alias, canon in graph.aliases.items():
+        aliases.setdefault(canon, []).append(alias)
+    pre = graph.loss_prefix or ""
+    read = {n[len(pre):] if n.startswith(pre) else n for n in [*graph.params, *graph.aliases]}
+    constant = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in read}
+    return StateNames(pre, aliases, frozenset(model.state_dict()), constant)
 
 
 def weighs_parts(graph: Graph, cfg: ParallelConfig, batch_moves: bool) -> bool:

@@ -122,6 +122,29 @@ def pin_signature(nodes: list[Node], pins: dict[str, str]) -> tuple:
 CostFn = Callable[[Node, Strategy, list[str], "Ctx"], float]
 
 
+def _pin_signatures(graph: Graph, walk: "_Walk", pins: dict[str, str]) -> dict[str, tuple]:
+    """The pins of each repeated-layer instance of ``walk`` by position
+    (instances pinned alike may share decisions), from the pins alone:
+    O(pins), not O(nodes). A parameter outside the instances (torch.export
+    lists them apart) counts for the instances that read it, at the
+    reader's position and input slot."""
+    by_name = graph._by_name
+    signature: dict[str, tuple] = {}
+    read_pins: dict[str, list[tuple]] = {}
+    for name, p in sorted(pins.items(), key=lambda kv: walk.position.get(kv[0], (None, -1))[1]):
+        g, k = walk.position.get(name, (None, -1))
+        if g is not None:
+            signature[g] = signature.get(g, ()) + ((k, p),)
+        elif name in by_name and by_name[name].is_state:
+            for c in graph.consumers(name):
+                gc, kc = walk.position.get(c, (None, -1))
+                if gc is not None:
+                    read_pins.setdefault(gc, []).append(((kc, by_name[c].inputs.index(name)), p))
+    for g, entries in read_pins.items():
+        signature[g] = signature.get(g, ()) + tuple(sorted(entries))
+    return signature
+
+
 def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_placement: Callable[[Node], str],
               cost: CostFn, output_placement: str | None, pins: dict[str, str] | None = None,
               batch_axis: bool = False) -> AxisSharding:
@@ -176,23 +199,7 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
             if i not in res.out and by_name[i].is_state:
                 res.out[i] = p
 
-    # the pins of each instance by position (instances pinned alike may share decisions),
-    # from the pins alone: O(pins), not O(nodes)
-    signature: dict[str, tuple] = {}
-    read_pins: dict[str, list[tuple]] = {}
-    for name, p in sorted(pins.items(), key=lambda kv: walk.position.get(kv[0], (None, -1))[1]):
-        g, k = walk.position.get(name, (None, -1))
-        if g is not None:
-            signature[g] = signature.get(g, ()) + ((k, p),)
-        elif name in by_name and by_name[name].is_state:
-            # a parameter outside the instances (torch.export lists them apart): pinned for the
-            # instances that read it, at the reader's position and input slot
-            for c in graph.consumers(name):
-                gc, kc = walk.position.get(c, (None, -1))
-                if gc is not None:
-                    read_pins.setdefault(gc, []).append(((kc, by_name[c].inputs.index(name)), p))
-    for g, entries in read_pins.items():
-        signature[g] = signature.get(g, ()) + tuple(sorted(entries))
+    signature = _pin_signatures(graph, walk, pins)
 
     def external_placements(g: str) -> tuple:
         return tuple(map(res.out.get, walk.external[g]))

@@ -75,6 +75,65 @@ def _target_name(node: fx.Node) -> str:
 # --------------------------------------------------------------------------
 # Leaf modules -> functional form
 # --------------------------------------------------------------------------
+def _functional_form(g: fx.Graph, mod: nn.Module, x: Any, attr: Callable[[str], fx.Node]) -> Any:
+    """The functional form of the well-known module ``mod`` applied to ``x``,
+    inserted into ``g`` at its insertion point with ``attr(name)`` reading
+    the module's parameters and buffers; None for a module without one."""
+    new = None
+    if isinstance(mod, nn.Linear):
+        new = g.call_function(F.linear, (x, attr("weight")))
+        if mod.bias is not None:
+            new = g.call_function(operator.add, (new, attr("bias")))
+    elif isinstance(mod, nn.Embedding):
+        new = g.call_function(F.embedding, (x, attr("weight"), mod.padding_idx, mod.max_norm,
+                                            mod.norm_type, mod.scale_grad_by_freq, mod.sparse))
+    elif isinstance(mod, nn.LayerNorm):
+        w = attr("weight") if mod.weight is not None else None
+        b = attr("bias") if mod.bias is not None else None
+        new = g.call_function(F.layer_norm, (x, tuple(mod.normalized_shape), w, b, mod.eps))
+    elif hasattr(nn, "RMSNorm") and isinstance(mod, nn.RMSNorm):
+        w = attr("weight") if mod.weight is not None else None
+        new = g.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), w, mod.eps))
+    elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.padding_mode == "zeros":
+        fn = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(mod)]
+        new = g.call_function(fn, (x, attr("weight"), None, mod.stride, mod.padding,
+                                   mod.dilation, mod.groups))
+        if mod.bias is not None:
+            shape = (-1,) + (1,) * (mod.weight.dim() - 2)
+            b = g.call_method("view", (attr("bias"), shape))
+            new = g.call_function(operator.add, (new, b))
+    elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        rm = attr("running_mean") if mod.running_mean is not None else None
+        rv = attr("running_var") if mod.running_var is not None else None
+        w = attr("weight") if mod.weight is not None else None
+        b = attr("bias") if mod.bias is not None else None
+        training = mod.training or rm is None
+        momentum = 0.1 if mod.momentum is None else mod.momentum
+        new = g.call_function(F.batch_norm, (x, rm, rv, w, b, training, momentum, mod.eps))
+    elif isinstance(mod, nn.Dropout):
+        new = g.call_function(F.dropout, (x, mod.p, mod.training))
+    elif isinstance(mod, nn.GELU):
+        new = g.call_function(F.gelu, (x,), {"approximate": mod.approximate})
+    elif isinstance(mod, (nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid)):
+        fn = {nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Tanh: torch.tanh, nn.Sigmoid: torch.sigmoid}[type(mod)]
+        new = g.call_function(fn, (x,))
+    elif isinstance(mod, nn.MaxPool2d):
+        new = g.call_function(F.max_pool2d, (x, mod.kernel_size, mod.stride, mod.padding,
+                                             mod.dilation, mod.ceil_mode))
+    elif isinstance(mod, nn.AvgPool2d):
+        new = g.call_function(F.avg_pool2d, (x, mod.kernel_size, mod.stride, mod.padding,
+                                             mod.ceil_mode, mod.count_include_pad))
+    elif isinstance(mod, nn.AdaptiveAvgPool2d):
+        new = g.call_function(F.adaptive_avg_pool2d, (x, mod.output_size))
+    elif isinstance(mod, nn.Flatten):
+        new = g.call_function(torch.flatten, (x, mod.start_dim, mod.end_dim))
+    elif isinstance(mod, nn.Softmax):
+        new = g.call_function(F.softmax, (x, mod.dim))
+    elif isinstance(mod, nn.Identity):
+        new = x
+    return new
+
+
 def _functionalize_modules(gm: fx.GraphModule) -> None:
     """Replace ``call_module`` nodes of well-known torch.nn modules by their
     functional form, with every parameter read by a ``get_attr`` node, so the
@@ -86,7 +145,6 @@ def _functionalize_modules(gm: fx.GraphModule) -> None:
         mod = gm.get_submodule(node.target)
         path = node.target
         x = node.args[0] if node.args else node.kwargs.get("input")
-        new = None
 
         def attr(name: str):
             # the attribute exists (it is the module's): Graph.get_attr would check that
@@ -96,57 +154,7 @@ def _functionalize_modules(gm: fx.GraphModule) -> None:
         before = node.prev
 
         with g.inserting_before(node):
-            if isinstance(mod, nn.Linear):
-                new = g.call_function(F.linear, (x, attr("weight")))
-                if mod.bias is not None:
-                    new = g.call_function(operator.add, (new, attr("bias")))
-            elif isinstance(mod, nn.Embedding):
-                new = g.call_function(F.embedding, (x, attr("weight"), mod.padding_idx, mod.max_norm,
-                                                    mod.norm_type, mod.scale_grad_by_freq, mod.sparse))
-            elif isinstance(mod, nn.LayerNorm):
-                w = attr("weight") if mod.weight is not None else None
-                b = attr("bias") if mod.bias is not None else None
-                new = g.call_function(F.layer_norm, (x, tuple(mod.normalized_shape), w, b, mod.eps))
-            elif hasattr(nn, "RMSNorm") and isinstance(mod, nn.RMSNorm):
-                w = attr("weight") if mod.weight is not None else None
-                new = g.call_function(F.rms_norm, (x, tuple(mod.normalized_shape), w, mod.eps))
-            elif isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.padding_mode == "zeros":
-                fn = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(mod)]
-                new = g.call_function(fn, (x, attr("weight"), None, mod.stride, mod.padding,
-                                           mod.dilation, mod.groups))
-                if mod.bias is not None:
-                    shape = (-1,) + (1,) * (mod.weight.dim() - 2)
-                    b = g.call_method("view", (attr("bias"), shape))
-                    new = g.call_function(operator.add, (new, b))
-            elif isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-                rm = attr("running_mean") if mod.running_mean is not None else None
-                rv = attr("running_var") if mod.running_var is not None else None
-                w = attr("weight") if mod.weight is not None else None
-                b = attr("bias") if mod.bias is not None else None
-                training = mod.training or rm is None
-                momentum = 0.1 if mod.momentum is None else mod.momentum
-                new = g.call_function(F.batch_norm, (x, rm, rv, w, b, training, momentum, mod.eps))
-            elif isinstance(mod, nn.Dropout):
-                new = g.call_function(F.dropout, (x, mod.p, mod.training))
-            elif isinstance(mod, nn.GELU):
-                new = g.call_function(F.gelu, (x,), {"approximate": mod.approximate})
-            elif isinstance(mod, (nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid)):
-                fn = {nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Tanh: torch.tanh, nn.Sigmoid: torch.sigmoid}[type(mod)]
-                new = g.call_function(fn, (x,))
-            elif isinstance(mod, nn.MaxPool2d):
-                new = g.call_function(F.max_pool2d, (x, mod.kernel_size, mod.stride, mod.padding,
-                                                     mod.dilation, mod.ceil_mode))
-            elif isinstance(mod, nn.AvgPool2d):
-                new = g.call_function(F.avg_pool2d, (x, mod.kernel_size, mod.stride, mod.padding,
-                                                     mod.ceil_mode, mod.count_include_pad))
-            elif isinstance(mod, nn.AdaptiveAvgPool2d):
-                new = g.call_function(F.adaptive_avg_pool2d, (x, mod.output_size))
-            elif isinstance(mod, nn.Flatten):
-                new = g.call_function(torch.flatten, (x, mod.start_dim, mod.end_dim))
-            elif isinstance(mod, nn.Softmax):
-                new = g.call_function(F.softmax, (x, mod.dim))
-            elif isinstance(mod, nn.Identity):
-                new = x
+            new = _functional_form(g, mod, x, attr)
         if new is None:
             continue
         # the nodes just inserted (between `before` and `node`) belong to the module

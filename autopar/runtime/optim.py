@@ -203,6 +203,52 @@ class _Bucket:
         self.launched = 0                          # launches this step
 
 
+
+def _check_options(zero: Any, precision: Any, bucket_mb: Any) -> float:
+    """Check :class:`DistributedOptimizer`'s ``zero``, ``precision`` and
+    ``bucket_mb`` (ValueError in words); returns ``bucket_mb`` as a float."""
+    if zero not in (0, 1, 2) or isinstance(zero, bool):
+        raise ValueError(f"zero={zero!r} is not supported: use 0, 1 or 2")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {sorted(_PRECISIONS)}")
+    try:
+        bucket_mb = float(bucket_mb)
+    except (TypeError, ValueError):
+        raise ValueError(f"bucket_mb={bucket_mb!r} is not a number") from None
+    if not bucket_mb >= 0 or math.isinf(bucket_mb):
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number >= 0")
+    return bucket_mb
+
+
+def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct trainable ``params``, checked: at least one, floating
+    point, all on one device (ValueError in words)."""
+    out = [p for p in _unique(params) if p.requires_grad]
+    if not out:
+        raise ValueError("DistributedOptimizer got no parameters with requires_grad=True")
+    devices = {p.device for p in out}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device; got {sorted(map(str, devices))}")
+    if any(not p.is_floating_point() for p in out):
+        raise ValueError("all trainable parameters must be floating point")
+    return out
+
+
+def _tied_indices(tied: Iterable[tuple[torch.Tensor, Any]], index: dict[int, int]) -> list[tuple[int, Any]]:
+    """``tied`` ``(param, group)`` pairs as ``(index of the param, group)``,
+    ``index`` mapping a parameter's id to its position (ValueError in words)."""
+    out = []
+    for entry in tied:
+        try:
+            p, group = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"tied entries must be (param, group) pairs; got {entry!r}") from None
+        if id(p) not in index:
+            raise ValueError(f"a tied parameter of shape {tuple(p.shape)} is not among the trainable params")
+        out.append((index[id(p)], group))
+    return out
+
+
 class DistributedOptimizer:
     """Data-parallel optimizer with ZeRO-1/2 sharding, bf16/fp16 and overlapped bucketed reduction.
 
@@ -238,25 +284,9 @@ class DistributedOptimizer:
                  bucket_mb: float = 25.0, overlap: bool = True, offload: bool = False,
                  tied: Iterable[tuple[torch.Tensor, Any]] = (), world_group: Any = None,
                  max_grad_norm: float | None = None, grad_copies: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
-        if zero not in (0, 1, 2) or isinstance(zero, bool):
-            raise ValueError(f"zero={zero!r} is not supported: use 0, 1 or 2")
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not one of {sorted(_PRECISIONS)}")
-        try:
-            bucket_mb = float(bucket_mb)
-        except (TypeError, ValueError):
-            raise ValueError(f"bucket_mb={bucket_mb!r} is not a number") from None
-        if not bucket_mb >= 0 or math.isinf(bucket_mb):
-            raise ValueError(f"bucket_mb={bucket_mb!r} must be a finite number >= 0")
-        self.params: list[torch.Tensor] = [p for p in _unique(params) if p.requires_grad]
-        if not self.params:
-            raise ValueError("DistributedOptimizer got no parameters with requires_grad=True")
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device; got {sorted(map(str, devices))}")
-        if any(not p.is_floating_point() for p in self.params):
-            raise ValueError("all trainable parameters must be floating point")
-        self.device: torch.device = next(iter(devices))
+        bucket_mb = _check_options(zero, precision, bucket_mb)
+        self.params: list[torch.Tensor] = _trainable(params)
+        self.device: torch.device = self.params[0].device
         self.zero, self.precision, self.overlap, self.offload = zero, precision, bool(overlap), bool(offload)
         self.bucket_mb = bucket_mb
         self.dp_group = dp_group
@@ -266,15 +296,7 @@ class DistributedOptimizer:
             raise DistributedError(f"this rank (global rank {dist.get_rank()}) is not a member of dp_group")
         self.world_group = world_group
         index = {id(p): i for i, p in enumerate(self.params)}
-        self.tied: list[tuple[int, Any]] = []
-        for entry in tied:
-            try:
-                p, group = entry
-            except (TypeError, ValueError):
-                raise ValueError(f"tied entries must be (param, group) pairs; got {entry!r}") from None
-            if id(p) not in index:
-                raise ValueError(f"a tied parameter of shape {tuple(p.shape)} is not among the trainable params")
-            self.tied.append((index[id(p)], group))
+        self.tied: list[tuple[int, Any]] = _tied_indices(tied, index)
         tied_ids = {i for i, _ in self.tied}
         self.max_grad_norm = check_max_norm(max_grad_norm)
         self.grad_norm: float | None = None
