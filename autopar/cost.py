@@ -1071,6 +1071,7 @@ class CostModel:
         whole = self.saved_memory(dataclasses.replace(cfg, recompute="none"), shapes, pieces, partial) \
             if selective else saved
         tail, charged = self._replay_tail, sh.ilp.node_collectives_s
+        dispatch = self.cluster.device.dispatch_overhead_s
         out = [_MeshSums() for _ in range(n)]
         for nd in self.graph.nodes:
             sts = [ax.strategy.get(nd.name) for ax in axes]
@@ -1078,8 +1079,10 @@ class CostModel:
                 continue
             b = out[bucket(nd)]
             place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
+            # the op's kernels at its share of the work, and the host's time per op as for 1d
             t = self.node_time(nd, self.scale(nd, local_batch),
-                               math.prod(work_fraction(st, size) for st, size in zip(sts, sizes)))
+                               math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))) + \
+                (dispatch if nd.kind not in NO_DISPATCH else 0.0)
             joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
             replayed = selective and nd.group is not None and nd.name not in tail
             b.fwd += t
