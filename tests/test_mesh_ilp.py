@@ -606,3 +606,41 @@ def test_a_mesh_pays_the_hosts_time_per_op_as_1d_does():
         extra[strategy] = compute[1] - compute[0]
     one, mesh = extra.values()
     assert one > 30 and mesh == pytest.approx(one, rel=1e-9)
+
+
+def _hf_llama_long():
+    """Hugging Face ``LlamaForCausalLM`` (traced by torch.export) on one
+    sequence of 64 tokens, as :data:`LONG_LLAMA`."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks.real_models import lm_loss
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 64, (1, 64), generator=g) for _ in range(2))
+    return model, x, y, lm_loss
+
+
+def _hf_searched(rank: int, world: int) -> tuple[str, str, list[float], int]:
+    model, x, y, loss_fn = _hf_llama_long()
+    _, cluster = _mesh_wins(LONG_LLAMA)
+    g = autopar.trace(model, (x,), loss_fn=loss_fn, target=y)
+    plan = autopar.plan(g, cluster=cluster, devices=4, global_batch=1, tp_modes=("1d", "mesh"), precision="fp32")
+    pm = autopar.parallelize(model, (x,), loss_fn=loss_fn, example_target=y, strategy=plan, cluster=cluster,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    both = sum(1 for n, p in pm.param_placement.items() if p != "R" and pm.row_placement.get(n, "R") != "R")
+    return g.frontend, plan.strategy, [pm.train_step((x,), y) for _ in range(3)], both
+
+
+def test_the_search_picks_a_mesh_for_a_hugging_face_llama_and_it_trains_as_one_process():
+    """Issue 16's automatic plan on two tensor axes, on a model as its
+    authors wrote it: Hugging Face's Llama, traced by torch.export, where
+    the mesh is faster (:func:`_mesh_wins`), planned with meshes in the
+    search space, trains as one process on the 2 x 2 mesh the search picks."""
+    from distributed import eager_steps
+    model, x, y, loss_fn = _hf_llama_long()
+    ref = eager_steps(model, (x,), y, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.5))
+    frontend, strategy, losses, both = run_distributed(_hf_searched, 4, timeout=300)[0]
+    assert frontend == "export" and "tp_mode=mesh" in strategy and both > 0, (frontend, strategy, both)
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
