@@ -13,8 +13,15 @@ or figure), autopar's prediction of the same quantity, and their ratio
   without model parallelism (microbatch 4, 2, 1 as the GPUs double, one
   microbatch per step) against PTD-P (tensor 8 x pipeline 12 and 8 x 35,
   microbatch 1). Both count FLOPs with the paper's equation 3 (recompute
-  included), as the Table 1 rows do; all run full recompute in bf16 on
-  ``dgx-a100-80g``.
+  included), as the Table 1 rows do; all run full recompute on
+  ``dgx-a100-80g``. The PTD-P rows run as Megatron-LM ran them then
+  (:data:`~benchmarks.megatron_table1.PAPER_PRECISION`: fp16, the gradients
+  all-reduced in fp16 after the backward). The ZeRO-3 rows are priced in
+  bf16 (two gathers of 2 bytes per element and a reduce-scatter of 4), which
+  moves what DeepSpeed's fp16 ZeRO-3 moves under activation checkpointing
+  (its units are gathered again for the recompute and once more for the
+  backward: three gathers of 2 bytes and a reduce-scatter of 2); autopar's
+  FSDP2 gathers twice, so in fp16 these rows would be 7-43% fast.
 * **Activation memory**, Korthikanti et al. 2022 ("Reducing Activation
   Recomputation in Large Transformer Models", arXiv:2205.05198) Table 2: bytes
   per transformer layer for GPT 22B, 175B and 530B at tensor parallel 8,
@@ -152,11 +159,16 @@ SIZES = [("22B", 64, 6144), ("175B", 96, 12288), ("530B", 128, 20480)]
 NOTES = [
     "Megatron-LM's teraFLOP/s count the recomputed forward (four passes); compared on autopar's own count "
     "(three) the PTD-P rows looked 25% slow (90-107 against 135-163 in `megatron_table1` before).",
-    "ZeRO-3 is 3-14% fast. The comm-bound rows (768 and more GPUs) fix the product of volume and bandwidth: two "
-    "gathers and one fp32 reduce-scatter per unit at the 25 GB/s NIC of each GPU fit them within 4-14%; a ring "
-    "using all 8 NICs of a node would make them several times faster than measured. A checkpoint that wraps a unit's "
-    "gather hooks (the issue suspects DeepSpeed's) gathers a third time in the recompute, which would explain "
-    "the rest; FSDP2 as autopar nests it does not, so it is not charged. The compute-bound rows (microbatch 4) "
+    "PTD-P runs as the paper ran it: fp16, whose gradients Megatron-LM's DDP of the time kept and all-reduced "
+    "in fp16 (fp32 only where bf16 forces it, which came after the paper), after the backward of the last "
+    "microbatch. Priced as bf16 with fp32 gradients reduced during the backward (before), Table 1's rows "
+    "without a pipeline were 0.86 (7.5B) and 0.90 (18B); now every PTD-P row is within 10%.",
+    "ZeRO-3 is 3-14% fast. The comm-bound rows (768 and more GPUs) fix the product of volume and bandwidth: "
+    "they are priced in bf16, two gathers and one fp32 reduce-scatter per unit at the 25 GB/s NIC of each GPU, "
+    "which is the volume of DeepSpeed's fp16 ZeRO-3 under activation checkpointing (three gathers, the "
+    "recompute's included, and an fp16 reduce-scatter); a ring using all 8 NICs of a node would make them "
+    "several times faster than measured. In fp16 with FSDP2's two gathers, as autopar would run them, they "
+    "are 7-43% fast: autopar's runtime gathers less than the measured system. The compute-bound rows (microbatch 4) "
     "pay FSDP2's copies around each unit's collectives (the gathered buffer split into the parameters twice, "
     "the gradients packed for the reduce-scatter once: 2.7% of the step at 175B; 6% and 11% fast before).",
     "At 175B on 384 GPUs the paper measured ZeRO-3 6% behind PTD-P; the model now ranks it behind too, by "

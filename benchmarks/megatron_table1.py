@@ -10,9 +10,10 @@ For each row, ``autopar.plan`` searches the full space on ``dgx-a100-80g``
 (zoo string to plan; planning time, chosen strategy, predicted TFLOP/s per
 GPU), and ``autopar.evaluate`` predicts the published configuration (its tp
 and pp, dp = GPUs / (tp x pp), microbatch size 1, full recompute as the
-paper's runs used, bf16, and the interleaved schedule of its Section 5.1 with
-the fewest chunks, 2, or 3 where the layers per stage are odd; 1F1B where a
-stage holds one layer). Two of these requests used to crash the planner
+paper's runs used, fp16 with the gradients all-reduced in fp16 after the
+backward (:data:`PAPER_PRECISION`), and the interleaved schedule of its
+Section 5.1 with the fewest chunks, 2, or 3 where the layers per stage are
+odd; 1F1B where a stage holds one layer). Two of these requests used to crash the planner
 (issue 17): 145B on 1536 GPUs tried sequence parallelism with tp=3, and
 310B / 530B tried pipeline stages of 60 and 72 GPUs straddling nodes.
 
@@ -42,6 +43,13 @@ CLUSTER = "dgx-a100-80g"
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+#: the paper's runs as Megatron-LM ran them then: fp16 mixed precision (its example scripts' ``--fp16``;
+#: bf16 came to Megatron-LM after the paper), whose local DDP keeps the gradients in the parameters'
+#: dtype (``accumulate_allreduce_grads_in_fp32`` off unless bf16 forces it) and all-reduces them
+#: after the backward of the last microbatch, not bucket by bucket during it
+PAPER_PRECISION = "precision=fp16,reduce_dtype=fp16,overlap=false"
+
+
 class Row(NamedTuple):
     name: str
     heads: int
@@ -66,7 +74,7 @@ class Row(NamedTuple):
             per_stage = self.layers // self.pp
             chunks = 2 if per_stage % 2 == 0 else 3 if per_stage % 3 == 0 else 1
             pipe = f",pp={self.pp}," + (f"schedule=interleaved,chunks={chunks}" if chunks > 1 else "schedule=1f1b")
-        return f"dp={dp},tp={self.tp}{pipe},microbatches={m},recompute=full,precision=bf16"
+        return f"dp={dp},tp={self.tp}{pipe},microbatches={m},recompute=full,{PAPER_PRECISION}"
 
     def flops(self) -> float:
         """FLOPs of one step as the paper counts them (:func:`megatron_flops`)."""
@@ -131,7 +139,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "Each GPT of Narayanan et al. 2021 (arXiv:2104.04473) Table 1, planned by `autopar.plan` over the full "
             "search space on dgx-a100-80g from its zoo string (cold, one process), and the paper's own "
             "configuration (its tp and pp, microbatch size 1, the interleaved schedule with 2 or 3 chunks, full "
-            "recompute, bf16) predicted by `autopar.evaluate`, beside the teraFLOP/s per GPU the paper measured. "
+            "recompute, fp16 with the gradients all-reduced in fp16 after the backward, as Megatron-LM then "
+            "ran) predicted by `autopar.evaluate`, beside the teraFLOP/s per GPU the paper measured. "
             "Predicted and measured teraFLOP/s of the published configuration both count the paper's FLOPs "
             "(its equation 3, the recomputed forward included); autopar's plan is in its own count (forward "
             "and backward only)."),

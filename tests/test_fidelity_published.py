@@ -91,3 +91,18 @@ def test_zero3_pays_fsdp2s_copies_where_the_compute_is_the_longer(monkeypatch):
     layer = 12 * 12288 ** 2
     copies = 96 * layer * (8 + 8) / (2039e9 * 0.8)
     assert with_copies - without == pytest.approx(copies, rel=0.1)
+
+
+def test_table1_rows_without_a_pipeline_within_ten_percent_as_the_paper_ran_them():
+    """Megatron-LM Table 1's four smallest GPTs (dp x tp, no pipeline) in the
+    paper's configuration: fp16, the gradients all-reduced in fp16 after the
+    backward, as Megatron-LM's DDP then did. Priced as bf16 with fp32
+    gradients reduced during the backward, the 7.5B and 18B rows were 14%
+    and 10% slow (the all-reduce of fp32 gradients over the 25 GB/s NIC is
+    15% of their step)."""
+    from benchmarks.megatron_table1 import PAPER_PRECISION, TABLE1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = ptdp_records(TABLE1[:4], "Table 1")
+    assert all(PAPER_PRECISION in r.config for r in rows)
+    assert all(r.within for r in rows), [(r.what, round(r.ratio, 3)) for r in rows]
