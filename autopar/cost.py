@@ -75,7 +75,7 @@ from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
 from .spec import MESH_MODES, ParallelConfig, check_grid, divisors
-from .spec.placement import P, R, joint_placement, mesh_partial, mesh_pieces
+from .spec.placement import P, R, joint_placement, mesh_pieces
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time, shared_key, work_fraction
 from .strategies.context import attentions, check_cp
@@ -1064,12 +1064,9 @@ class CostModel:
         forward selective recompute runs again, and the largest output."""
         axes = (*sh.others, sh)
         sizes = tuple(ax.n for ax in axes)
-        pieces, partial = mesh_pieces(sizes), mesh_partial(sizes)
+        pieces = mesh_pieces(sizes)
         selective = cfg.recompute == "selective"
         keeps = self._keeps(sh) if selective else frozenset()
-        saved = self.saved_memory(cfg, shapes, pieces, partial, keeps=keeps)
-        whole = self.saved_memory(dataclasses.replace(cfg, recompute="none"), shapes, pieces, partial) \
-            if selective else saved
         tail, charged = self._replay_tail, sh.ilp.node_collectives_s
         dispatch = self.cluster.device.dispatch_overhead_s
         out = [_MeshSums() for _ in range(n)]
@@ -1079,28 +1076,64 @@ class CostModel:
                 continue
             b = out[bucket(nd)]
             place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
+            kept = {} if nd.group is None else b.saved.setdefault(nd.group, {})
+            for name, nbytes in self._mesh_saved(nd, sts, axes, shapes, cfg.recompute, keeps):
+                (b.kept if nd.group is None else kept)[name] = nbytes
+            if selective and nd.group is not None:
+                full = b.full.setdefault(nd.group, {})
+                for name, nbytes in self._mesh_saved(nd, sts, axes, shapes, "none", keeps):
+                    full[name] = nbytes
             # the op's kernels at its share of the work, and the host's time per op as for 1d
             t = self.node_time(nd, self.scale(nd, local_batch),
                                math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))) + \
                 (dispatch if nd.kind not in NO_DISPATCH else 0.0)
-            joint = _Joint(tuple(joint_placement([st.ins[i] for st in sts]) for i in range(len(nd.inputs))), place)
             replayed = selective and nd.group is not None and nd.name not in tail
             b.fwd += t
             b.refwd += t if replayed and nd.name not in keeps else 0.0
             c = charged.get(nd.name, 0.0) * (1.5 if replayed else 1.0)
             b.comm += c
             b.layer_comm += c if nd.group is not None else 0.0
-            kept = saved(nd, joint)
-            if nd.group is None:
-                b.outside += kept
-            else:
-                b.saved[nd.group] = b.saved.get(nd.group, 0.0) + kept
-                b.full[nd.group] = b.full.get(nd.group, 0.0) + whole(nd, joint)
+            if nd.group is not None:
                 b.ops[nd.group] = b.ops.get(nd.group, 0) + checkpoint_dispatches(nd.kind, nd.target)
             b.transient = max(b.transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
-        if selective:     # the dispatch mode's host time per replayed layer
-            for b in out:
+        for b in out:     # each value kept once, however many ops read it (as 1d's sums count)
+            b.outside = sum(b.kept.values())
+            b.saved = {g: sum(v.values()) for g, v in b.saved.items()}
+            b.full = {g: sum(v.values()) for g, v in b.full.items()} if selective else dict(b.saved)
+            if selective:     # the dispatch mode's host time per replayed layer
                 b.refwd += sum(2 * k * self.cluster.device.checkpoint_dispatch_s for k in b.ops.values())
+        return out
+
+    def _mesh_saved(self, nd: Node, sts: list, axes: tuple, shapes: dict, recompute: str,
+                    keeps: frozenset[str]) -> list[tuple[str, float]]:
+        """:meth:`_saved` on a mesh: the (value, local bytes) pairs ``nd``
+        keeps for its backward under the joint strategy ``sts`` (one per axis
+        of ``axes``). An input the op reads in another placement is kept as
+        a tensor of its own (``name@placement``), except a sequence-parallel
+        entry, kept as its shard on the axis that gathers it again in
+        backward; the attention output split alike is its alias's tensor;
+        under selective recompute a partial output is not kept (a reduction,
+        not a backward, reads it first)."""
+        if P in [ax.out.get(nd.name, R) for ax in axes]:
+            keeps = frozenset()
+        pieces = mesh_pieces(tuple(ax.n for ax in axes))
+        out = []
+        for i in self._saved_names(nd, recompute, keeps):
+            haves = [ax.out.get(i, R) for ax in axes]
+            wants = list(haves)
+            for a, (ax, st) in enumerate(zip(axes, sts)):
+                if i in nd.inputs:
+                    w = st.ins[nd.inputs.index(i)]
+                    sp_entry = st.split and w == R and is_shard(haves[a]) and self.grad.get(i, False)
+                    wants[a] = haves[a] if sp_entry else w
+            have, want = joint_placement(haves), joint_placement(wants)
+            local = _numel(shapes.get(i)) * self.itemsize / pieces(want)
+            if want != have:
+                i = f"{i}@{want}"
+            elif i in self._aliases and all(is_shard(ax.out.get(self._aliases[i], R)) == is_shard(h)
+                                            for ax, h in zip(axes, haves)):
+                i = self._aliases[i]
+            out.append((i, local))
         return out
 
     @staticmethod
@@ -1979,17 +2012,10 @@ class _MeshSums:
     refwd: float = 0.0         # the forward selective recompute runs again (with its dispatch)
     outside: float = 0.0       # bytes kept by the ops outside any layer
     transient: float = 0.0     # the largest output
-    saved: dict[str, float] = field(default_factory=dict)   # per layer instance, bytes kept
-    full: dict[str, float] = field(default_factory=dict)    # per instance, kept without recompute
+    saved: dict[str, Any] = field(default_factory=dict)     # per layer instance, bytes kept
+    full: dict[str, Any] = field(default_factory=dict)      # per instance, kept without recompute
+    kept: dict[str, float] = field(default_factory=dict)    # outside the layers, per value kept
     ops: dict[str, int] = field(default_factory=dict)       # per instance, checkpointed dispatches
-
-
-@dataclass(frozen=True)
-class _Joint:
-    """What ``saved_memory`` reads of a strategy: its inputs' and output's placements."""
-
-    ins: tuple[str, ...]
-    out: str
 
 
 def _tp_pieces(tp: int) -> Callable[[str], int]:
