@@ -363,13 +363,15 @@ class CostModel:
         """:meth:`estimate` of a ``tp_mode=2d``, ``2.5d`` or ``3d`` ``cfg``
         (``sh``: its columns, ``shapes``: one grid rank's)."""
         view = self.grid_view(cfg)
-        est = self._estimate_flat(view, sh, shapes, global_batch, devices)
+        cube, split, whole, n_split = self._grid_params(sh, cfg)
+        # the rows' collectives run in every copy (each gathers the weights it reads) and the
+        # copies overlap them as the columns'
+        est = self._estimate_flat(view, sh, shapes, global_batch, devices,
+                                  grid_comm=self._row_comm(cfg, cube, split, whole)[1])
         grid, m = cfg.tp_grid, cfg.microbatches
         cols = grid[-1]
         topo = self.topology((cfg.dp, *grid))
-        cube, split, whole, n_split = self._grid_params(sh, cfg)
         isz, passes = self.itemsize, 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
-        row_comm = m * self._row_comm(cfg, cube, split, whole)[1]
         # model states and the data-parallel reduction of a grid rank's own shards, over dp alone
         local, n_tensors = self._local_params(sh, cols)
         gathered = cube + split + whole - _grid_share(cfg, cube, split, whole)
@@ -391,10 +393,10 @@ class CostModel:
                       **({"freed_by_backward": freed} if freed else {}))
         old_states = est.memory["weights"] + est.memory["gradients"] + est.memory["optimizer"]
         peak = est.peak_memory_bytes - old_states + states["total"] + kept + freed - freed_view + units - units_view
-        step = est.step_time_s - est.dp_comm_time_s - est.optimizer_time_s + dp_comm + opt + row_comm
+        step = est.step_time_s - est.dp_comm_time_s - est.optimizer_time_s + dp_comm + opt
         return dataclasses.replace(
             est, strategy=cfg.to_string(), parallel=cfg.as_dict(), step_time_s=step,
-            comm_time_s=est.tp_comm_time_s + row_comm + dp_comm, tp_comm_time_s=est.tp_comm_time_s + row_comm,
+            comm_time_s=est.tp_comm_time_s + dp_comm, tp_comm_time_s=est.tp_comm_time_s,
             dp_comm_time_s=dp_comm, optimizer_time_s=opt, memory=memory, peak_memory_bytes=peak,
             fits=peak <= self.cluster.device.memory_bytes * MEMORY_HEADROOM,
             tflops_per_device=est.tflops_per_device * est.step_time_s / step if step > 0 else 0.0)
@@ -898,9 +900,11 @@ class CostModel:
         return self._estimate_flat(cfg, sh, shapes, global_batch, devices)
 
     def _estimate_flat(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict, global_batch: int,
-                       devices: int) -> Estimate:
-        """:meth:`estimate` without a pipeline (``cfg`` checked). (Long because the
-        Estimate's fields are assembled here, one per line.)"""
+                       devices: int, grid_comm: float = 0.0) -> Estimate:
+        """:meth:`estimate` without a pipeline (``cfg`` checked). ``grid_comm``:
+        a grid's own collectives per copy of a microbatch (:meth:`_row_comm`),
+        tensor-parallel communication the copies overlap as the columns'.
+        (Long because the Estimate's fields are assembled here, one per line.)"""
         tp, dp, m, n = cfg.tp, cfg.dp, cfg.microbatches, cfg.copies
         topo = self.topology((dp, tp))
         local_batch = global_batch / (dp * m * n)     # one copy's samples (the microbatch's without copies)
@@ -916,7 +920,7 @@ class CostModel:
 
         passes = 3.0 + (1.0 if cfg.recompute == "full" else 0.0)
         compute = m * (passes * fwd + refwd)    # selective: the cheap ops of the layers run again
-        tp_comm_total = m * (tp_comm + (_comm_passes(cfg) - 1) * layer_comm)
+        tp_comm_total = m * (tp_comm + (_comm_passes(cfg) - 1) * layer_comm) + m * n * grid_comm
         if n > 1:
             tp_comm_total, compute = self._copies_overlap(n, compute, tp_comm_total)
 

@@ -374,7 +374,7 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
         raise UnsupportedError(f"copies={cfg.copies} runs with tp > 1 and without pp, cp and zero=3; this plan has "
                                f"{cfg.to_string()}")
     if cfg.tp_mode != "1d":
-        check_grid(cfg, cfg.dp * cfg.microbatches * cfg.grid_batch_split)
+        check_grid(cfg, cfg.dp * cfg.microbatches * cfg.copies * cfg.grid_batch_split)
     meet = samples_cross_ranks(graph, cfg)
     den = loss_denominator(graph)
     if den is not None and den[0] == "sum" and meet is None and (cfg.cp > 1 or cfg.is_grid):

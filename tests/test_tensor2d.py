@@ -40,7 +40,9 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: Hugging Face's GPT-2 goes through torch.export (tied embedding and head, Conv1D weights stored
 #: transposed, learned positions): the grid on an export-traced model
 HF_GPT2 = "hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=16"
-CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",), HF_GPT2: ("tp=4,tp_mode=2d",)}
+#: and with two copies (multi-copy parallel, each copy's samples split over the rows)
+CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",),
+         HF_GPT2: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,copies=2")}
 CLIP = {GPT: 0.5, LLAMA: None, HF_GPT2: None}
 
 
@@ -69,8 +71,8 @@ def test_model_rules_and_unimplemented_modes():
             autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16, strategy=f"tp=8,tp_mode=3d,{bad}")
     with pytest.raises(StrategyError, match="leave it out"):
         parse_strategy("tp=8,tp_mode=3d,sequence_parallel=true")
-    with pytest.raises(StrategyError, match="copies=2 with tp_mode=3d"):
-        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=16, strategy="tp=8,tp_mode=3d,copies=2")
+    with pytest.raises(StrategyError, match=r"divisible by 4 .*x copies=2"):     # each copy's samples on the rows
+        autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=4, strategy="tp=8,tp_mode=3d,copies=2")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):   # the cube's depth x rows
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=3d")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):
@@ -95,6 +97,29 @@ def test_cost_shards_states_over_the_grid_and_charges_the_rows():
     assert _states(deep) == pytest.approx(_states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
     assert two_d.parallel["tp_mode"] == "2d" and two_d.strategy == "dp=4,tp=4,tp_mode=2d,pp=1,microbatches=1," \
                                                                   "recompute=none,zero=0"
+
+
+def test_copies_on_a_grid_gather_the_rows_weights_in_every_copy():
+    """``copies`` on a grid: each copy runs the rows' weight gathers and
+    gradient reductions of its own (the program is the one copy's, run
+    ``copies`` times), which the copies overlap as the columns' collectives:
+    with no overlap (the cpu preset) the tp communication is the columns'
+    under copies plus the rows' twice over."""
+    from autopar.api import planner_for
+    m = "gpt:layers=2,hidden=256,heads=8,seq=64,vocab=1024"
+    planner = planner_for(autopar.api.as_graph(m), "cpu", "adamw", "fp32", devices=4, global_batch=8)
+    cfg = parse_strategy("tp=4,tp_mode=2d,copies=2,precision=fp32", 4)
+    sh, shapes = planner.sharding(cfg)
+    model = planner.cost("fp32")
+    cube, split, whole, _ = model._grid_params(sh, cfg)
+    rows = model._row_comm(cfg, cube, split, whole)[1]
+    columns = model._estimate_flat(model.grid_view(cfg), sh, shapes, 8, 4)
+    est = planner.evaluate(cfg)
+    assert rows > 0 and est.tp_comm_time_s == pytest.approx(columns.tp_comm_time_s + 2 * rows, rel=1e-9)
+    # where the device overlaps, the copies hide part of it
+    hidden = autopar.evaluate(m, cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4,tp_mode=2d,copies=2")
+    plain = autopar.evaluate(m, cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4,tp_mode=2d")
+    assert hidden.tp_comm_time_s < 2 * plain.tp_comm_time_s
 
 
 def test_search_tries_grids_only_when_asked():

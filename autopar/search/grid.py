@@ -56,7 +56,7 @@ from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
 from ..sharding import has_layers, meeting_limits, samples_meet
-from ..spec import ParallelConfig, divisors
+from ..spec import MESH_MODES, ParallelConfig, divisors
 from ..strategies.context import cp_choices
 from .ilp import InfeasiblePins
 from .planner import MANUAL, Planner, Sharder, Tally
@@ -483,10 +483,11 @@ def _mesh_estimate(planner: Planner, mesh: ParallelConfig) -> tuple[tuple | None
 
 
 def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:
-    """Multi-copy parallel (``copies``) on the fitting 1d configurations
-    without a pipeline (the grammar refuses copies on a tp_mode grid), with
-    tp > 1 and no ZeRO-3: every count in ``COPIES`` that divides the per-rank
-    microbatch, with the placements that won there and with the Megatron
+    """Multi-copy parallel (``copies``) on the fitting 1d and grid
+    configurations without a pipeline, with tp > 1 and no ZeRO-3 (a mesh is
+    tried with copies by :func:`_try_mesh`): every count in ``COPIES`` that
+    divides the per-rank microbatch (times a grid's rows, which split each
+    copy's samples), with the placements that won there and with the Megatron
     ones (``manual``). The per-op search picks placements for one copy, and
     those that cut the tensor-parallel communication most leave copies the
     least to hide, so the Megatron placements can win once copies hide
@@ -508,10 +509,11 @@ def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:
     count = 0
     pairs = []
     for est, cfg, sh in feasible:
-        if cfg.tp == 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode != "1d" or cfg.copies > 1 or \
-                samples_meet(planner.graph) is not None:
+        if cfg.tp == 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp_mode in MESH_MODES or \
+                cfg.copies > 1 or samples_meet(planner.graph) is not None:
             continue
-        if not any(planner.global_batch // (cfg.dp * cfg.microbatches) % n == 0 for n in COPIES):
+        if not any(planner.global_batch // (cfg.dp * cfg.microbatches) % (n * cfg.grid_batch_split) == 0
+                   for n in COPIES):
             continue
         pairs.append((est, cfg, sh))
         if sh.mode != "manual":
@@ -529,7 +531,7 @@ def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:
         _, cfg, sh = pair
         per_rank = planner.global_batch // (cfg.dp * cfg.microbatches)
         for n in COPIES:
-            if per_rank % n:
+            if per_rank % (n * cfg.grid_batch_split):     # a grid's rows split each copy's samples
                 continue
             c = dataclasses.replace(cfg, copies=n)
             est = planner.evaluate(c, sh)

@@ -459,9 +459,6 @@ def _check_copies(vals: dict[str, Any]) -> None:
     if vals.get("zero", 0) == 3:
         raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
                             "yet; use zero<=2 or copies=1")
-    if vals.get("tp_mode", "1d") not in ("1d", *MESH_MODES):
-        raise StrategyError(f"copies={copies} with tp_mode={vals['tp_mode']}: multi-copy parallel is not "
-                            "implemented on a tensor-parallel grid yet; use tp_mode=1d or mesh, or copies=1")
 
 
 def int_root(n: int, k: int) -> int | None:
@@ -521,8 +518,8 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
-    mesh runs with whatever a 1d group runs with; 2d, 2.5d and 3d run without context parallelism and copies
-    (:class:`UnsupportedError`), with the samples of a microbatch on a
+    mesh runs with whatever a 1d group runs with; 2d, 2.5d and 3d run without context parallelism
+    (:class:`UnsupportedError`), with the samples of a copy of a microbatch on a
     data-parallel rank divisible by the ranks that split them (the rows,
     times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
     if cfg.tp_mode == "1d":
@@ -530,18 +527,19 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     mode = cfg.tp_mode
     if mode in MESH_MODES:
         return
-    for what, bad in (("cp", cfg.cp > 1), ("copies", cfg.copies > 1)):
+    for what, bad in (("cp", cfg.cp > 1),):
         if bad:
             raise UnsupportedError(f"tp_mode={mode} with {what}={getattr(cfg, what)} "
-                                   f"is not implemented yet; tp_mode={mode} runs with dp, pipelines, microbatches, "
+                                   f"is not implemented yet; tp_mode={mode} runs with dp, pipelines, microbatches, copies, "
                                    f"recompute and ZeRO 0-3")
     rows = cfg.grid_batch_split
-    per = global_batch // max(cfg.dp * cfg.microbatches, 1)
+    per = global_batch // max(cfg.dp * cfg.microbatches * cfg.copies, 1)
     if per % rows:
         who = "rows" if mode == "2d" else "depth x rows"    # 3d: the cube's depth and rows
         raise StrategyError(f"tp_mode={mode} splits each microbatch's {per} samples on a data-parallel rank over "
                             f"the grid's {rows} {who}: they must be divisible by {rows} (global batch "
-                            f"{global_batch} / (dp={cfg.dp} x microbatches={cfg.microbatches}))")
+                            f"{global_batch} / (dp={cfg.dp} x microbatches={cfg.microbatches}"
+                            + (f" x copies={cfg.copies}" if cfg.copies > 1 else "") + "))")
 
 
 def int_root_floor(n: int, k: int) -> int:
