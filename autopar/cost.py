@@ -338,6 +338,8 @@ class CostModel:
             est = self._estimate_pipeline(eff, sh, shp, global_batch, devices, partition, simulate_schedule)
         elif cfg.tp_mode in MESH_MODES:
             est = self._estimate_mesh(eff, sh, shp, global_batch, devices)
+        elif cfg.is_grid:
+            est = self._estimate_2d(eff, sh, shp, global_batch, devices)
         else:
             est = self._estimate_flat(eff, sh, shp, global_batch, devices)
         per_mb, kv = self.cp_attention_costs(cfg, sh, shp)

@@ -461,12 +461,12 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     with the joint ``dp_cp`` group the gradients are reduced over. A
     ``tp_mode`` grid replaces the tp axis by its own (``[tp_depth,] tp_row,
     tp``), inside ``pp`` and ``dp``."""
-    if cfg.cp > 1:     # a mesh's tensor axes inside cp, as a 1d tp axis
+    if cfg.cp > 1:     # a mesh's or a grid's tensor axes inside cp, as a 1d tp axis
         tp_names = ((("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")) \
-            if cfg.tp_mode in MESH_MODES else ("tp",)
+            if cfg.tp_mode != "1d" else ("tp",)
         names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp") + tp_names
         shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp) + \
-            (cfg.tp_grid if cfg.tp_mode in MESH_MODES else (cfg.tp,))
+            (cfg.tp_grid if cfg.tp_mode != "1d" else (cfg.tp,))
         return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
     if cfg.tp_mode != "1d":   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
         names = (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")

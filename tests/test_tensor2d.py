@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.errors import StrategyError, UnsupportedError
+from autopar.errors import StrategyError
 from autopar.runtime.launch import run_distributed
 from autopar.spec import parse_strategy
 from distributed import spawn8
@@ -66,9 +66,6 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
     with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
         autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
-    for bad in ("cp=2",):      # 3d, like the other grids: no cp (pipelines and ZeRO-3 run)
-        with pytest.raises(UnsupportedError, match=f"tp_mode=3d with {bad}.* is not implemented"):
-            autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16, strategy=f"tp=8,tp_mode=3d,{bad}")
     with pytest.raises(StrategyError, match="leave it out"):
         parse_strategy("tp=8,tp_mode=3d,sequence_parallel=true")
     with pytest.raises(StrategyError, match=r"divisible by 4 .*x copies=2"):     # each copy's samples on the rows
@@ -77,8 +74,9 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=3d")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=2, strategy="tp=8,tp_mode=2.5d,tp_depth=2")
-    with pytest.raises(UnsupportedError, match="cp=2 is not implemented"):
-        autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16, strategy="dp=2,tp=4,tp_mode=2d,cp=2")
+    # cp runs on every grid (the sequence split, each cp rank's samples over the rows)
+    assert autopar.evaluate(GPT, cluster="dgx-h100", devices=16, global_batch=16,
+                            strategy="tp=8,tp_mode=3d,cp=2").cp_comm_time_s > 0
 
 
 def test_cost_shards_states_over_the_grid_and_charges_the_rows():
@@ -411,6 +409,9 @@ CUBE = {GPT: "tp=8,tp_mode=3d", LLAMA: "tp=8,tp_mode=3d", HF_GPT2: "tp=8,tp_mode
 GRID_PIPELINE = "pp=2,tp=4,tp_mode=2d,microbatches=2"
 #: FSDP2 over dp=2 of each rank's quarter of every matrix (8 processes)
 GRID_ZERO3 = "dp=2,tp=4,tp_mode=2d,zero=3"
+#: context parallelism over a 2 x 2 grid (8 processes): the sequence split over cp=2, each cp rank's
+#: samples over the rows; the models whose attention cp runs (Hugging Face's GPT-2 passes a mask)
+GRID_CP = "tp=4,tp_mode=2d,cp=2"
 
 
 def _cube_worker(rank, world, path):
@@ -426,6 +427,8 @@ def _cube_worker(rank, world, path):
         pm, x, y, got = _train(spec, GRID_PIPELINE, want_w, matrices, 4)
         out[spec, "pipeline"] = (want_losses, *got)
         out[spec, "zero3"] = (want_losses, *_train(spec, GRID_ZERO3, want_w, matrices, 8)[3])
+        if spec != HF_GPT2:
+            out[spec, "cp"] = (want_losses, *_train(spec, GRID_CP, want_w, matrices, 4)[3])
         if spec == GPT:     # and one of the pipelined grid, under 1d without a pipeline
             pm.last_batch = ((x,), y)
             out["pipeline checkpoint"] = _checkpoint(pm, path + "-pp", "dp=4,tp=2,zero=1")
@@ -463,3 +466,30 @@ def test_8_processes_train_like_one_process_on_their_share_of_each_matrix(cube_r
         assert norms == pytest.approx(want_norms, rel=1e-4), (spec, run)
         assert worst < 1e-4 and not missing, (spec, run, worst, missing)
         assert matrices > 0 and not not_shared, (spec, run, not_shared)
+
+
+@spawn8
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_8_processes_context_parallelism_over_a_grid_trains_like_one_process(cube_results, spec):
+    """``tp=4,tp_mode=2d,cp=2``: the sequence over cp, each cp rank's samples over the grid's
+    rows, a quarter of every matrix on each rank (cp replicates the weights); GPT clipped."""
+    for r in cube_results:
+        (want, want_norms), (got, norms), worst, missing, not_shared, matrices = r[spec, "cp"]
+        assert got == pytest.approx(want, rel=1e-4), spec
+        assert norms == pytest.approx(want_norms, rel=1e-4), spec
+        assert worst < 1e-4 and not missing, (spec, worst, missing)
+        assert matrices > 0 and not not_shared, (spec, not_shared)
+
+
+def test_search_tries_grids_with_context_parallelism_on_long_sequences():
+    """Where the search offers cp (attention over 16k positions or more),
+    the grids get it too, flat and pipelined."""
+    from autopar.search.grid import grid2d_configs, pipeline_configs
+    g = autopar.api.as_graph("gpt:layers=2,hidden=64,heads=4,seq=16384,vocab=128", batch=16)
+    flat = [c for line in grid2d_configs(g, 16, 16) for c in line]
+    assert any(c.cp > 1 for c in flat) and any(c.cp == 1 for c in flat)
+    assert all(c.dp * c.tp * c.cp == 16 for c in flat)
+    piped = pipeline_configs(g, 16, 16, tp_modes=("1d", "2d"))
+    assert any(c.cp > 1 and c.tp_mode == "2d" for c in piped)
+    short = autopar.api.as_graph("gpt:layers=2,hidden=64,heads=4,seq=64,vocab=128", batch=16)
+    assert all(c.cp == 1 for line in grid2d_configs(short, 16, 16) for c in line)

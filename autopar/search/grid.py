@@ -141,8 +141,8 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     """The ``tp_mode=2d`` lines: ``tp = q^2`` on a ``q x q`` grid for every
     ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
     with the microbatches whose samples per data-parallel rank the grid's rows
-    divide, times recompute and ZeRO 0-3 (grids run no cp; their
-    pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
+    divide, times context parallelism (where :func:`cp_choices` offers it),
+    recompute and ZeRO 0-3 (their pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options and has_layers(graph) else ("none",)
@@ -151,16 +151,19 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     for q in tp_valid_sizes(graph):
         for d in (GRID_DEPTHS if mode == "2.5d" else (q,) if mode == "3d" else (1,)):
             tp = d * q * q
-            if q == 1 or devices % tp or global_batch % (devices // tp):
+            if q == 1 or devices % tp:
                 continue
-            dp = devices // tp
-            mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % (d * q) == 0]
-            keys = {"tp_mode": mode, **({"tp_depth": d} if mode == "2.5d" else {})}
-            for rc in recomputes:
-                for z in zeros:
-                    if mbs and not (z and dp == 1):
-                        out.append([ParallelConfig(dp=dp, tp=tp, microbatches=m, recompute=rc, zero=z,
-                                                   offload=offload, **keys) for m in mbs])
+            for cp in cp_choices(graph, devices // tp):
+                if (devices // tp) % cp or global_batch % (devices // (tp * cp)):
+                    continue
+                dp = devices // (tp * cp)
+                mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % (d * q) == 0]
+                keys = {"tp_mode": mode, **({"tp_depth": d} if mode == "2.5d" else {})}
+                for rc in recomputes:
+                    for z in zeros:
+                        if mbs and not (z and dp * cp == 1):
+                            out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc, zero=z,
+                                                       offload=offload, **keys) for m in mbs])
     return out
 
 
@@ -179,7 +182,7 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     (its groups would straddle nodes, which the cluster model does not
     describe: 1920 A100 at pp=32 gives stages of 60). ``tp_modes``: the
     tensor-parallel grids (``2d``, ``2.5d``, ``3d``) are pipelined too, each
-    stage on a ``dp x grid`` sub-mesh (no sequence parallelism or cp; the
+    stage on a ``dp x grid`` sub-mesh (no sequence parallelism; the
     samples of a microbatch divisible by the grid's rows, times its depth)."""
     try:
         n_layers = units(graph).layers
@@ -189,7 +192,7 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     zeros = (0, 1) if memory_options else (0,)
     out = []
     for mode, tp, grid_keys, rows in _pipelined_tp(graph, devices, tp_modes):
-        for cp in cp_choices(graph, devices // tp) if mode == "1d" else (1,):
+        for cp in cp_choices(graph, devices // tp):
             for pp in divisors(devices // (tp * cp)):
                 if pp == 1 or pp > n_layers:
                     continue

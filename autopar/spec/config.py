@@ -527,11 +527,6 @@ def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     mode = cfg.tp_mode
     if mode in MESH_MODES:
         return
-    for what, bad in (("cp", cfg.cp > 1),):
-        if bad:
-            raise UnsupportedError(f"tp_mode={mode} with {what}={getattr(cfg, what)} "
-                                   f"is not implemented yet; tp_mode={mode} runs with dp, pipelines, microbatches, copies, "
-                                   f"recompute and ZeRO 0-3")
     rows = cfg.grid_batch_split
     per = global_batch // max(cfg.dp * cfg.microbatches * cfg.copies, 1)
     if per % rows:
