@@ -369,7 +369,7 @@ class CostModel:
         # the rows' collectives run in every copy (each gathers the weights it reads) and the
         # copies overlap them as the columns'
         est = self._estimate_flat(view, sh, shapes, global_batch, devices,
-                                  grid_comm=self._row_comm(cfg, cube, split, whole)[1])
+                                  grid_comm=self._row_comm(cfg, cube, split, whole, self._grid_counts(sh, cfg))[1])
         grid, m = cfg.tp_grid, cfg.microbatches
         cols = grid[-1]
         topo = self.topology((cfg.dp, *grid))
@@ -467,11 +467,14 @@ class CostModel:
         self.cache.local_params[key] = out
         return out
 
-    def _row_comm(self, cfg: ParallelConfig, cube: float, split: float, whole: float) -> tuple[float, float]:
+    def _row_comm(self, cfg: ParallelConfig, cube: float, split: float, whole: float,
+                  counts: tuple[int, int, int] = (1, 1, 1)) -> tuple[float, float]:
         """The grid's own communication for weights of ``(cube, split,
         whole)`` elements (:meth:`_grid_params`) per microbatch: the forward's
         weight gathers, and everything (the gathers, again when recomputed,
-        the gradients' reduce-scatters and all-reduces).
+        the gradients' reduce-scatters and all-reduces). The program runs one
+        collective per weight: ``counts`` weights of each kind
+        (:meth:`_grid_counts`) each pay the collective's latency.
 
         Every split weight is gathered along the rows (again when
         recomputed), its gradient reduce-scattered; the gradients of the
@@ -488,15 +491,41 @@ class CostModel:
         r_axis, d_axis = len(lead) + len(grid) - 1, len(lead) + 1
         isz = self.itemsize
 
-        def coll(kind: str, elems: float, axis: int) -> float:
-            return topo.collective_time(kind, elems * isz, axis) if elems else 0.0
-        gathers = coll("all_gather", split, r_axis) + coll("all_gather", cube / depth, r_axis) + \
-            coll("all_gather", cube, d_axis)
+        k_cube, k_split, k_whole = counts
+
+        def coll(kind: str, elems: float, axis: int, k: int) -> float:
+            if not elems:
+                return 0.0
+            return topo.collective_time(kind, elems * isz, axis) + \
+                max(k - 1, 0) * topo.collective_time(kind, 0.0, axis)
+        gathers = coll("all_gather", split, r_axis, k_split) + coll("all_gather", cube / depth, r_axis, k_cube) + \
+            coll("all_gather", cube, d_axis, k_cube)
         total = (2 if cfg.recompute == "full" else 1) * gathers + \
-            coll("reduce_scatter", split, r_axis) + coll("reduce_scatter", cube / depth, r_axis) + \
-            coll("reduce_scatter", cube, d_axis) + coll("all_reduce", whole, r_axis) + \
-            (coll("all_reduce", split / rows + whole, d_axis) if depth > 1 else 0.0)
+            coll("reduce_scatter", split, r_axis, k_split) + coll("reduce_scatter", cube / depth, r_axis, k_cube) + \
+            coll("reduce_scatter", cube, d_axis, k_cube) + coll("all_reduce", whole, r_axis, k_whole) + \
+            (coll("all_reduce", split / rows + whole, d_axis, k_split + k_whole) if depth > 1 else 0.0)
         return gathers, total
+
+    def _grid_counts(self, sh: AxisSharding, cfg: ParallelConfig,
+                     names: Sequence[str] | None = None) -> tuple[int, int, int]:
+        """How many trainable parameters (of ``names``; default every one)
+        a grid column holds as each of :meth:`_grid_params`' ``(cube, split,
+        whole)``: the grid's program gathers and reduces each on its own."""
+        key = ("grid counts", id(sh), cfg.tp_grid, cfg.tp_mode, None if names is None else tuple(names))
+        hit = self.cache.local_params.get(key)
+        if hit is not None:
+            return hit
+        grad = needs_grad(self.graph)
+        if names is None:
+            names = [nd.name for nd in self.graph.nodes
+                     if nd.kind == "param" and grad.get(nd.name) and nd.out is not None]
+        counts = [0, 0, 0]
+        for name in names:
+            for i, part in enumerate(self._grid_split(self.graph[name], sh, cfg)):
+                counts[i] += bool(part)
+        out = (counts[0], counts[1], counts[2])
+        self.cache.local_params[key] = out
+        return out
 
     def _grid_unit_costs(self, cfg: ParallelConfig, sh: AxisSharding, shapes: dict,
                          global_batch: int) -> "UnitCosts":
@@ -516,11 +545,13 @@ class CostModel:
         n = len(base.time)
         out = UnitCosts(n)
         out.tensors, out.cut = list(base.tensors), list(base.cut)
-        comms: dict[tuple[float, float, float], tuple[float, float]] = {}   # the layers' units alike
+        comms: dict[tuple, tuple[float, float]] = {}   # the layers' units alike
+        lists = self._unit_param_lists[0]
         for u, (cube, split, whole) in enumerate(self._grid_unit_split(sh, cfg)):
-            if (cube, split, whole) not in comms:
-                comms[cube, split, whole] = self._row_comm(cfg, cube, split, whole)
-            gathers, total = comms[cube, split, whole]
+            counts = self._grid_counts(sh, cfg, [name for name, _ in lists[u]])
+            if (cube, split, whole, counts) not in comms:
+                comms[cube, split, whole, counts] = self._row_comm(cfg, cube, split, whole, counts)
+            gathers, total = comms[cube, split, whole, counts]
             gathered = (cube + split + whole - _grid_share(cfg, cube, split, whole)) * self.itemsize
             out.fwd[u] = base.fwd[u] + gathers
             out.comm[u] = base.comm[u] + total
