@@ -192,9 +192,11 @@ NOTES = [
     "Megatron-style layer (34.25 sbh/t) would still not fit 1F1B's 16 microbatches (module docstring). "
     "Interleaved with 2 chunks the "
     "simulated bubble is 18% (11% with 4 chunks; the paper does not give its count) and the rate without it "
-    "about 400 TFLOP/s, below the 430 measured with a bubble: of a 15.7 s step the model has 9.6 s of compute "
-    "and exposes 2.9 s of tensor-parallel collectives, which it never overlaps with compute (Megatron-core "
-    "and Llama 3's stack can overlap them with the GEMMs). Full recompute fits but pays a fourth pass. Llama 3 "
+    "about 410 TFLOP/s, below the 430 measured with a bubble: of a 14.1 s step the model has 9.6 s of compute "
+    "and exposes 1.5 s of tensor-parallel collectives, which it never overlaps with compute (Megatron-core "
+    "and Llama 3's stack can overlap them with the GEMMs). (2.9 s of a 15.7 s step until the Megatron "
+    "placements kept grouped-query attention's k and v split through repeat_kv: the greedy search's "
+    "look-ahead had gathered them on every rank.) Full recompute fits but pays a fourth pass. Llama 3 "
     "trained without activation checkpointing in 80 GB, with fewer microbatches in flight or a layer that "
     "keeps less than any this model prices.",
 ]

@@ -420,3 +420,18 @@ def test_export_traced_layers_share_their_parameters_decisions_and_take_pins():
                             shardings=pins)
         for name, p in pins.items():
             assert plan.data["params"][f"model.{name}"][1] == p, (name, plan.data["params"][f"model.{name}"])
+
+
+def test_greedy_placements_keep_grouped_query_attention_split():
+    """Grouped-query attention repeats k and v to every query head
+    (``repeat_interleave``, 16x at Llama 3 405B's 128 / 8 heads). Split over
+    the kv heads they stay split through it; the greedy search's look-ahead
+    (half a gather of an op's sharded output) was charged along the chain
+    as at its start, so the 16x output's half gather outweighed gathering
+    the input, and the Megatron placements (``grid`` mode, and every manual
+    ``evaluate``) gathered k and v on every tp rank."""
+    spec = "llama:layers=2,hidden=16384,heads=128,kv_heads=8,ffn=53248,seq=8192,vocab=128256"
+    for mode in ("grid", "recursive_programming", "dynamic_programming"):
+        p = autopar.plan(spec, cluster="dgx-h100", devices=8, global_batch=4, strategy="tp=8", search_mode=mode)
+        repeats = {k: v["out"][-1] for k, v in p.data["ops"].items() if ":repeat_interleave" in k}
+        assert repeats and set(repeats.values()) == {"S(2)"}, (mode, repeats)

@@ -123,9 +123,20 @@ class GreedyCost:
             h += self.comm("all_gather", self.sizes.get(nd.name, 0.0))
         if st.out == P:
             h += self.comm("all_reduce", self.sizes.get(nd.name, 0.0))
-        elif is_shard(st.out):
+        elif is_shard(st.out) and not self._continues(nd, st, cur):
             h += 0.5 * self.comm("all_gather", self.sizes.get(nd.name, 0.0))
         return h
+
+    def _continues(self, nd: Node, st: Strategy, cur: list[str | None]) -> bool:
+        """Whether ``st`` goes on with a sharded chain: it reads a value
+        (not a weight) in the shard the value already has. The look-ahead's
+        half gather is for the op that starts a chain; charged again along it,
+        it would turn back an op that grows its input (grouped-query
+        attention's ``repeat_interleave`` of k and v to every query head,
+        16x at Llama 3 405B) into gathering the input, a collective the
+        chain did not need."""
+        return any(have == want and is_shard(want) and not self.graph[name].is_state
+                   for have, want, name in zip(cur, st.ins, nd.inputs))
 
     def _read_as(self, name: str) -> frozenset | None:
         """The placements ``name``'s one reader accepts for it (None, any,
