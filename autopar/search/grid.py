@@ -142,7 +142,8 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
     with the microbatches whose samples per data-parallel rank the grid's rows
     divide, times context parallelism (where :func:`cp_choices` offers it),
-    recompute and ZeRO 0-3 (their pipelines are :func:`pipeline_configs`'). ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
+    recompute and ZeRO 0-3 (their pipelines are :func:`pipeline_configs`').
+    ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
     recomputes = ("none", "selective", "full") if memory_options and has_layers(graph) else ("none",)
