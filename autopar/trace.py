@@ -923,6 +923,13 @@ def _tinfo(meta: Any) -> TensorInfo | None:
     return TensorInfo(tuple(int(s) for s in meta.shape), str(meta.dtype).replace("torch.", ""))
 
 
+def _returns_tuple(n: Any) -> bool:
+    """Whether fx node ``n`` returns several tensors (its ``tensor_meta`` a
+    tuple of them: ``torch.max(x, dim)``, ``topk``, ``sort``)."""
+    tm = n.meta.get("tensor_meta") if isinstance(n, fx.Node) else None
+    return isinstance(tm, (tuple, list)) and not hasattr(tm, "shape")     # TensorMetadata is a tuple too
+
+
 def _node_out(n: fx.Node) -> TensorInfo | None:
     tm = n.meta.get("tensor_meta")
     if isinstance(tm, (tuple, list)) and not hasattr(tm, "shape"):  # TensorMetadata is a tuple too
@@ -1214,8 +1221,9 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                 a["dim_map"] = {i: i + off for i in range(nd)}
         elif k == "index" and x is not None and o is not None:
             a["dim_map"] = _index_map(n, t, nd, len(o))
-        if k == "index" and node.inputs and by_name[node.inputs[0]].kind == "split":
-            node.kind = "item"
+        if k == "index" and node.inputs and (by_name[node.inputs[0]].kind == "split" or
+                                             (t == "getitem" and _returns_tuple(n.args[0]))):
+            node.kind = "item"     # a piece of a split, or of an op's tuple (max and min with a dim: values, indices)
     except (TypeError, ValueError, IndexError, KeyError):
         pass  # unusual arguments: the rule falls back to replication
     return a

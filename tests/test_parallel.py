@@ -142,3 +142,45 @@ def test_dp_tp_numerics_match_single_process(spec, parallel_results):
 
 def test_mlp_cnn_and_tied_gpt_tensor_parallel_numerics(parallel_results):
     _check(OTHERS, parallel_results)
+
+
+class _MaxPool(torch.nn.Module):
+    """``values, indices = h.max(dim=1)``: an op returning a tuple, unpacked."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        m, _ = self.a(x).max(dim=1)
+        return self.b(m)
+
+
+def _max_pool_case():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _MaxPool(), torch.randn(4, 6, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+
+def _max_pool_worker(rank, world):
+    import autopar
+    model, x, y = _max_pool_case()
+    pm = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.cross_entropy, example_target=y,
+                             strategy="tp=2,precision=fp32", cluster="cpu",
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return pm.plan.data["ops"]["model:getitem"]["out"][-1], [pm.train_step((x,), y) for _ in range(3)]
+
+
+def test_a_piece_of_an_ops_tuple_keeps_the_shard():
+    """``torch.max(h, dim)`` returns (values, indices); the piece ``getitem``
+    reads keeps the placement the op gave (as a split's pieces do). It was
+    read as tensor indexing, which only replicates, so a tp plan that kept
+    ``h`` split over its features put an all-gather on the tuple itself and
+    the program failed (``'torch.return_types.max' object has no attribute
+    'dim'``; Hugging Face's gpt-oss router hit it under tp)."""
+    from distributed import eager_steps
+    model, x, y = _max_pool_case()
+    ref = eager_steps(model, (x,), y, torch.nn.functional.cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    placed, losses = run_distributed(_max_pool_worker, 2, timeout=120)[0]
+    assert placed == "S(1)"
+    assert losses == pytest.approx(ref, rel=1e-5, abs=1e-6)
