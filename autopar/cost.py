@@ -1154,13 +1154,14 @@ class CostModel:
         if P in [ax.out.get(nd.name, R) for ax in axes]:
             keeps = frozenset()
         pieces = mesh_pieces(tuple(ax.n for ax in axes))
+        reads = [dict(zip(nd.inputs, st.ins)) for st in sts]     # per axis, as 1d's _saved reads them
         out = []
         for i in self._saved_names(nd, recompute, keeps):
             haves = [ax.out.get(i, R) for ax in axes]
             wants = list(haves)
-            for a, (ax, st) in enumerate(zip(axes, sts)):
-                if i in nd.inputs:
-                    w = st.ins[nd.inputs.index(i)]
+            for a, st in enumerate(sts):
+                if i in reads[a]:
+                    w = reads[a][i]
                     sp_entry = st.split and w == R and is_shard(haves[a]) and self.grad.get(i, False)
                     wants[a] = haves[a] if sp_entry else w
             have, want = joint_placement(haves), joint_placement(wants)
