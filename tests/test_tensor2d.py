@@ -118,6 +118,8 @@ def test_copies_on_a_grid_gather_the_rows_weights_in_every_copy():
     hidden = autopar.evaluate(m, cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4,tp_mode=2d,copies=2")
     plain = autopar.evaluate(m, cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4,tp_mode=2d")
     assert hidden.tp_comm_time_s < 2 * plain.tp_comm_time_s
+    # and each copy keeps the weights it gathered for its backward
+    assert hidden.memory["grid_weights_gathered"] == pytest.approx(2 * plain.memory["grid_weights_gathered"])
 
 
 def test_search_tries_grids_only_when_asked():
