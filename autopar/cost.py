@@ -632,6 +632,12 @@ class CostModel:
                 st["optimizer"] += -(-4 * n // cfg.dp)
             if cfg.zero == 1:
                 st["gradients"] += -(-self._grad_bytes(cfg) * n // cfg.dp)
+            elif cfg.microbatches > 1 or not cfg.overlap:
+                # ZeRO-2 stages a bucket's gradients whole before its reduce-scatter; the last
+                # bucket of a microbatch is still in flight while the next one's forward runs
+                # (without overlap the staging holds the step's whole gradients)
+                whole = self._grad_bytes(cfg) * n
+                st["gradients"] += min(cfg.bucket_mb * (1 << 20), whole) if cfg.overlap else whole
         host = 0.0
         if cfg.offload == "optimizer":
             for k in (("weights", "gradients", "optimizer") if cfg.zero >= 3 else ("optimizer",)):
