@@ -105,18 +105,20 @@ def split_of(model: str, strategy: str) -> tuple[int, int]:
     return cfg.dp, cfg.microbatches
 
 
-def microbatches(c, split: tuple[int, int]) -> list[tuple[tuple, torch.Tensor]]:
+def microbatches(c, split: tuple[int, int], inputs: tuple | None = None) -> list[tuple[tuple, torch.Tensor]]:
     """The step's microbatches as the runtime makes them: microbatch k is the
-    k-th chunk of every dp rank's slice of the batch, together."""
+    k-th chunk of every dp rank's slice of the batch, together (of
+    ``inputs``, the case's own by default)."""
+    inputs = c.inputs if inputs is None else inputs
     dp, m = split
     if (dp, m) == (1, 1) or m == 1:
-        return [(c.inputs, c.target)]
+        return [(inputs, c.target)]
     n = c.target.shape[0]
     b = n // (dp * m)
     out = []
     for k in range(m):
         idx = torch.cat([torch.arange(r * (n // dp) + k * b, r * (n // dp) + (k + 1) * b) for r in range(dp)])
-        out.append((tuple(x[idx] for x in c.inputs), c.target[idx]))
+        out.append((tuple(x[idx] for x in inputs), c.target[idx]))
     return out
 
 
@@ -141,7 +143,7 @@ def reference(model: str, precision: str = "fp32",
                 b.data = b.data.to(torch.bfloat16)
     inputs = tuple(x.to(torch.bfloat16) if precision != "fp32" and x.is_floating_point() else x for x in c.inputs)
     losses = []
-    mbs = microbatches(c, split)
+    mbs = microbatches(c, split, inputs)     # bf16: the inputs as cast, as the runtime casts them
     for _ in range(STEPS):
         opt.zero_grad()
         if len(mbs) == 1:
