@@ -151,7 +151,9 @@ def reference(model: str, precision: str = "fp32",
             (loss * scale).backward()
         else:
             loss = torch.zeros(())
-            for x, t in mbs:
+            for k, (x, t) in enumerate(mbs):
+                if precision != "fp32":     # the distributed optimizer reduces after the last microbatch
+                    opt.start_microbatch(last=k == len(mbs) - 1)
                 part = c.loss_fn(c.model(*x), t) / len(mbs)
                 (part * scale).backward()
                 loss = loss + part.detach()
