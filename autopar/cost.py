@@ -1121,19 +1121,21 @@ class CostModel:
         tail, charged = self._replay_tail, sh.ilp.node_collectives_s
         dispatch = self.cluster.device.dispatch_overhead_s
         out = [_MeshSums() for _ in range(n)]
+        # the values kept, each once however many ops read it (as 1d's sums count them): per bucket,
+        # per layer instance (None: outside the layers), value -> bytes; and without recompute
+        kept: list[dict] = [{} for _ in range(n)]
+        whole: list[dict] = [{} for _ in range(n)]
         for nd in self.graph.nodes:
             sts = [ax.strategy.get(nd.name) for ax in axes]
             if nd.is_state or any(st is None for st in sts):
                 continue
-            b = out[bucket(nd)]
+            u = bucket(nd)
+            b = out[u]
             place = joint_placement([ax.out.get(nd.name, R) for ax in axes])
-            kept = {} if nd.group is None else b.saved.setdefault(nd.group, {})
-            for name, nbytes in self._mesh_saved(nd, sts, axes, shapes, cfg.recompute, keeps):
-                (b.kept if nd.group is None else kept)[name] = nbytes
+            kept[u].setdefault(nd.group, {}).update(
+                self._mesh_saved(nd, sts, axes, pieces, shapes, cfg.recompute, keeps))
             if selective and nd.group is not None:
-                full = b.full.setdefault(nd.group, {})
-                for name, nbytes in self._mesh_saved(nd, sts, axes, shapes, "none", keeps):
-                    full[name] = nbytes
+                whole[u].setdefault(nd.group, {}).update(self._mesh_saved(nd, sts, axes, pieces, shapes, "none", keeps))
             # the op's kernels at its share of the work, and the host's time per op as for 1d
             t = self.node_time(nd, self.scale(nd, local_batch),
                                math.prod(work_fraction(st, size) for st, size in zip(sts, sizes))) + \
@@ -1147,27 +1149,26 @@ class CostModel:
             if nd.group is not None:
                 b.ops[nd.group] = b.ops.get(nd.group, 0) + checkpoint_dispatches(nd.kind, nd.target)
             b.transient = max(b.transient, _numel(shapes.get(nd.name)) * self.itemsize / pieces(place))
-        for b in out:     # each value kept once, however many ops read it (as 1d's sums count)
-            b.outside = sum(b.kept.values())
-            b.saved = {g: sum(v.values()) for g, v in b.saved.items()}
-            b.full = {g: sum(v.values()) for g, v in b.full.items()} if selective else dict(b.saved)
+        for b, by_inst, by_inst_whole in zip(out, kept, whole):
+            b.outside = sum(by_inst.pop(None, {}).values())
+            b.saved = {g: sum(v.values()) for g, v in by_inst.items()}
+            b.full = {g: sum(v.values()) for g, v in by_inst_whole.items()} if selective else dict(b.saved)
             if selective:     # the dispatch mode's host time per replayed layer
                 b.refwd += sum(2 * k * self.cluster.device.checkpoint_dispatch_s for k in b.ops.values())
         return out
 
-    def _mesh_saved(self, nd: Node, sts: list, axes: tuple, shapes: dict, recompute: str,
-                    keeps: frozenset[str]) -> list[tuple[str, float]]:
+    def _mesh_saved(self, nd: Node, sts: list, axes: tuple, pieces: Callable[[str], int], shapes: dict,
+                    recompute: str, keeps: frozenset[str]) -> list[tuple[str, float]]:
         """:meth:`_saved` on a mesh: the (value, local bytes) pairs ``nd``
         keeps for its backward under the joint strategy ``sts`` (one per axis
-        of ``axes``). An input the op reads in another placement is kept as
-        a tensor of its own (``name@placement``), except a sequence-parallel
-        entry, kept as its shard on the axis that gathers it again in
-        backward; the attention output split alike is its alias's tensor;
+        of ``axes``; ``pieces`` as :func:`mesh_pieces` of their sizes). An
+        input the op reads in another placement is kept as a tensor of its
+        own (``name@placement``), except a sequence-parallel entry, kept as
+        its shard on the axis that gathers it again in backward; the attention output split alike is its alias's tensor;
         under selective recompute a partial output is not kept (a reduction,
         not a backward, reads it first)."""
         if P in [ax.out.get(nd.name, R) for ax in axes]:
             keeps = frozenset()
-        pieces = mesh_pieces(tuple(ax.n for ax in axes))
         reads = [dict(zip(nd.inputs, st.ins)) for st in sts]     # per axis, as 1d's _saved reads them
         out = []
         for i in self._saved_names(nd, recompute, keeps):
@@ -2064,9 +2065,8 @@ class _MeshSums:
     refwd: float = 0.0         # the forward selective recompute runs again (with its dispatch)
     outside: float = 0.0       # bytes kept by the ops outside any layer
     transient: float = 0.0     # the largest output
-    saved: dict[str, Any] = field(default_factory=dict)     # per layer instance, bytes kept
-    full: dict[str, Any] = field(default_factory=dict)      # per instance, kept without recompute
-    kept: dict[str, float] = field(default_factory=dict)    # outside the layers, per value kept
+    saved: dict[str, float] = field(default_factory=dict)   # per layer instance, bytes kept
+    full: dict[str, float] = field(default_factory=dict)    # per instance, kept without recompute
     ops: dict[str, int] = field(default_factory=dict)       # per instance, checkpointed dispatches
 
 

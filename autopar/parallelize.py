@@ -461,21 +461,13 @@ def build_mesh(cfg: ParallelConfig, timeout_s: float | None = None) -> Mesh:
     with the joint ``dp_cp`` group the gradients are reduced over. A
     ``tp_mode`` grid replaces the tp axis by its own (``[tp_depth,] tp_row,
     tp``), inside ``pp`` and ``dp``."""
-    if cfg.cp > 1:     # a mesh's or a grid's tensor axes inside cp, as a 1d tp axis
-        tp_names = ((("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")) \
-            if cfg.tp_mode != "1d" else ("tp",)
-        names = (("pp",) if cfg.pp > 1 else ()) + ("dp", "cp") + tp_names
-        shape = ((cfg.pp,) if cfg.pp > 1 else ()) + (cfg.dp, cfg.cp) + \
-            (cfg.tp_grid if cfg.tp_mode != "1d" else (cfg.tp,))
-        return Mesh.build(shape, names, timeout_s=timeout_s, joint=(("dp", "cp"),))
-    if cfg.tp_mode != "1d":   # [the depth,] the grid's rows, its columns (the tp axis of their decisions)
-        names = (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")
-        if cfg.pp > 1:
-            return Mesh.build((cfg.pp, cfg.dp, *cfg.tp_grid), ("pp", "dp", *names), timeout_s=timeout_s)
-        return Mesh.build((cfg.dp, *cfg.tp_grid), ("dp", *names), timeout_s=timeout_s)
-    if cfg.pp > 1:
-        return Mesh.build((cfg.pp, cfg.dp, cfg.tp), ("pp", "dp", "tp"), timeout_s=timeout_s)
-    return Mesh.build((cfg.dp, cfg.tp), ("dp", "tp"), timeout_s=timeout_s)
+    # the tensor axes: 1d's one, or [the depth,] the rows and the columns of a grid or mesh
+    tp_names = ("tp",) if cfg.tp_mode == "1d" else \
+        (("tp_depth",) if len(cfg.tp_grid) == 3 else ()) + ("tp_row", "tp")
+    outer = [(n, size) for n, size in (("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp))
+             if size > 1 or n == "dp"]
+    return Mesh.build(tuple(size for _, size in outer) + cfg.tp_grid, tuple(n for n, _ in outer) + tp_names,
+                      timeout_s=timeout_s, joint=(("dp", "cp"),) if cfg.cp > 1 else ())
 
 
 # ----------------------------------------------------------------------------- the steps

@@ -932,7 +932,7 @@ def _returns_tuple(n: Any) -> bool:
 
 def _node_out(n: fx.Node) -> TensorInfo | None:
     tm = n.meta.get("tensor_meta")
-    if isinstance(tm, (tuple, list)) and not hasattr(tm, "shape"):  # TensorMetadata is a tuple too
+    if _returns_tuple(n):     # its first tensor
         return _tinfo(tm[0]) if tm else None
     return _tinfo(tm)
 

@@ -154,8 +154,8 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
             tp = d * q * q
             if q == 1 or devices % tp:
                 continue
-            for cp in cp_choices(graph, devices // tp):
-                if (devices // tp) % cp or global_batch % (devices // (tp * cp)):
+            for cp in cp_choices(graph, devices // tp):     # each divides devices // tp
+                if global_batch % (devices // (tp * cp)):
                     continue
                 dp = devices // (tp * cp)
                 mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % (d * q) == 0]

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StrategyError, UnsupportedError
+from ..errors import StrategyError
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -518,10 +518,10 @@ def tp_grid(tp: int, mode: str, depth: int = 1) -> tuple[int, ...]:
 
 def check_grid(cfg: ParallelConfig, global_batch: int) -> None:
     """The rules of a tensor-parallel grid (``tp_mode`` other than 1d): a
-    mesh runs with whatever a 1d group runs with; 2d, 2.5d and 3d run without context parallelism
-    (:class:`UnsupportedError`), with the samples of a copy of a microbatch on a
-    data-parallel rank divisible by the ranks that split them (the rows,
-    times the depth of 2.5d and 3d: :attr:`ParallelConfig.grid_batch_split`)."""
+    mesh runs with whatever a 1d group runs with; 2d, 2.5d and 3d need the
+    samples of a copy of a microbatch on a data-parallel rank divisible by
+    the ranks that split them (the rows, times the depth of 2.5d and 3d:
+    :attr:`ParallelConfig.grid_batch_split`)."""
     if cfg.tp_mode == "1d":
         return
     mode = cfg.tp_mode
