@@ -25,8 +25,10 @@ The model, per optimizer step with ``m`` microbatches on a ``(dp, tp)`` mesh
   slowed by that share of the collective's time (``_beside``). Under ZeRO-3
   the backward's gather and reduce-scatter run at once on two streams,
   share the link and both hold SMs (``_fsdp_unit``).
-* optimizer: a memory-bound pass over the local optimizer state (or the
-  host link and host memory with ``offload=optimizer``).
+* optimizer: memory-bound passes over the local master and state, as many as
+  torch's optimizer makes (AdamW: 20 fp32 reads and writes an element, plus the
+  cast of the master into bf16/fp16 weights; ``cost_models.optimizer_step_bytes``),
+  or the host link and host memory with ``offload=optimizer``.
 * pipelines: the simulated schedule of the per-stage times
   (:mod:`autopar.pipeline.schedule`) with the point-to-point transfers.
 * context parallelism (``cp > 1``, :meth:`CostModel._estimate_cp`): every op
@@ -63,7 +65,8 @@ from functools import cached_property
 from typing import Any, Callable, Sequence
 
 import cost_models
-from cost_models import ClusterSpec, MeshTopology, model_state_bytes, op_time, zero_sharded_state_bytes
+from cost_models import (ClusterSpec, MeshTopology, model_state_bytes, op_time, optimizer_step_bytes,
+                         zero_sharded_state_bytes)
 
 from . import ops
 from .errors import StrategyError
@@ -761,11 +764,20 @@ class CostModel:
             # grads down and updated weights up (ZeRO-3: every microbatch's shards)
             moved = shard * (gb + (4 if cfg.zero >= 3 else pb)) * (m if cfg.zero >= 3 else 1)
             opt += moved / host.link.bandwidth + 2 * host.link.latency
-            opt += st["offloaded"] * 2 / host.memory_bandwidth if cfg.zero < 3 else \
-                (st["offloaded"] - shard * (4 + gb)) * 2 / host.memory_bandwidth
+            # the host runs the optimizer's ops on the fp32 master and state
+            opt += optimizer_step_bytes(shard, self.optimizer) / host.memory_bandwidth
         else:
-            opt += st["optimizer"] * 2 / (dev.memory_bandwidth * dev.memory_efficiency)
+            opt += self._optimizer_bytes(cfg, local) / (dev.memory_bandwidth * dev.memory_efficiency)
         return comm, opt, st
+
+    def _optimizer_bytes(self, cfg: ParallelConfig, local: float) -> float:
+        """Bytes the device's optimizer step moves for ``local`` trainable
+        elements: torch's ops over this rank's shard (ZeRO >= 1 splits it over
+        ``dp``), and under bf16/fp16 the casts around them (FSDP2 keeps the
+        sharded parameter in fp32 and casts at the gather: none)."""
+        shard = local / cfg.dp if cfg.zero >= 1 else local
+        precision = "fp32" if cfg.zero >= 3 else self.precision
+        return optimizer_step_bytes(shard, self.optimizer, precision, self._grad_bytes(cfg))
 
     def _gathered(self, cfg: ParallelConfig, sh: AxisSharding) -> float:
         """ZeRO-3's unsharded weights at the peak: the root's (outside the
@@ -842,10 +854,8 @@ class CostModel:
             if cfg.zero >= 3:
                 ag = (topo.collective_time("all_gather", big, 0) - topo.collective_time("all_gather", 0.0, 0)) / big
                 per_elem += 2 * ag * isz
-        opt_bytes = self._state_bytes(cfg, big)
-        opt_bytes = (opt_bytes["optimizer"] + opt_bytes["offloaded"]) / big
         dev = self.cluster.device
-        per_elem += opt_bytes * 2 / (dev.memory_bandwidth * dev.memory_efficiency) / m
+        per_elem += self._optimizer_bytes(cfg, big) / big / (dev.memory_bandwidth * dev.memory_efficiency) / m
 
         pieces = pieces or _tp_pieces(tp)
 

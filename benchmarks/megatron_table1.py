@@ -48,6 +48,9 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 #: dtype (``accumulate_allreduce_grads_in_fp32`` off unless bf16 forces it) and all-reduces them
 #: after the backward of the last microbatch, not bucket by bucket during it
 PAPER_PRECISION = "precision=fp16,reduce_dtype=fp16,overlap=false"
+#: Megatron-LM's optimizer: apex's FusedAdam in AdamW mode, one pass over the weights and state
+#: (torch's default AdamW makes ten, ``cost_models.memory.OPTIMIZER_ACCESSES``)
+PAPER_OPTIMIZER = "adamw_fused"
 
 
 class Row(NamedTuple):
@@ -115,7 +118,7 @@ def plan_row(row: Row) -> dict[str, Any]:
     p = autopar.plan(row.spec, cluster=CLUSTER, devices=row.gpus, global_batch=row.batch)
     took = time.perf_counter() - t0
     pub = autopar.evaluate(row.spec, cluster=CLUSTER, devices=row.gpus, global_batch=row.batch,
-                           strategy=row.published)
+                           strategy=row.published, optimizer=PAPER_OPTIMIZER)
     predicted = paper_tflops(row.flops(), pub.step_time_s, row.gpus)
     return {"model": row.name, "gpus": row.gpus, "batch": row.batch, "plan_s": took, "strategy": p.strategy,
             "predicted_tflops": p.predicted["tflops_per_device"], "published": row.published,

@@ -7,7 +7,7 @@ from .comm import MeshTopology, collective_time, fit_alpha_beta
 from .compute import op_time
 from .errors import ClusterError
 from .hardware import ClusterSpec, DeviceSpec, HostSpec, LinkSpec
-from .memory import dtype_bytes, model_state_bytes, zero_sharded_state_bytes
+from .memory import dtype_bytes, model_state_bytes, optimizer_step_bytes, zero_sharded_state_bytes
 from .presets import list_presets, load_cluster
 
 __all__ = [

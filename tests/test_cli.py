@@ -213,7 +213,7 @@ def test_diff_two_plans(tmp_path, monkeypatch):
     assert "dp │ 2 -> 4" in text and "placed otherwise" in text
     assert "model.blocks.*.attn.q.weight │ R,S(0) -> R,R (x2)" in text
     assert "model.blocks.*.attn.q:linear │ batch0,colwise (S(0),S(2)) -> batch0,replicate (S(0),R) (x2)" in text
-    st = re.search(r"step time │ ([\d.]+) ms -> ([\d.]+) ms \((-[\d.]+ µs), (-[\d.]+)%\)", text)
+    st = re.search(r"step time │ ([\d.]+) ms -> ([\d.]+) ms \(([+-][\d.]+ µs), ([+-][\d.]+)%\)", text)
     assert st, text
     pm = re.search(r"peak memory per device │ ([\d.]+) MiB -> ([\d.]+) MiB \((\+[\d.]+ KiB), (\+[\d.]+)%\)", text)
     assert pm, text

@@ -147,18 +147,21 @@ def test_search_modes_and_never_worse_than_grid():
 
 
 def test_copies_tried_with_the_megatron_placements_too():
-    """6.7B on 64 A100 (plan_quality's case): the ILP's placements for one copy cut the
-    tensor-parallel communication that copies would hide, so the best multi-copy plan keeps
-    the Megatron placements; the search found dp=32,tp=2 (8.436 s) where the grid has
-    dp=16,tp=4 with copies=4 and sequence parallelism (8.427 s) when it tried copies only
-    with the ILP's placements, on the 3 fastest flat configurations."""
+    """6.7B on 64 A100 (plan_quality's case): the ILP's placements for one copy can cut the
+    tensor-parallel communication that copies would hide, so copies are tried with the Megatron
+    placements too. When they were tried only with the ILP's, on the 3 fastest flat
+    configurations, the search found dp=32,tp=2 (8.436 s) where the grid had dp=16,tp=4 with
+    copies=4 and sequence parallelism (8.427 s). With the optimizer's passes counted (issue 17)
+    the best is dp=32,tp=2,copies=4 with ZeRO-1 (8.440 s, the grid's 8.492 s): its placements are
+    at least as fast as the Megatron placements of the same configuration."""
     g = graph("gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200")
     ev = planner_for(g, "dgx-a100-80g", "adamw", None, devices=64, global_batch=1024, mode="ilp")
     best = search_grid(ev, pipeline=False)
     grid = ev.evaluate(ParallelConfig(dp=16, tp=4, microbatches=4, copies=4, sequence_parallel=True, zero=0),
                        MANUAL)
     assert grid.fits and best.best.step_time_s <= grid.step_time_s * (1 + 1e-9)
-    assert best.best_config.copies > 1 and best.best_sharder.mode == "manual"
+    assert best.best_config.copies > 1
+    assert best.best.step_time_s <= ev.evaluate(best.best_config, MANUAL).step_time_s * (1 + 1e-9)
 
 
 def test_plan_search_mode_names():

@@ -650,11 +650,15 @@ def test_a_mesh_keeps_each_value_once_as_1d_does():
     """A value several ops read for their backward is kept once, in the mesh
     estimate as in 1d's (it was counted once per reader there: on the GPT
     below, whose joint program replicates every op on the H100 preset, 82
-    MiB of activations against 70 for the same decisions on one device)."""
+    MiB of activations against 70 for the same decisions on one device). Only the
+    embedding tables are split (over the hidden dimension, their sum gathered before
+    the first layer: since the optimizer's passes are counted, splitting a weight saves
+    more of its step); every op of the layers is replicated."""
     g = autopar.api.as_graph("gpt:layers=4,hidden=256,heads=8,seq=128,vocab=1024")
     one = autopar.evaluate(g, cluster="dgx-h100", devices=1, global_batch=16, strategy="dp=1")
     mesh = autopar.evaluate(g, cluster="dgx-h100", devices=4, global_batch=16, strategy="tp=4,tp_mode=mesh")
     plan = autopar.plan(g, cluster="dgx-h100", devices=4, global_batch=16, strategy="tp=4,tp_mode=mesh")
-    assert all(set(v[1].split("|")) == {"R"} for v in plan.data["params"].values())   # nothing split
+    split = {k for k, v in plan.data["params"].items() if set(v[1].split("|")) != {"R"}}
+    assert split <= {"model.wte.weight", "model.wpe.weight"}      # every layer replicated
+    assert all(set(v["out"][1].split("|")) == {"R"} for k, v in plan.data["ops"].items() if "blocks" in k)
     assert mesh.memory["activations"] == pytest.approx(one.memory["activations"], rel=1e-9)
-    assert mesh.peak_memory_bytes == pytest.approx(one.peak_memory_bytes, rel=1e-9)

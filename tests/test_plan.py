@@ -355,10 +355,12 @@ def test_version_1_plans_still_load(gpt_plan, gpt_graph, tmp_path):
     """A plan file written at plan version 1 (tests/data, by the code before this format) reads, checks against
     its model, gives the same decisions, is written back as it was, and upgrades to this plan."""
     old = Plan.load(V1_PLAN)
-    # its predictions are the model's of its day: the step time still, the activations since count the
-    # attention output once (the output projection's input, in the same storage)
+    # its predictions are the model's of its day: the step time since counts every pass torch's
+    # optimizer makes over its state (it was one read and one write), the activations the attention
+    # output once (the output projection's input, in the same storage)
     assert old.version == 1 and old.strategy == gpt_plan.strategy
-    assert old.predicted["step_time_s"] == gpt_plan.predicted["step_time_s"]
+    assert old.predicted["step_time_s"] < gpt_plan.predicted["step_time_s"]
+    assert old.predicted["optimizer_time_s"] < gpt_plan.predicted["optimizer_time_s"]
     assert old.predicted["memory"]["activations"] > gpt_plan.predicted["memory"]["activations"]
     assert old.data["params"] == gpt_plan.data["params"] and "add_8" in old.data["ops"]
     old.check_graph(gpt_graph)
