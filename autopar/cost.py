@@ -1015,7 +1015,8 @@ class CostModel:
                     "optimizer": states["optimizer"], "activations": activations,
                     "transient": 2 * transient + recomputed + gathered,
                     **({"freed_by_backward": freed} if freed else {})},
-            fits=peak <= cap and self._host_fits(states["offloaded"]), device_memory_bytes=float(self.cluster.device.memory_bytes),
+            fits=peak <= cap and self._host_fits(states["offloaded"]),
+            device_memory_bytes=float(self.cluster.device.memory_bytes),
             devices=devices, global_batch=global_batch, precision=self.precision, optimizer=self.optimizer,
             parallel=cfg.as_dict(), host_memory_bytes=states["offloaded"],
         )

@@ -31,9 +31,8 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-import traceback
 
-from benchmarks.common import save
+from benchmarks.common import each_case, save
 
 # key -> (zoo string with {L} for the depth, batch, seq, hidden, layers compared)
 CASES = {
@@ -119,17 +118,9 @@ def main(cases: list[str]) -> dict:
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("activations_gpu needs a CUDA GPU")
-    raw, rows = [], []
-    for key in cases:
-        t0 = time.perf_counter()
-        try:
-            rec = run_case(key)
-        except Exception as e:  # noqa: BLE001 - a failing case is a row
-            traceback.print_exc()
-            rec = {"case": key, "error": f"{type(e).__name__}: {e}"}
-        rec["wall_s"] = round(time.perf_counter() - t0, 1)
-        raw.append(rec)
-        print(rec, flush=True)
+    raw, rows = each_case(cases, run_case), []
+    for rec in raw:
+        key = rec["case"]
         if "error" in rec:
             rows.append([key, "-", "-", "-", "-", rec["error"][:60]])
         else:

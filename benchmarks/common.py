@@ -104,6 +104,25 @@ def timed_run(name: str, run: Any, quick: bool, save_result: bool = True, log: A
     return result
 
 
+def each_case(keys: list[str], run: Any, failed: str = "error") -> list[dict[str, Any]]:
+    """``run(key)`` for every key, each record printed as it comes with its
+    ``wall_s``; a case that raises is a record ``{"case": key, failed: "Type:
+    message"}`` (its traceback printed) and the others go on."""
+    import traceback
+    raw = []
+    for key in keys:
+        t0 = time.perf_counter()
+        try:
+            rec = run(key)
+        except Exception as e:  # noqa: BLE001 - a failing case is a row
+            traceback.print_exc()
+            rec = {"case": key, failed: f"{type(e).__name__}: {e}"}
+        rec["wall_s"] = round(time.perf_counter() - t0, 1)
+        raw.append(rec)
+        print(rec, flush=True)
+    return raw
+
+
 def _jsonable(x: Any) -> Any:
     if hasattr(x, "item"):
         return x.item()

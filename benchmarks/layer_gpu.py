@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import argparse
 import time
-import traceback
 
-from benchmarks.common import save
+from benchmarks.common import each_case, save
 
 # key -> (zoo string with {L} for the depth, tp, batch)
 CASES = {
@@ -189,17 +188,9 @@ def main(cases: list[str], device: str, reps: int) -> dict:
     import torch
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("layer_gpu needs a CUDA GPU (or --device cpu --cases tiny to check the script)")
-    raw, rows = [], []
-    for key in cases:
-        t0 = time.perf_counter()
-        try:
-            rec = run_case(key, device, reps)
-        except Exception as e:  # noqa: BLE001 - a failing case is a row
-            traceback.print_exc()
-            rec = {"case": key, "failed": f"{type(e).__name__}: {e}"}
-        rec["wall_s"] = round(time.perf_counter() - t0, 1)
-        raw.append(rec)
-        print(rec, flush=True)
+    raw, rows = each_case(cases, lambda key: run_case(key, device, reps), failed="failed"), []
+    for rec in raw:
+        key = rec["case"]
         if "failed" in rec:
             rows.append([key, "-", "-", "-", "-", "-", "-", rec["failed"][:60]])
         else:
