@@ -271,6 +271,7 @@ class CostModel:
         self.grad = needs_grad(graph)
         self.cache = cache if cache is not None else CostCache()
         self.params = {nd.name: nd for nd in graph.nodes if nd.is_state}
+        self._alignment: dict[str, bool] = {}     # matrix product -> whether every dimension is 16-byte aligned
         self._reads = backward_reads(graph)
         self._aliases = attention_output_aliases(graph)    # the attention output in its own storage: saved once
         self._keeps_memo: dict[int, tuple[AxisSharding, frozenset[str]]] = {}
@@ -836,7 +837,29 @@ class CostModel:
         if nd.flops == 0 and nd.act_bytes == 0:
             return 0.0
         nbytes = (nd.act_bytes * scale * self.itemsize / 4 + nd.param_bytes * self.itemsize / 4) * frac
-        return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, ops.family(nd.kind))
+        family = ops.family(nd.kind)
+        # a misaligned product slows tensor-core kernels (bf16/fp16); fp32 runs on the vector units either way
+        aligned = family != "matmul" or self.itemsize == 4 or self._aligned(nd.name)
+        return op_time(self.cluster.device, nd.flops * scale * frac, nbytes, self.dtype, family, aligned)
+
+    def _aligned(self, name: str) -> bool:
+        """Whether the matrix product ``name`` has every dimension a multiple of
+        16 bytes of the (bf16/fp16) compute dtype: its output's and its tensor inputs' last
+        dimensions (which hold the contraction and output widths of a linear, an
+        addmm or a batched product). GPT-2's vocabulary of 50257 is not; on a GPU
+        its logits' GEMMs then run without vectorised loads (at about a fifth of
+        the aligned rate on an H100, ``benchmarks/results/step_profile_gpu-*``)."""
+        hit = self._alignment.get(name)
+        if hit is None:
+            step = 16 // self.itemsize
+            nd = self.graph[name]
+            dims = [nd.out.shape[-1]] if nd.out is not None and nd.out.shape else []
+            for i in nd.inputs:
+                src = self.graph[i].out if i in self.graph else None
+                if src is not None and src.shape:
+                    dims.append(src.shape[-1])
+            hit = self._alignment[name] = all(d % step == 0 for d in dims)
+        return hit
 
     def param_time(self, cfg: ParallelConfig, topo: MeshTopology,
                    pieces: Callable[[str], int] | None = None) -> Callable[[Node, str], float]:

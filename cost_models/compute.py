@@ -10,12 +10,14 @@ OTHER_FAMILIES = ("other",)
 
 
 def op_time(device: DeviceSpec, flops: float, nbytes: float, dtype: str = "float32",
-            family: str = "matmul") -> float:
+            family: str = "matmul", aligned: bool = True) -> float:
     """Return the predicted seconds of one op (one kernel launch).
 
     time = kernel_overhead_s + max(flops / compute_rate, nbytes / (bandwidth *
     memory_efficiency)), where ``nbytes`` counts every byte read and written.
-    For matmul families compute_rate = flops(dtype) * matmul_efficiency. Other
+    For matmul families compute_rate = flops(dtype) * matmul_efficiency, or
+    * unaligned_matmul_efficiency for a product with a dimension that is not a
+    multiple of 16 bytes (``aligned=False``) on a device that sets it. Other
     ops do not run on tensor cores, so their compute rate is the plain
     "float32" (CUDA core / vector unit) peak at memory_efficiency: such kernels
     are streaming kernels, in practice always bandwidth bound. A device without
@@ -27,7 +29,8 @@ def op_time(device: DeviceSpec, flops: float, nbytes: float, dtype: str = "float
     if flops < 0 or nbytes < 0:
         raise ValueError(f"flops and nbytes must be >= 0, got {flops}, {nbytes}")
     if family in MATMUL_FAMILIES:
-        rate = device.flops(dtype) * device.matmul_efficiency
+        eff = device.matmul_efficiency if aligned else (device.unaligned_matmul_efficiency or device.matmul_efficiency)
+        rate = device.flops(dtype) * eff
     elif family in OTHER_FAMILIES:
         device.flops(dtype)  # still reject a dtype the device cannot run
         vector_peak = device.peak_flops.get("float32", min(device.peak_flops.values()))

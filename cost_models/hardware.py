@@ -20,6 +20,10 @@ class DeviceSpec:
     "bfloat16", "float16") to dense peak FLOP/s. ``matmul_efficiency`` and
     ``memory_efficiency`` are the achievable fractions of peak compute and
     bandwidth; ``kernel_overhead_s`` is the fixed cost of launching one op.
+    ``unaligned_matmul_efficiency`` is the fraction of peak a matrix product
+    reaches when one of its dimensions is not a multiple of 16 bytes (GPT-2's
+    vocabulary of 50257: cuBLAS then runs kernels without vectorised loads);
+    0 where the device does not slow down (the aligned rate applies).
 
     Host-bound devices (a CPU process: every op runs synchronously in Python)
     also pay ``dispatch_overhead_s`` per op and pass, views included: the
@@ -63,6 +67,7 @@ class DeviceSpec:
     comm_overlap: float = 1.0
     comm_compute_share: float = 0.0
     checkpoint_dispatch_s: float = 0.0
+    unaligned_matmul_efficiency: float = 0.0
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs key caches.
@@ -70,7 +75,7 @@ class DeviceSpec:
                      self.memory_bandwidth, self.matmul_efficiency, self.memory_efficiency,
                      self.kernel_overhead_s, self.dispatch_overhead_s,
                      tuple(sorted(self.optimizer_overhead_s.items())), self.comm_overlap,
-                     self.comm_compute_share, self.checkpoint_dispatch_s))
+                     self.comm_compute_share, self.checkpoint_dispatch_s, self.unaligned_matmul_efficiency))
 
     def flops(self, dtype: str) -> float:
         """Return the peak FLOP/s for ``dtype``.
@@ -185,6 +190,7 @@ class ClusterSpec:
                 "comm_overlap": self.device.comm_overlap,
                 "comm_compute_share": self.device.comm_compute_share,
                 "checkpoint_dispatch_s": self.device.checkpoint_dispatch_s,
+                "unaligned_matmul_efficiency": self.device.unaligned_matmul_efficiency,
             },
             "devices_per_node": self.devices_per_node,
             "intra_node": _link_dict(self.intra_node),
@@ -221,6 +227,7 @@ class ClusterSpec:
             comm_overlap=float(dev.get("comm_overlap", 1.0)),
             comm_compute_share=float(dev.get("comm_compute_share", 0.0)),
             checkpoint_dispatch_s=float(dev.get("checkpoint_dispatch_s", 0.0)),
+            unaligned_matmul_efficiency=float(dev.get("unaligned_matmul_efficiency", 0.0)),
         )
         return cls(
             name=d["name"],

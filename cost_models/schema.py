@@ -76,6 +76,7 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                 "kernel_overhead_s": _NON_NEGATIVE,
                 "dispatch_overhead_s": _NON_NEGATIVE,
                 "checkpoint_dispatch_s": _NON_NEGATIVE,
+                "unaligned_matmul_efficiency": {"type": "number", "minimum": 0, "maximum": 1},
                 "optimizer_overhead_s": {"type": "object", "additionalProperties": _NON_NEGATIVE},
                 "comm_overlap": {"type": "number", "minimum": 0, "maximum": 1},
                 "comm_compute_share": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},

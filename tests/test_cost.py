@@ -599,3 +599,20 @@ def test_copies_hold_one_copys_transient():
     two = autopar.evaluate(spec, strategy="tp=4,copies=2,precision=fp32", **kw).memory
     assert two["activations"] == pytest.approx(one["activations"], rel=1e-6)
     assert two["transient"] == pytest.approx(one["transient"] / 2, rel=1e-6)
+
+
+def test_a_vocabulary_off_sixteen_bytes_slows_the_logits_gemm_on_tensor_cores():
+    """GPT-2's vocabulary of 50257: on an H100 its logits GEMM ran on cuBLAS's
+    unvectorised kernels at 0.12 of peak (benchmarks/results/step_profile_gpu-*),
+    the dgx-h100 preset's unaligned_matmul_efficiency. Padded to 50264 (a multiple
+    of 8) it is aligned; in fp32 (vector units, no tensor cores) nothing changes."""
+    def compute(vocab: int, precision: str) -> float:
+        g = as_graph(f"gpt:layers=2,hidden=256,heads=4,seq=128,vocab={vocab}")
+        return autopar.evaluate(g, cluster="dgx-h100", devices=1, global_batch=8,
+                                strategy=f"precision={precision}").compute_time_s
+    odd, padded = compute(50257, "bf16"), compute(50264, "bf16")
+    assert odd > 1.5 * padded         # the logits are most of this small model's GEMMs
+    assert compute(50257, "fp32") == pytest.approx(compute(50264, "fp32"), rel=1e-3)
+    model = CostModel(as_graph("gpt:layers=2,hidden=256,heads=4,seq=128,vocab=50257"), "dgx-h100", precision="bf16")
+    unaligned = [nd.module for nd in model.graph.nodes if ops.family(nd.kind) == "matmul" and not model._aligned(nd.name)]
+    assert unaligned == ["model.lm_head"], unaligned

@@ -153,6 +153,15 @@ def test_roofline_compute_bound():
     assert op_time(DEV, 1e12, 1e6, dtype="bfloat16") == pytest.approx(0.5)
 
 
+def test_roofline_unaligned_matmul():
+    # a product with a dimension off 16 bytes runs at unaligned_matmul_efficiency; 0 keeps the aligned rate
+    import dataclasses
+    slow = dataclasses.replace(DEV, unaligned_matmul_efficiency=DEV.matmul_efficiency / 4)
+    assert op_time(slow, 1e12, 1e6, aligned=False) == pytest.approx(4 * op_time(slow, 1e12, 1e6))
+    assert op_time(DEV, 1e12, 1e6, aligned=False) == pytest.approx(op_time(DEV, 1e12, 1e6))
+    assert op_time(slow, 1e9, 8e10, family="other", aligned=False) == pytest.approx(1.0)
+
+
 def test_roofline_bandwidth_bound():
     # 8e10 bytes at 0.8e11 B/s = 1 s; 1e9 flops is negligible.
     assert op_time(DEV, 1e9, 8e10) == pytest.approx(1.0)

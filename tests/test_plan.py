@@ -370,9 +370,12 @@ def test_version_1_plans_still_load(gpt_plan, gpt_graph, tmp_path):
     assert Plan.load(old.save(tmp_path / "v1.json")) == old
     new = old.upgraded(gpt_graph)
     # the cluster is the one the old plan was made for: the cpu preset since gained checkpoint_dispatch_s
+    # and a source for unaligned_matmul_efficiency (0 there: both spell "not modelled")
     cur = copy.deepcopy(gpt_plan.data)
     assert cur["cluster"]["spec"]["device"].pop("checkpoint_dispatch_s") > 0
     assert cur["cluster"]["spec"]["sources"].pop("device.checkpoint_dispatch_s")
+    assert cur["cluster"]["spec"]["device"].pop("unaligned_matmul_efficiency") == 0
+    assert cur["cluster"]["spec"]["sources"].pop("device.unaligned_matmul_efficiency")
     cur["predicted"] = old.data["predicted"]          # an upgrade keeps the predictions as they were made
     assert new.version == 2 and {**new.data, "autopar_version": ""} == {**cur, "autopar_version": ""}
     assert new.to_json().replace(new.data["autopar_version"], "") == \
