@@ -2,7 +2,8 @@
 # The GPU checks of a session lent one CUDA machine (see benchmarks/README.md, "GPU runs"):
 # calibration, one tensor-parallel rank's layer timed against the cost model (layer_gpu.py),
 # activation memory per layer (activations_gpu.py), real models against eager (real_models_gpu.py),
-# a profile of the single-GPU cases (step_profile_gpu.py), then fidelity_gpu.py. Result files are
+# bandwidth by tensor size (bandwidth_gpu.py), a profile of the single-GPU cases
+# (step_profile_gpu.py), then fidelity_gpu.py. Result files are
 # copied to OUT after each step: a device machine's tree is re-synced from the caller's on the
 # next call, so results left in the tree are lost.
 # Run from the repository root on that machine; OUT names where results go (default /tmp/gpu-out).
@@ -25,6 +26,7 @@ timeout "${LAYER_TIMEOUT:-150}" python3 -m benchmarks.layer_gpu 2>&1 | tee "$OUT
 cp benchmarks/results/layer_gpu-gpu-*.json "$OUT/" 2>/dev/null
 timeout "${ACTIVATIONS_TIMEOUT:-150}" python3 -m benchmarks.activations_gpu 2>&1 | tee "$OUT/activations_gpu.log"
 timeout "${REAL_MODELS_TIMEOUT:-300}" python3 -m benchmarks.real_models_gpu --budget-s 220 2>&1 | tee "$OUT/real_models_gpu.log" | grep -v "^{"
+timeout 60 python3 -m benchmarks.bandwidth_gpu 2>&1 | tee "$OUT/bandwidth_gpu.log" | tail -3
 timeout "${PROFILE_TIMEOUT:-120}" python3 -m benchmarks.step_profile_gpu 2>&1 | tee "$OUT/step_profile_gpu.log" | cut -c1-300
 timeout "${FIDELITY_TIMEOUT:-330}" python3 -m benchmarks.fidelity_gpu "${cal[@]}" "$@" 2>&1 | tee "$OUT/fidelity_gpu.log"
 cp benchmarks/results/*-gpu-*.json "$OUT/" 2>/dev/null

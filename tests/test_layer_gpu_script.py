@@ -1,4 +1,5 @@
-"""benchmarks/layer_gpu.py times one tensor-parallel rank's layer on a GPU; here,
+"""The GPU benchmarks' code paths on the CPU. benchmarks/layer_gpu.py times one
+tensor-parallel rank's layer on a GPU; here,
 on the CPU, that rank's layer is checked to be a real 1/tp of the zoo layer: with
 the full layer's weights sliced as Megatron does, the ranks' attention and MLP
 outputs sum to the full layer's (the all-reduce the benchmark leaves out)."""
@@ -47,3 +48,11 @@ def test_cpu_run_of_the_script_gives_a_row():
     assert "failed" not in rec, rec
     assert rec["measured_layer_s"] > 0 and rec["predicted_layer_s"] > 0
     assert [g["linear"] for g in rec["gemms"]] == list(layer_gpu.COLUMN + layer_gpu.ROW)
+
+
+def test_bandwidth_script_runs_on_the_cpu():
+    from benchmarks import bandwidth_gpu
+    rows = bandwidth_gpu.measure("cpu", sizes=[1 << 10, 1 << 11, 1 << 12])
+    assert {r["op"] for r in rows} == {"add", "mul_scalar", "gelu", "copy", "adamw_foreach", "adamw_fused"}
+    res = bandwidth_gpu.result(rows, "cpu")
+    assert len(res["table"]["rows"]) == 3 and all(r["GBps"] > 0 for r in rows)
