@@ -13,5 +13,5 @@ from .presets import list_presets, load_cluster
 __all__ = [
     "ClusterError", "ClusterSpec", "DeviceSpec", "HostSpec", "LinkSpec", "MeshTopology",
     "collective_time", "dtype_bytes", "fit_alpha_beta", "list_presets", "load_cluster",
-    "model_state_bytes", "op_time", "zero_sharded_state_bytes",
+    "model_state_bytes", "op_time", "optimizer_step_bytes", "zero_sharded_state_bytes",
 ]
