@@ -14,7 +14,8 @@ the column-parallel linears (q, k, v, w1, w3) keep ``1/tp`` of their outputs,
 the row-parallel ones (o, w2) ``1/tp`` of their inputs, and the attention
 ``1/tp`` of the query and key/value heads. One forward and backward of that
 block on a ``[batch, seq, hidden]`` bf16 input (gradients of the input and of
-every weight, as inside a model) is timed with CUDA events; the tensor-parallel
+every weight, as inside a model) is timed between device syncs (the median of
+``--reps`` runs; the H100 result of 2026-11-27 used CUDA events); the tensor-parallel
 collectives are left out, as they are out of the cost model's compute time.
 
 The prediction is the per-layer difference of ``autopar.evaluate(...)
@@ -35,9 +36,10 @@ CPU, for tests of the script itself); results go to
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 
 from benchmarks.common import each_case, save
+from benchmarks.fidelity_gpu import _timed
 
 # key -> (zoo string with {L} for the depth, tp, batch)
 CASES = {
@@ -81,28 +83,10 @@ def _weights(block) -> int:
     return sum(p.numel() for n, p in block.named_parameters() if p.dim() > 1)
 
 
-def _timer(device: str):
-    """``(start, stop)`` returning seconds: CUDA events on the GPU, perf_counter elsewhere."""
-    import torch
-    if device == "cuda":
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        return (lambda: s.record()), (lambda: (e.record(), torch.cuda.synchronize(), s.elapsed_time(e) / 1e3)[2])
-    t = [0.0]
-    return (lambda: t.__setitem__(0, time.perf_counter())), (lambda: time.perf_counter() - t[0])
-
-
-def _time(fn, device: str, reps: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` over ``reps`` timed runs after ``warmup``."""
-    import statistics
-    for _ in range(warmup):
-        fn()
-    start, stop = _timer(device)
-    times = []
-    for _ in range(reps):
-        start()
-        fn()
-        times.append(stop())
-    return statistics.median(times)
+def _time(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs, each between device syncs, after
+    fidelity_gpu's warm-ups."""
+    return statistics.median(_timed(fn, reps))
 
 
 def measure_layer(spec: str, tp: int, batch: int, device: str, reps: int) -> dict:
@@ -123,7 +107,7 @@ def measure_layer(spec: str, tp: int, batch: int, device: str, reps: int) -> dic
         x.grad = None
         block(x, cos, sin).backward(grad)
 
-    s = _time(step, device, reps)
+    s = _time(step, reps)
     q_width = cfg["heads"] // tp * hd
     flops = 6 * batch * seq * _weights(block) + 6 * batch * seq * seq * q_width
     attn = _time_attention(batch, seq, cfg["heads"] // tp, hd, device, reps)
@@ -149,7 +133,7 @@ def _time_attention(batch: int, seq: int, heads: int, hd: int, device: str, reps
             t.grad = None
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
 
-    return _time(step, device, reps)
+    return _time(step, reps)
 
 
 def _gemm_rates(block, m: int, device: str, reps: int) -> list[dict]:
@@ -159,7 +143,7 @@ def _gemm_rates(block, m: int, device: str, reps: int) -> list[dict]:
     for name in COLUMN + ROW:
         w = block.get_submodule(name).weight
         a = torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16)
-        s = _time(lambda: a @ w.t(), device, reps)
+        s = _time(lambda: a @ w.t(), reps)
         rows.append({"linear": name, "m": m, "k": w.shape[1], "n": w.shape[0], "s": s,
                      "tflops": 2 * m * w.shape[1] * w.shape[0] / s / 1e12})
     return rows

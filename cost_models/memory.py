@@ -36,6 +36,19 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_DTYPE_BYTES)}") from None
 
 
+def _per_param(num_params: float, optimizer: str, precision: str) -> tuple[int, int, int]:
+    """``(weights, gradients, optimizer state)`` bytes per parameter, after
+    checking the count, the optimizer and the precision (ValueError naming the
+    valid ones)."""
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if precision not in _BYTES_PER_PARAM:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    if optimizer not in _BYTES_PER_PARAM[precision]:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    return _BYTES_PER_PARAM[precision][optimizer]
+
+
 def model_state_bytes(num_params: int, optimizer: str = "adamw",
                       precision: str = "fp32", grad_bytes: int | None = None) -> dict[str, int]:
     """Return ``{"weights", "gradients", "optimizer", "total"}`` in bytes for
@@ -48,13 +61,7 @@ def model_state_bytes(num_params: int, optimizer: str = "adamw",
 
     Raises ValueError for a negative count or an unknown optimizer / precision.
     """
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params}")
-    if precision not in _BYTES_PER_PARAM:
-        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    if optimizer not in _BYTES_PER_PARAM[precision]:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    w, g, o = _BYTES_PER_PARAM[precision][optimizer]
+    w, g, o = _per_param(num_params, optimizer, precision)
     if grad_bytes is not None:
         g = grad_bytes
     w, g, o = num_params * w, num_params * g, num_params * o
@@ -85,16 +92,10 @@ def optimizer_step_bytes(num_params: float, optimizer: str = "adamw", precision:
 
     Raises ValueError for a negative count or an unknown optimizer / precision.
     """
-    if num_params < 0:
-        raise ValueError(f"num_params must be >= 0, got {num_params}")
-    if precision not in _BYTES_PER_PARAM:
-        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_ACCESSES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    w, g, _ = _per_param(num_params, optimizer, precision)
     per = 4.0 * OPTIMIZER_ACCESSES[optimizer]
     if precision != "fp32":
-        w = _BYTES_PER_PARAM[precision][optimizer][0]
-        g = w if grad_bytes is None else grad_bytes
+        g = g if grad_bytes is None else grad_bytes
         per += (g + 4 if g < 4 else 0) + 4 + w
     return num_params * per
 
