@@ -41,7 +41,10 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: transposed, learned positions): the grid on an export-traced model
 HF_GPT2 = "hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=16"
 #: and with two copies (multi-copy parallel, each copy's samples split over the rows)
-CASES = {GPT: ("tp=4,tp_mode=2d",), LLAMA: ("tp=4,tp_mode=2d,microbatches=2",),
+#: GPT and Llama with Megatron's sequence parallelism on the columns too (the norms split along the
+#: sequence over the columns, the samples over the rows)
+CASES = {GPT: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,sequence_parallel=true"),
+         LLAMA: ("tp=4,tp_mode=2d,microbatches=2", "tp=4,tp_mode=2d,microbatches=2,sequence_parallel=true"),
          HF_GPT2: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,copies=2")}
 CLIP = {GPT: 0.5, LLAMA: None, HF_GPT2: None}
 
@@ -55,8 +58,7 @@ def test_grammar_grid_shapes_and_errors():
     assert "tp_mode" not in parse_strategy("tp=4", 4).as_dict()        # plans without a grid unchanged
     for text, match in [("tp=8,tp_mode=2d", "must be a square"), ("tp=12,tp_mode=2.5d,tp_depth=2", "tp_depth x q"),
                         ("tp=8,tp_mode=2.5d", "needs tp_depth >= 2"), ("tp=4,tp_mode=3d", "must be a cube"),
-                        ("tp=4,tp_depth=2", "for tp_mode=2.5d only"), ("tp_mode=2d", "needs tp > 1"),
-                        ("tp=4,tp_mode=2d,sequence_parallel=true", "leave it out")]:
+                        ("tp=4,tp_depth=2", "for tp_mode=2.5d only"), ("tp_mode=2d", "needs tp > 1")]:
         with pytest.raises(StrategyError, match=match):
             parse_strategy(text)
 
@@ -66,8 +68,11 @@ def test_model_rules_and_unimplemented_modes():
         autopar.evaluate(GPT, cluster="dgx-h100", devices=4, global_batch=2, strategy="tp=4,tp_mode=2d,microbatches=2")
     with pytest.raises(StrategyError, match="columns of tp_mode=2d"):   # 3 columns do not divide 4 heads
         autopar.evaluate(GPT, cluster="dgx-h100", devices=9, global_batch=6, strategy="tp=9,tp_mode=2d")
-    with pytest.raises(StrategyError, match="leave it out"):
-        parse_strategy("tp=8,tp_mode=3d,sequence_parallel=true")
+    # Megatron's sequence parallelism splits the norms over the columns: their size must divide the sequence
+    assert parse_strategy("tp=8,tp_mode=3d,sequence_parallel=true").sequence_parallel
+    with pytest.raises(StrategyError, match="15 .*not divisible by 2"):
+        autopar.evaluate("gpt:layers=2,hidden=32,heads=4,seq=15,vocab=64", cluster="dgx-h100", devices=4,
+                         global_batch=4, strategy="tp=4,tp_mode=2d,sequence_parallel=true")
     with pytest.raises(StrategyError, match=r"divisible by 4 .*x copies=2"):     # each copy's samples on the rows
         autopar.evaluate(GPT, cluster="dgx-h100", devices=8, global_batch=4, strategy="tp=8,tp_mode=3d,copies=2")
     with pytest.raises(StrategyError, match="depth x rows: they must be divisible by 4"):   # the cube's depth x rows
@@ -93,6 +98,13 @@ def test_cost_shards_states_over_the_grid_and_charges_the_rows():
     # 2.5d: the same 2 x 2 grids twice deep hold what 2d's hold; their gradients are summed over the depth too
     deep = autopar.evaluate(m, strategy="dp=2,tp=8,tp_mode=2.5d,tp_depth=2", **kw)
     assert _states(deep) == pytest.approx(_states(two_d)) and deep.tp_comm_time_s > two_d.tp_comm_time_s
+    # Megatron's sequence parallelism on the columns keeps what it keeps on the columns' 1d view
+    sp = autopar.evaluate(m, strategy="dp=4,tp=4,tp_mode=2d,sequence_parallel=true", **kw)
+    cols_sp = autopar.evaluate(m, strategy="dp=8,tp=2,sequence_parallel=true", **kw)
+    saved = two_d.memory["activations"] - sp.memory["activations"]
+    assert saved > 0 and saved == pytest.approx(cols.memory["activations"] - cols_sp.memory["activations"])
+    assert sp.tp_comm_time_s - two_d.tp_comm_time_s == pytest.approx(cols_sp.tp_comm_time_s - cols.tp_comm_time_s,
+                                                                      rel=1e-3)
     assert two_d.parallel["tp_mode"] == "2d" and two_d.strategy == "dp=4,tp=4,tp_mode=2d,pp=1,microbatches=1," \
                                                                   "recompute=none,zero=0"
 
@@ -166,8 +178,8 @@ def test_grids_in_pipelines_are_costed_per_stage_and_searched():
     # the search pipelines the grids it is asked for, with microbatches the rows split
     piped = pipeline_configs(as_graph(m), 32, 64, tp_modes=("1d", "2d"))
     grids = [c for c in piped if c.tp_mode == "2d"]
-    assert grids and all(c.pp > 1 and not c.sequence_parallel and (64 // c.dp // c.microbatches) % 2 == 0
-                         for c in grids)
+    assert grids and all(c.pp > 1 and (64 // c.dp // c.microbatches) % 2 == 0 for c in grids)
+    assert {c.sequence_parallel for c in grids} == {False, True}     # on the columns
     assert not [c for c in pipeline_configs(as_graph(m), 32, 64) if c.tp_mode != "1d"]
 
 
@@ -356,7 +368,9 @@ def _worker(rank, world, path):
             pm, x, y, got = _train(spec, strategy, want_w, matrices, 4)
             out[spec, strategy] = (want_losses, *got)
             out[spec, strategy, "renamed"] = _renamed(pm, spec)
-            if spec == GPT:
+            out[spec, strategy, "norms"] = {op["out"][-1] for name, op in pm.plan.to_dict()["ops"].items()
+                                            if name.endswith("_norm") or "norm:" in name}
+            if spec == GPT and strategy == strategies[0]:
                 pm.last_batch = ((x,), y)
                 out["checkpoint"] = _checkpoint(pm, path)
     return out
@@ -393,6 +407,9 @@ def test_2d_trains_like_one_process_on_a_quarter_of_each_matrix(results, spec):
             assert worst < 1e-4 and not missing, (spec, strategy, worst, missing)
             assert matrices > 0 and not not_quarter, (spec, strategy, not_quarter)
             assert not r[spec, strategy, "renamed"], (spec, strategy)
+            # sequence parallel: every norm split along the sequence (dim 1) on the columns
+            norms = r[spec, strategy, "norms"]
+            assert (norms == {"S(1)"}) == ("sequence_parallel" in strategy), (spec, strategy, norms)
 
 
 def test_2d_widens_a_batch_size_read_off_a_grid_split_value(results):
@@ -416,6 +433,11 @@ GRID_ZERO3 = "dp=2,tp=4,tp_mode=2d,zero=3"
 #: context parallelism over a 2 x 2 grid (8 processes): the sequence split over cp=2, each cp rank's
 #: samples over the rows; the models whose attention cp runs (Hugging Face's GPT-2 passes a mask)
 GRID_CP = "tp=4,tp_mode=2d,cp=2"
+#: Megatron's sequence parallelism on the columns of the cube, of a 2.5d grid and of a pipelined grid
+#: (8 processes): the norms split along the sequence over the columns
+GRID_SP = {"3d sp": "tp=8,tp_mode=3d,sequence_parallel=true",
+           "2.5d sp": "tp=8,tp_mode=2.5d,tp_depth=2,sequence_parallel=true",
+           "pipeline sp": "pp=2,tp=4,tp_mode=2d,microbatches=2,sequence_parallel=true"}
 
 
 def _cube_worker(rank, world, path):
@@ -433,6 +455,10 @@ def _cube_worker(rank, world, path):
         out[spec, "zero3"] = (want_losses, *_train(spec, GRID_ZERO3, want_w, matrices, 8)[3])
         if spec != HF_GPT2:
             out[spec, "cp"] = (want_losses, *_train(spec, GRID_CP, want_w, matrices, 4)[3])
+            for run, strategy in GRID_SP.items():
+                pm, _, _, got = _train(spec, strategy, want_w, matrices, 8 if run.startswith("3d") else 4)
+                norms = {op["out"][-1] for name, op in pm.plan.to_dict()["ops"].items() if name.endswith("_norm")}
+                out[spec, run] = (want_losses, *got, norms)
         if spec == GPT:     # and one of the pipelined grid, under 1d without a pipeline
             pm.last_batch = ((x,), y)
             out["pipeline checkpoint"] = _checkpoint(pm, path + "-pp", "dp=4,tp=2,zero=1")
@@ -483,6 +509,21 @@ def test_8_processes_context_parallelism_over_a_grid_trains_like_one_process(cub
         assert norms == pytest.approx(want_norms, rel=1e-4), spec
         assert worst < 1e-4 and not missing, (spec, worst, missing)
         assert matrices > 0 and not not_shared, (spec, not_shared)
+
+
+@spawn8
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("run", list(GRID_SP))
+def test_8_processes_sequence_parallelism_on_a_grid_trains_like_one_process(cube_results, spec, run):
+    """Megatron's sequence parallelism on the grid's columns (the cube's, a 2.5d grid's, a pipelined
+    2 x 2 grid's): every norm split along the sequence there, each rank its share of every matrix."""
+    for r in cube_results:
+        (want, want_norms), (got, norms), worst, missing, not_shared, matrices, split = r[spec, run]
+        assert got == pytest.approx(want, rel=1e-4), (spec, run)
+        assert norms == pytest.approx(want_norms, rel=1e-4), (spec, run)
+        assert worst < 1e-4 and not missing, (spec, run, worst, missing)
+        assert matrices > 0 and not not_shared, (spec, run, not_shared)
+        assert split == {"S(1)"}, (spec, run, split)
 
 
 def test_search_tries_grids_with_context_parallelism_on_long_sequences():

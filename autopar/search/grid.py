@@ -142,7 +142,9 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
     ``q > 1`` the model allows as a 1d tp size (its columns split the heads),
     with the microbatches whose samples per data-parallel rank the grid's rows
     divide, times context parallelism (where :func:`cp_choices` offers it),
-    recompute and ZeRO 0-3 (their pipelines are :func:`pipeline_configs`').
+    Megatron's sequence parallelism on the columns (where their size divides
+    the sequence), recompute and ZeRO 0-3 (their pipelines are
+    :func:`pipeline_configs`').
     ``mode="2.5d"``: the same grids ``d`` deep (``tp = d q^2``, ``d`` of
     :data:`GRID_DEPTHS`), the samples split over depth x rows; ``mode="3d"``:
     the ``q x q x q`` cubes (``tp = q^3``), the samples split over depth x rows."""
@@ -160,11 +162,13 @@ def grid2d_configs(graph: Graph, devices: int, global_batch: int, *, offload: st
                 dp = devices // (tp * cp)
                 mbs = [m for m in divisors(global_batch // dp) if (global_batch // dp // m) % (d * q) == 0]
                 keys = {"tp_mode": mode, **({"tp_depth": d} if mode == "2.5d" else {})}
-                for rc in recomputes:
-                    for z in zeros:
-                        if mbs and not (z and dp * cp == 1):
-                            out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc, zero=z,
-                                                       offload=offload, **keys) for m in mbs])
+                for sp in _sp_choices(graph, q, memory_options):    # Megatron's split on the columns
+                    for rc in recomputes:
+                        for z in zeros:
+                            if mbs and not (z and dp * cp == 1):
+                                out.append([ParallelConfig(dp=dp, tp=tp, cp=cp, microbatches=m, recompute=rc,
+                                                           zero=z, sequence_parallel=sp, offload=offload, **keys)
+                                            for m in mbs])
     return out
 
 
@@ -183,8 +187,9 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
     (its groups would straddle nodes, which the cluster model does not
     describe: 1920 A100 at pp=32 gives stages of 60). ``tp_modes``: the
     tensor-parallel grids (``2d``, ``2.5d``, ``3d``) are pipelined too, each
-    stage on a ``dp x grid`` sub-mesh (no sequence parallelism; the
-    samples of a microbatch divisible by the grid's rows, times its depth)."""
+    stage on a ``dp x grid`` sub-mesh (sequence parallelism on the grid's
+    columns; the samples of a microbatch divisible by the grid's rows, times
+    its depth)."""
     try:
         n_layers = units(graph).layers
     except StrategyError:   # no repeated layers in sequence: nothing to pipeline
@@ -203,8 +208,9 @@ def pipeline_configs(graph: Graph, devices: int, global_batch: int, *,
                 dp = devices // (tp * pp * cp)
                 if global_batch % dp:
                     continue
+                # sequence parallelism splits the norms over a grid's columns (tp / rows of them)
                 got = _pipelines(graph, n_layers, dp, tp, pp, cp, global_batch // dp, schedules, recomputes,
-                                 zeros, offload, memory_options and mode == "1d")
+                                 zeros, offload, memory_options, sp_size=tp // rows)
                 if mode != "1d":
                     got = [dataclasses.replace(c, **grid_keys) for c in got
                            if (global_batch // dp // c.microbatches) % rows == 0]
@@ -232,9 +238,10 @@ def _pipelined_tp(graph: Graph, devices: int, tp_modes: tuple[str, ...]) -> list
 
 def _pipelines(graph: Graph, n_layers: int, dp: int, tp: int, pp: int, cp: int, per_replica: int,
                schedules: tuple[str, ...], recomputes: tuple[str, ...], zeros: tuple[int, ...], offload: str,
-               memory_options: bool) -> list[ParallelConfig]:
+               memory_options: bool, sp_size: int | None = None) -> list[ParallelConfig]:
     """The pipelined configurations of one ``dp x tp x pp x cp`` split (see
-    :func:`pipeline_configs`): every schedule, sequence parallel choice,
+    :func:`pipeline_configs`): every schedule, sequence parallel choice (over
+    ``sp_size`` ranks: ``tp``, or a grid's columns),
     recompute, ZeRO stage and microbatch count ``m >= pp`` dividing the
     per-replica batch (a multiple of ``pp`` when interleaved)."""
     out = []
@@ -243,7 +250,7 @@ def _pipelines(graph: Graph, n_layers: int, dp: int, tp: int, pp: int, cp: int, 
         chunks = 2 if sched == "interleaved" else 1
         if pp * chunks > n_layers:
             continue
-        for sp in _sp_choices(graph, tp, memory_options):
+        for sp in _sp_choices(graph, sp_size or tp, memory_options):
             for rc in recomputes:
                 for z in zeros:
                     if z and dp * cp == 1:

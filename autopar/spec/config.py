@@ -430,10 +430,6 @@ def _check_rules(vals: dict[str, Any]) -> None:
                             "the tensor-parallel group: it needs tp > 1")
     _check_copies(vals)
     tp_grid(vals["tp"], vals.get("tp_mode", "1d"), vals.get("tp_depth", 1))
-    if vals.get("tp_mode", "1d") not in ("1d", *MESH_MODES) and vals.get("sequence_parallel"):
-        raise StrategyError(f"sequence_parallel=true is Megatron's split of the norms inside a 1d tensor-parallel "
-                            f"group (or a mesh's inner axis); with tp_mode={vals['tp_mode']} the grid's rows "
-                            f"already split the batch: leave it out")
     reduce_dtype = vals.get("reduce_dtype", "")
     if reduce_dtype and reduce_dtype != "fp32" and vals.get("precision") == "fp32":
         raise StrategyError(f"reduce_dtype={reduce_dtype} with precision=fp32: gradients are never reduced in a "
