@@ -162,10 +162,12 @@ WHY = [
     "inside the node (NVLink), and the data-parallel reduction carries a quarter of the weights. E.g. 64 GPUs, "
     "batch 64: dp=16 x 2x2 has 0.016 s of tp communication against 0.034 s for dp=16,tp=4 (and 0.112 s of "
     "compute against 0.115 s: 2-way split matmuls are more efficient), with the same 0.037 s dp reduction.",
-    "Where it loses: the larger models' best 1d plans use sequence parallelism, which 2d does not run "
-    "yet (it is not in its grid; its pipelines and ZeRO-3 are); the rows' weight gathers grow with h^2 per microbatch, are "
-    "not overlapped, and the gathered weights are kept per microbatch in flight; grids of 4 x 4 and up put the rows across nodes on 8-GPU nodes. On H100 nodes (faster "
-    "NVLink, same inter-node ratio) the 1d pipelines and ZeRO-3 plans stay ahead.",
+    "Where it loses (the larger models): the rows' weight gathers grow with h^2 per microbatch, are not "
+    "overlapped, and the gathered weights are kept per microbatch in flight; grids of 4 x 4 and up put the rows "
+    "across nodes on 8-GPU nodes. On H100 nodes (faster NVLink, same inter-node ratio) the 1d pipelines and ZeRO-3 "
+    "plans stay ahead. The grids run Megatron's sequence parallelism on their columns, as the best 1d plans do: "
+    "the search takes it on most grid rows of the table (less activation memory for a reduce-scatter and an "
+    "all-gather in place of each all-reduce over the columns).",
     "2.5d (d grids of q x q, the samples split over the depth too, the weights replicated over it) wins where 2d "
     "does and a little more (up to {gain_25d} on 16 A100s: dp=2 x two 2 x 2 grids): a grid of 8 fills a node, so the "
     "depth's per-microbatch gradient all-reduce of each rank's quarter shard stays on NVLink and only dp=2 crosses "
