@@ -41,11 +41,11 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 #: transposed, learned positions): the grid on an export-traced model
 HF_GPT2 = "hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=16"
 #: and with two copies (multi-copy parallel, each copy's samples split over the rows)
-#: GPT and Llama with Megatron's sequence parallelism on the columns too (the norms split along the
-#: sequence over the columns, the samples over the rows)
+#: and each with Megatron's sequence parallelism on the columns too (the norms split along the sequence
+#: over the columns, the samples over the rows; GPT-2's with the copies)
 CASES = {GPT: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,sequence_parallel=true"),
          LLAMA: ("tp=4,tp_mode=2d,microbatches=2", "tp=4,tp_mode=2d,microbatches=2,sequence_parallel=true"),
-         HF_GPT2: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,copies=2")}
+         HF_GPT2: ("tp=4,tp_mode=2d", "tp=4,tp_mode=2d,copies=2,sequence_parallel=true")}
 CLIP = {GPT: 0.5, LLAMA: None, HF_GPT2: None}
 
 
