@@ -758,8 +758,11 @@ class _Problem:
                         ind[p, q] = [mdl.var()]
                 # transportation form: the pair variables' row and column sums are the two choices
                 for side, groups in enumerate(sums):
+                    by_side: dict[str, dict] = {}       # placement on this side -> its pairs' variables
+                    for pq, ts in ind.items():
+                        by_side.setdefault(pq[side], {})[ts[0]] = 1.0
                     for pl, (coefs, const) in groups.items():
-                        row = {ts[0]: 1.0 for pq, ts in ind.items() if pq[side] == pl}
+                        row = dict(by_side.get(pl, {}))
                         for vv in coefs:
                             row[vv] = row.get(vv, 0.0) - 1.0
                         mdl.row(row, const, const)

@@ -102,6 +102,9 @@ class _MeshProblem(_Problem):
         self.k = len(self.sizes)
         self.comms: list[Comm] = []
         self.byte_scale: Callable[[str], float] = lambda name: 1.0
+        # (have, want) -> whether an order of the axes runs it, the per-axis placements, and per
+        # axis the share of the value a rank holds on the other axes (what edge_cost reads)
+        self._move_memo: dict[tuple[str, str], tuple] = {}
         super().__init__(graph, math.prod(self.sizes), shapes, pins)
 
     # -- candidates -----------------------------------------------------------------
@@ -216,10 +219,21 @@ class _MeshProblem(_Problem):
         nd = self.by_name[u]
         return "weight" if nd.is_state else "tuple" if nd.kind == "split" or nd.out is None else ""
 
+    def _move(self, have: str, want: str) -> tuple:
+        """``(runs, haves, wants, shares)`` of moving a value placed ``have``
+        to ``want`` (memoised: the edges meet the same placements thousands
+        of times)."""
+        hit = self._move_memo.get((have, want))
+        if hit is None:
+            haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
+            hit = self._move_memo[have, want] = (nested_moves(haves, wants) is not None, haves, wants,
+                                                 tuple(self._local(haves, a) for a in range(self.k)))
+        return hit
+
     def edge_cost(self, u: str, have: str, read: tuple) -> float:
         want, into = read
-        haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
-        if nested_moves(haves, wants) is None:
+        runs, haves, wants, shares = self._move(have, want)
+        if not runs:
             return INF       # no order of the axes runs it (the compiler refuses it too)
         kind = self._value_class(u)
         if self.k > 1 and kind == "weight" and haves[-1] != wants[-1]:
@@ -230,8 +244,23 @@ class _MeshProblem(_Problem):
         grad, nb = self.grad.get(u, False), self.nbytes(u) * self.byte_scale(u)
         t = 0.0
         for a in range(self.k):
-            t += transition_time(haves[a], wants[a], nb * self._local(haves, a), grad, into[a], self.comms[a])
+            if haves[a] != wants[a] or (grad and into[a]):
+                t += transition_time(haves[a], wants[a], nb * shares[a], grad, into[a], self.comms[a])
         return t
+
+
+def _memoised(comm: Comm) -> Comm:
+    """``comm`` remembering its times: the edges of a three-axis program ask
+    for the same collectives of the same sizes tens of thousands of times."""
+    seen: dict[tuple[str, float], float] = {}
+
+    def timed(kind: str, nbytes: float) -> float:
+        t = seen.get((kind, nbytes))
+        if t is None:
+            t = seen[kind, nbytes] = comm(kind, nbytes)
+        return t
+
+    return timed
 
 
 def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | None], *,
@@ -263,7 +292,7 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
         raise StrategyError(f"solve_mesh: a mesh of sizes {tuple(sizes)} needs one comm per axis "
                             f"(got {len(comm)})")
     prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
-    prob.comms, prob.comm, prob.compute = list(comm), comm[0], compute
+    prob.comms, prob.comm, prob.compute = [_memoised(c) for c in comm], comm[0], compute
     prob.param_time = param_time or (lambda nd, p: 0.0)
     if byte_scale is not None:
         prob.byte_scale = byte_scale
