@@ -438,3 +438,35 @@ def test_greedy_placements_keep_grouped_query_attention_split():
         p = autopar.plan(spec, cluster="dgx-h100", devices=8, global_batch=4, strategy="tp=8", search_mode=mode)
         repeats = {k: v["out"][-1] for k, v in p.data["ops"].items() if ":repeat_interleave" in k}
         assert repeats and set(repeats.values()) == {"S(2)"}, (mode, repeats)
+
+
+def test_relaxation_first_is_taken_only_when_integral(monkeypatch):
+    """``Model.relax_first``: HiGHS solves the LP relaxation and returns it
+    where its integer columns are integral (then it is the MILP's optimum),
+    else solves the MILP: x1 + x2 <= 1.5 over binaries relaxes to 1.5, the
+    integers reach 1."""
+    taken = []
+    relax = solvers._integral_relaxation
+    monkeypatch.setattr(solvers, "_integral_relaxation",
+                        lambda *a: taken.append(r := relax(*a)) or r)
+    highs = solvers.backend("highs")
+    for relax_first in (False, True):
+        taken.clear()
+        frac = solvers.Model(relax_first=relax_first)
+        x1, x2 = frac.var(integer=True), frac.var(integer=True)
+        frac.cost(x1, -1.0)
+        frac.cost(x2, -1.0)
+        frac.row({x1: 2.0, x2: 2.0}, -float("inf"), 3.0)
+        got = highs.solve(frac, 10.0)
+        assert got.status == "Optimal" and got.objective == pytest.approx(-1.0)
+        assert sorted(got.values) == [0.0, 1.0]
+        assert taken == ([None] if relax_first else [])      # fractional: the MILP decided
+        taken.clear()
+        tight = solvers.Model(relax_first=relax_first)
+        y1, y2 = tight.var(integer=True), tight.var(integer=True)
+        tight.cost(y1, -2.0)
+        tight.cost(y2, 1.0)
+        tight.row({y1: 1.0, y2: -1.0}, -float("inf"), 1.0)
+        got = highs.solve(tight, 10.0)
+        assert got.objective == pytest.approx(-2.0) and got.values == [1.0, 0.0]
+        assert len(taken) == relax_first and (not relax_first or taken[0].values == [1.0, 0.0])

@@ -297,6 +297,7 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     if byte_scale is not None:
         prob.byte_scale = byte_scale
     built = prob.build(memory)
+    built.mdl.relax_first = True    # its relaxation is usually integral: HiGHS's simplex alone is faster
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))
     per_node: dict[str, float] = {}
     charged: set = set()

@@ -81,6 +81,9 @@ class Model:
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
     constant: float = 0.0
     rel_gap: float = MIP_GAP
+    #: solve the LP relaxation first and take it where its integer columns come out integral (a
+    #: certificate of MIP optimality); HiGHS only: a large program whose relaxation is usually tight
+    relax_first: bool = False
 
     def var(self, integer: bool = False) -> int:
         """A new column in [0, 1]; returns its index."""
@@ -215,6 +218,10 @@ class HighsBackend:
         lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
         lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.array(value, dtype=float)
+        if model.relax_first:
+            got = _integral_relaxation(lp, model, time_limit_s)
+            if got is not None:
+                return got
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in model.integer]
         h = quiet_highs()
@@ -229,6 +236,35 @@ class HighsBackend:
         if st != highspy.HighsModelStatus.kOptimal:
             return Solution(h.modelStatusToString(st), [], 0.0)
         return Solution("Optimal", list(h.getSolution().col_value), h.getInfo().objective_function_value)
+
+
+#: how far from an integer a relaxation's integer column may be and still count as integral
+INTEGRAL_TOL = 1e-7
+
+
+def _integral_relaxation(lp: "highspy.HighsLp", model: Model, time_limit_s: float) -> Solution | None:
+    """``model``'s LP relaxation (``lp``, no integrality yet) solved by dual
+    simplex; its solution, the integer columns rounded, when every integer
+    column is within :data:`INTEGRAL_TOL` of an integer (then it is optimal
+    for the MILP too: the relaxation's bound is met), else None. A
+    three-axis mesh program's relaxation is integral at its optimum; HiGHS's
+    MIP solver spends 2-3x the simplex's time at its root on the same LP
+    (GPT-3's 24 layers on a 2 x 2 x 2 mesh: 2.7 s against 0.9 s)."""
+    h = quiet_highs()
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("presolve", "off")
+    h.setOptionValue("solver", "simplex")
+    h.passModel(lp)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    values = np.array(h.getSolution().col_value)
+    ints = np.array(model.integer, dtype=bool)
+    if ints.any() and np.abs(values[ints] - np.round(values[ints])).max() > INTEGRAL_TOL:
+        return None
+    values[ints] = np.round(values[ints])
+    return Solution("Optimal", values.tolist(), float(np.dot(model.costs, values)))
 
 
 class PulpBackend:
