@@ -45,14 +45,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from ..errors import StrategyError
 from ..graph import Graph, Node
 from ..spec.placement import P, R, SEP, axis_placements, is_shard, joint_placement, shard_blocks, shard_dim
 from ..strategies import Strategy, candidates
 from ..strategies.axis_cost import inside_time, work_fraction
-from ..strategies.redistribute import nested_moves, output_time, transition_time
+from ..strategies.redistribute import nested_moves, output_time, transition_collectives
 from ..strategies.rules import Ctx
 from .ilp import MEMORY_EPS, InfeasiblePins, MemoryTerms, _label, _Problem
 from .propagate import INF, AxisSharding
@@ -102,9 +102,8 @@ class _MeshProblem(_Problem):
         self.k = len(self.sizes)
         self.comms: list[Comm] = []
         self.byte_scale: Callable[[str], float] = lambda name: 1.0
-        # (have, want) -> whether an order of the axes runs it, the per-axis placements, and per
-        # axis the share of the value a rank holds on the other axes (what edge_cost reads)
-        self._move_memo: dict[tuple[str, str], tuple] = {}
+        # per move, the collectives edge_cost prices (_edge_collectives)
+        self._move_memo: dict[tuple, tuple | None] = {}
         super().__init__(graph, math.prod(self.sizes), shapes, pins)
 
     # -- candidates -----------------------------------------------------------------
@@ -219,33 +218,51 @@ class _MeshProblem(_Problem):
         nd = self.by_name[u]
         return "weight" if nd.is_state else "tuple" if nd.kind == "split" or nd.out is None else ""
 
-    def _move(self, have: str, want: str) -> tuple:
-        """``(runs, haves, wants, shares)`` of moving a value placed ``have``
-        to ``want`` (memoised: the edges meet the same placements thousands
-        of times)."""
-        hit = self._move_memo.get((have, want))
-        if hit is None:
-            haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
-            hit = self._move_memo[have, want] = (nested_moves(haves, wants) is not None, haves, wants,
-                                                 tuple(self._local(haves, a) for a in range(self.k)))
-        return hit
+    def _edge_collectives(self, have: str, want: str, into: tuple[bool, ...], grad: bool,
+                          kind: str) -> tuple[tuple[int, float, tuple], ...] | None:
+        """The collectives of moving a ``kind`` value placed ``have`` to ``want``
+        read as ``into``, or None where the move is not offered (memoised: the edges meet the
+        same moves hundreds of thousands of times in a three-axis search).
+        Per axis ``(axis, the share of the value a rank holds on the other
+        axes, its (collective, fraction of that share) pairs)``."""
+        key = (have, want, into, grad, kind)
+        if key in self._move_memo:
+            return self._move_memo[key]
+        haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
+        out: tuple | None = None
+        if nested_moves(haves, wants) is None:
+            pass        # no order of the axes runs it (the compiler refuses it too)
+        elif self.k > 1 and kind == "weight" and haves[-1] != wants[-1]:
+            pass        # a weight is read on the inner axis as stored there: the plan records that axis
+        elif kind == "tuple" and haves != wants:
+            pass        # a tuple (a split's pieces) is not moved: its readers take it as it is made
+        else:
+            steps = []
+            for a in range(self.k):
+                h, w = haves[a], wants[a]
+                if h == w and not (into[a] and grad and w == R):
+                    continue
+                colls = transition_collectives(h, w, grad, into[a])
+                if colls is None:
+                    steps = None
+                    break
+                steps.append((a, self._local(haves, a), tuple(colls)))
+            out = None if steps is None else tuple(steps)
+        self._move_memo[key] = out
+        return out
 
     def edge_cost(self, u: str, have: str, read: tuple) -> float:
         want, into = read
-        runs, haves, wants, shares = self._move(have, want)
-        if not runs:
-            return INF       # no order of the axes runs it (the compiler refuses it too)
-        kind = self._value_class(u)
-        if self.k > 1 and kind == "weight" and haves[-1] != wants[-1]:
-            return INF       # a weight is read on the inner axis as stored there: the plan records that axis
-        if kind == "tuple" and haves != wants:
-            return INF       # a tuple (a split's pieces) is not moved: its readers take it as it is made
-
-        grad, nb = self.grad.get(u, False), self.nbytes(u) * self.byte_scale(u)
+        steps = self._edge_collectives(have, want, into, self.grad.get(u, False), self._value_class(u))
+        if steps is None:
+            return INF
+        nb = self.nbytes(u) * self.byte_scale(u)
         t = 0.0
-        for a in range(self.k):
-            if haves[a] != wants[a] or (grad and into[a]):
-                t += transition_time(haves[a], wants[a], nb * shares[a], grad, into[a], self.comms[a])
+        for a, share, colls in steps:     # summed as transition_time sums them, axis by axis
+            comm, local, on_axis = self.comms[a], nb * share, 0.0
+            for kind, frac in colls:
+                on_axis += comm(kind, local * frac)
+            t += on_axis
         return t
 
 
@@ -267,7 +284,8 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
                comm: Sequence[Comm], compute: Callable[[Node, float], float],
                param_time: Callable[[Node, str], float] | None = None, pins: dict[str, str] | None = None,
                memory: MemoryTerms | Sequence[MemoryTerms] | None = None, time_limit_s: float = 60.0,
-               solver: str = DEFAULT, byte_scale: Callable[[str], float] | None = None) -> list[AxisSharding]:
+               solver: str = DEFAULT, byte_scale: Callable[[str], float] | None = None,
+               cache: dict | None = None, comm_key: Hashable | None = None) -> list[AxisSharding]:
     """The placements of every node on each axis of a mesh of ``sizes``,
     decided together (module docstring). ``shapes``: node shapes (local to
     any axis outside the mesh); ``comm[a](kind, nbytes)``: the time of a
@@ -284,18 +302,29 @@ def solve_mesh(graph: Graph, sizes: Sequence[int], shapes: dict[str, Shape | Non
     and ``mesh_partial``); ``byte_scale(node)``: the share of its value's
     bytes (and of those its op moves inside) a rank moves (with context
     parallelism a cp rank's tokens: ``1 / cp`` for the values that grow
-    with the samples; the shapes stay whole, for what divides them). Returns one
+    with the samples; the shapes stay whole, for what divides them). ``cache``: where
+    the program's structure (candidates, edges) is kept per sizes, shapes and pins,
+    to be solved again under another memory row or cost; ``comm_key``
+    names what ``comm`` and ``byte_scale`` price (calls of one key give every edge
+    the same price), so that a cached program prices its edges once per key, as
+    :func:`~autopar.search.ilp.start_axis` does. Returns one
     :class:`AxisSharding` per axis (its ``ilp`` the program's); raises
     :class:`InfeasiblePins` when the pins admit none, :class:`StrategyError`
     when the program (or the memory bound) has no solution."""
     if len(comm) != len(sizes) or not sizes or any(n < 1 for n in sizes):
         raise StrategyError(f"solve_mesh: a mesh of sizes {tuple(sizes)} needs one comm per axis "
                             f"(got {len(comm)})")
-    prob = _MeshProblem(graph, sizes, shapes, dict(pins or {}))
+    pins = dict(pins or {})
+    skey = ("mesh", tuple(sizes), id(shapes), tuple(sorted(pins.items())))
+    prob = cache.get(skey) if cache is not None else None
+    if prob is None or prob.shapes is not shapes:
+        prob = _MeshProblem(graph, sizes, shapes, pins)
+        if cache is not None:
+            cache[skey] = prob
     prob.comms, prob.comm, prob.compute = [_memoised(c) for c in comm], comm[0], compute
+    prob.comm_key = comm_key
     prob.param_time = param_time or (lambda nd, p: 0.0)
-    if byte_scale is not None:
-        prob.byte_scale = byte_scale
+    prob.byte_scale = byte_scale or (lambda name: 1.0)
     built = prob.build(memory)
     built.mdl.relax_first = True    # its relaxation is usually integral: HiGHS's simplex alone is faster
     whole = prob.finish(built, backend(solver).solve(built.mdl, time_limit_s))

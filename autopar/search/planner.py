@@ -95,7 +95,8 @@ class PlannerState:
     ILP inputs); ``shapes``: the local shapes per (microbatch, dp);
     ``sequence_parallel``: the pins sequence parallelism adds per (sharder,
     tp); ``ilp``: the ILP's problem structures (see
-    :func:`autopar.search.ilp.solve_axis`); ``comm``: the times of the
+    :func:`autopar.search.ilp.solve_axis`; the meshes' too,
+    :func:`autopar.search.mesh_ilp.solve_mesh`); ``comm``: the times of the
     tensor-parallel collectives per (itemsize, tp, spans nodes); ``pending``:
     the ILPs :meth:`Planner.prefetch` started, per ``axes`` key; ``partitions``:
     the balanced pipeline stages per unit costs and memory limits (with the
@@ -328,7 +329,10 @@ class Planner:
                                        compute=compute, param_time=model.param_time(view, topo, mesh_pieces(sizes)),
                                        pins=dict(sharder.pins), memory=memory, solver=self.solver,
                                        byte_scale=None if cfg.cp == 1 else
-                                       (lambda name: 1.0 / cfg.cp if name in per_sample else 1.0))
+                                       (lambda name: 1.0 / cfg.cp if name in per_sample else 1.0),
+                                       # the structure kept with the 1d ones; its edges priced once per link
+                                       # layout and token share (bounded and unbounded solves alike)
+                                       cache=self.state.ilp, comm_key=(model.itemsize, view.dp, sizes, cfg.cp))
             inner = axes[-1]
             inner.others = tuple(axes[:-1])
             self.state.axes[key] = inner
