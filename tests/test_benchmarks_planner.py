@@ -35,12 +35,14 @@ def test_planner_targets_structure():
     from benchmarks.planner_scaling import Goal, Target
     spec = "gpt:layers={},hidden=64,heads=4,seq=16,vocab=128"
     targets = {"deep": Target("deep", spec.format(4), "cpu", 4, 8),
-               "shallow": Target("shallow", spec.format(1), "cpu", 4, 8)}
+               "shallow": Target("shallow", spec.format(1), "cpu", 4, 8),
+               "meshes": Target("meshes", spec.format(2), "cpu", 4, 8, tp_modes=("1d", "mesh"))}
     goals = [Goal("deep time", ("deep",), 1e3), Goal("depth ratio", ("deep", "shallow"), 1e3),
              Goal("impossible", ("shallow",), 0.0)]
     r = planner_scaling.run_targets(targets=targets, goals=goals, log=lambda s: None,
-                                    depth_pair=("deep", "shallow"))
-    deep, shallow = r["records"]
+                                    depth_pair=("deep", "shallow"), also=[Goal("with meshes", ("meshes",), 1e3)])
+    deep, shallow, meshes = r["records"]
+    assert meshes["strategy"] and r["params"]["targets"]["meshes"]["tp_modes"] == ("1d", "mesh")
     # depth alone: the shallow search's evaluations made again on both graphs, timed
     same = r["same_configurations"]
     assert same["evaluations"] > 0 and same["shallow_s"] > 0 and same["deep_s"] > 0
@@ -48,12 +50,13 @@ def test_planner_targets_structure():
     assert deep["nodes"] > shallow["nodes"] and deep["strategy"] and deep["error"] is None
     assert deep["total_s"] == pytest.approx(deep["trace_s"] + deep["plan_s"] + deep["save_s"])
     met = {g["goal"]: g["met"] for g in r["goals"]}
-    assert met == {"deep time": True, "depth ratio": True, "impossible": False}
+    assert met == {"deep time": True, "depth ratio": True, "impossible": False, "with meshes": True}
+    assert [g["counted"] for g in r["goals"]] == [True, True, True, False]     # "with meshes" measured beside
     ratio = next(g["value"] for g in r["goals"] if g["goal"] == "depth ratio")
     assert ratio == pytest.approx(deep["total_s"] / shallow["total_s"])
     assert r["summary"]["targets met"] == "2 of 3" and r["summary"]["depth ratio (x)"] == ratio
     assert deep["candidates"] > 0 and deep["ilp_solves"] is not None
-    assert len(r["table"]["rows"]) == 2 and all(len(row) == len(r["table"]["columns"]) for row in r["table"]["rows"])
+    assert len(r["table"]["rows"]) == 3 and all(len(row) == len(r["table"]["columns"]) for row in r["table"]["rows"])
     # the four goals, each over targets that exist
     assert len(planner_scaling.GOALS) == 4 and all(k in planner_scaling.TARGETS
                                                    for g in planner_scaling.GOALS for k in g.keys)
