@@ -11,7 +11,8 @@ synchronised over dp) and timm's ViT-Tiny (4 blocks), traced with ``torch.fx``.
 Strategy families: dp, tp,
 dp x tp, pipelines (1F1B, interleaved, pp x dp x tp on 8 processes), Megatron
 sequence parallel, selective and full recompute, ZeRO-1/2/3, bf16, and 2D tensor
-parallel (a 2 x 2 grid, alone and with dp=2 and ZeRO-1 on 8 processes), 2.5D
+parallel (a 2 x 2 grid, alone, with Megatron sequence parallelism on its columns,
+and with dp=2 and ZeRO-1 on 8 processes), 2.5D
 (two 2 x 2 grids, 8 processes), 3D (a 2 x 2 x 2 cube, 8 processes) and a 2 x 2
 grid in each stage of a two-stage pipeline (``pp x 2d``, 8 processes) and under
 ZeRO-3 over dp=2 (``2d zero-3``, 8 processes).
@@ -70,6 +71,7 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "zero-3": ("dp=4,zero=3", 4),
     "bf16": ("dp=2,tp=2,precision=bf16", 4),
     "2d": ("tp=4,tp_mode=2d", 4),
+    "2d sp": ("tp=4,tp_mode=2d,sequence_parallel=true", 4),
     "dp x 2d": ("dp=2,tp=4,tp_mode=2d,zero=1", 8),
     "2.5d": ("tp=8,tp_mode=2.5d,tp_depth=2", 8),
     "3d": ("tp=8,tp_mode=3d", 8),
