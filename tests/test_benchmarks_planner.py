@@ -120,3 +120,16 @@ def test_mesh_search_row_structure():
     mesh_search.NAMES["gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128"] = "tiny"
     r = mesh_search.row("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128", "dgx-a100-80g", 8, 8)
     assert r["meshes_tried"] >= 0 and r["searched_step_s"] <= r["flat_step_s"] * (1 + 1e-9)
+
+
+def test_dp_axis_bound_structure():
+    """The per-weight dp bound on its quick case: a row per case, the bound
+    never below the estimate's gain (no mix beats its ZeRO-1/2 form)."""
+    from benchmarks import dp_axis_bound
+    r = dp_axis_bound.run(dp_axis_bound.QUICK + ["llama8b-h100x8"])
+    assert len(r["table"]["rows"]) == 2 and r["summary"]["cases"] == 2
+    for rec in r["records"]:
+        assert rec["best_s"] > 0 and 0.0 <= rec["estimate_gain"] <= rec["bound_gain"] + 1e-12
+    tight = r["records"][1]     # Llama-3 8B on 8 H100: ZeRO-3 is picked, ZeRO-1/2 do not fit
+    assert "zero=3" in tight["best"] and tight["pairs"] > 0 and tight["bound_gain"] > 0
+    assert 0 < tight["estimate_whole_share"] < 1

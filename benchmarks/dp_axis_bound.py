@@ -1,0 +1,150 @@
+"""What a per-weight choice on the data-parallel axis could buy, bounded under the cost model.
+
+Issue 16 asks for the dp axis in the joint program: per weight, ``S(0)`` on
+dp (FSDP-like, ZeRO-3) or kept whole there (ZeRO-1/2: its gradient reduced
+once per step, its optimizer state sharded), decided with the tensor axes
+under the memory limit. The runtime cannot run that mix today (FSDP2 and
+the distributed optimizer in one step); this benchmark asks whether it is
+worth building, predictions only.
+
+Per preset request, the search in ``grid`` mode (Megatron placements on the
+tp axis, so that every configuration is priced alike) gives the best plan
+``t_best``. Then for every configuration without a pipeline (ZeRO-2 and -3
+refuse pipelines) whose ZeRO-1 or ZeRO-2 form does not fit while its ZeRO-3
+form does, a per-weight mix of the two lies between them:
+
+* **bound**: no mix is faster than the ZeRO-1/2 form itself (it moves a
+  subset of the mix's bytes: the mix adds FSDP's gathers for its sharded
+  weights), so ``(t_best - t_low) / t_best`` over those configurations
+  bounds the gain of any mix;
+* **estimate**: the memory of a mix is linear in the share of weight bytes
+  kept whole, so at most ``f = (cap - peak_3) / (peak_low - peak_3)`` of them
+  can be; taking the time linear in that share too, a mix takes ``t_3 -
+  f (t_3 - t_low)``.
+
+Run: ``python -m benchmarks.dp_axis_bound [--quick]``; results in
+``benchmarks/results/dp_axis_bound-<device>.json`` and its README section.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import autopar
+from autopar.api import as_graph, planner_for
+from autopar.cost import MEMORY_HEADROOM
+from autopar.errors import StrategyError
+from autopar.search.grid import grid_configs
+from autopar.search.planner import MANUAL
+from benchmarks.common import each_case, timed_run
+
+GPT_1_3B = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
+GPT_6_7B = "gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200"
+LLAMA_8B = "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=8192,vocab=128256"
+LLAMA_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,seq=8192,vocab=128256"
+NAMES = {GPT_1_3B: "GPT 1.3B", GPT_6_7B: "GPT 6.7B", LLAMA_8B: "Llama-3 8B", LLAMA_70B: "Llama-3 70B"}
+
+#: (model, cluster, devices, global batch): memory-tight requests (few GPUs for the model)
+#: and roomy ones, on both presets
+CASES = {
+    "gpt1.3b-a100x16": (GPT_1_3B, "dgx-a100-80g", 16, 64),
+    "gpt6.7b-a100x8": (GPT_6_7B, "dgx-a100-80g", 8, 64),
+    "gpt6.7b-a100x64": (GPT_6_7B, "dgx-a100-80g", 64, 512),
+    "llama8b-h100x8": (LLAMA_8B, "dgx-h100", 8, 64),
+    "llama8b-h100x32": (LLAMA_8B, "dgx-h100", 32, 256),
+    "llama70b-h100x64": (LLAMA_70B, "dgx-h100", 64, 128),
+}
+QUICK = ["gpt1.3b-a100x16"]
+
+
+def _flat(graph: Any, devices: int, batch: int) -> list:
+    """Every configuration without a pipeline the search's grid has, ZeRO-3 ones alone (their
+    ZeRO-1/2 forms are made from them)."""
+    return [c for line in grid_configs(graph, devices, batch) for c in line if c.zero == 3]
+
+
+def row(key: str) -> dict[str, Any]:
+    spec, cluster, devices, batch = CASES[key]
+    graph = as_graph(spec)
+    best = autopar.plan(graph, cluster=cluster, devices=devices, global_batch=batch, search_mode="grid")
+    t_best = best.predicted["step_time_s"]
+    planner = planner_for(graph, cluster, "adamw", None, devices=devices, global_batch=batch)
+    bound = estimate = None
+    pairs = 0
+    for three in _flat(graph, devices, batch):
+        try:
+            e3 = planner.evaluate(three, MANUAL)
+        except StrategyError:
+            continue
+        if not e3.fits:
+            continue
+        cap = e3.device_memory_bytes * MEMORY_HEADROOM
+        for z in (1, 2):
+            low = dataclasses.replace(three, zero=z)
+            try:
+                el = planner.evaluate(low, MANUAL)
+            except StrategyError:
+                continue
+            if el.fits or el.peak_memory_bytes <= e3.peak_memory_bytes:
+                continue    # it fits whole (the search has it) or keeps no more than ZeRO-3
+            pairs += 1
+            f = max(0.0, min(1.0, (cap - e3.peak_memory_bytes) / (el.peak_memory_bytes - e3.peak_memory_bytes)))
+            mix = e3.step_time_s - f * max(0.0, e3.step_time_s - el.step_time_s)
+            if bound is None or el.step_time_s < bound[0]:
+                bound = (el.step_time_s, low.to_string())
+            if estimate is None or mix < estimate[0]:
+                estimate = (mix, three.to_string(), z, f)
+    gain = (lambda t: max(0.0, (t_best - t) / t_best) if t is not None else 0.0)
+    return {"case": key, "model": NAMES[spec], "cluster": cluster, "devices": devices, "batch": batch,
+            "best": best.strategy, "best_s": t_best, "pairs": pairs,
+            "bound_s": bound[0] if bound else None, "bound_config": bound[1] if bound else None,
+            "bound_gain": gain(bound[0] if bound else None),
+            "estimate_s": estimate[0] if estimate else None,
+            "estimate_config": estimate[1] if estimate else None,
+            "estimate_low_zero": estimate[2] if estimate else None,
+            "estimate_whole_share": estimate[3] if estimate else None,
+            "estimate_gain": gain(estimate[0] if estimate else None)}
+
+
+def run(keys: list[str]) -> dict[str, Any]:
+    rows = each_case(keys, row)
+    ok = [r for r in rows if "error" not in r]
+    worst = max(ok, key=lambda r: r["estimate_gain"], default=None)
+    return {
+        "title": "A per-weight dp choice (ZeRO-3 for some weights, ZeRO-1/2 for the rest): what it could buy",
+        "description": __doc__.split("\n\n")[2].replace("\n", " ") + " " + __doc__.split("\n\n")[3].replace(
+            "\n", " "),
+        "params": {"cases": {k: CASES[k] for k in keys}, "memory_headroom": MEMORY_HEADROOM},
+        "table": {
+            "columns": ["model", "cluster", "devices", "batch", "best (grid mode)", "s", "unfit ZeRO-1/2 forms",
+                        "bound s", "bound gain", "estimate s", "estimate gain", "share kept whole"],
+            "rows": [[r["model"], r["cluster"], r["devices"], r["batch"], r["best"], r["best_s"], r["pairs"],
+                      r["bound_s"], r["bound_gain"], r["estimate_s"], r["estimate_gain"],
+                      r["estimate_whole_share"]] for r in ok],
+        },
+        "summary": {
+            "cases": len(ok),
+            "largest bound on the gain": max((r["bound_gain"] for r in ok), default=0.0),
+            "largest estimated gain": worst["estimate_gain"] if worst else 0.0,
+            "case of the largest estimated gain": worst["case"] if worst else None,
+        },
+        "records": rows,
+    }
+
+
+def main(quick: bool = False, save_result: bool = True) -> dict[str, Any]:
+    keys = QUICK if quick else list(CASES)
+    return timed_run("dp_axis_bound", lambda: run(keys), quick, save_result)
+
+
+def cli() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.dp_axis_bound", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"one case ({', '.join(QUICK)})")
+    ap.add_argument("--no-save", action="store_true", help="print only: write no result")
+    args = ap.parse_args()
+    main(args.quick, save_result=not args.no_save)
+
+
+if __name__ == "__main__":
+    cli()
