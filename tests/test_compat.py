@@ -162,6 +162,7 @@ def test_colossal_3d_config_is_evaluated_and_planned():
     import autopar
     got = col(dict(tensor=dict(size=8, mode="3d")), devices=16)
     assert got.config == parse_strategy("dp=2,tp=8,tp_mode=3d", 16)
+    assert any("not Bian et al.'s matmul schedule" in n for n in got.notes)     # said, not hidden
     model = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
     est = autopar.evaluate(model, cluster="dgx-a100-80g", devices=16, global_batch=16, strategy=got.config)
     assert est.parallel["tp_mode"] == "3d" and est.step_time_s > 0 and est.memory["grid_weights_gathered"] > 0

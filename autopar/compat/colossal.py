@@ -145,6 +145,12 @@ def from_colossal(cfg_or_path: str | os.PathLike | Mapping[str, Any], devices: i
         keys["tp_mode"] = mode
         if mode == "2.5d":
             keys["tp_depth"] = positive_int(par["tensor"]["depth"], "parallel.tensor.depth", where)
+        if mode == "3d":
+            notes.append("tensor mode '3d' runs as autopar's cube: Colossal-AI's layout at rest (1/q^3 of "
+                         "every matrix per rank of the q x q x q cube, the samples over depth x rows), its matmuls "
+                         "as 1D tensor parallelism on the columns with each weight gathered over rows x depth, "
+                         "not Bian et al.'s matmul schedule; tp_mode=mesh3 lets one program pick Bian's layout "
+                         "per linear where it pays (benchmarks/mesh3_bian.py)")
     if mode == "sequence":    # Li et al. 2021: the sequence split over the group, ring self-attention
         keys.update(context_parallel(tp, "parallel.tensor.size with mode='sequence' (ring self-attention)", where,
                                      "; autopar's sequence_parallel=true is Megatron's (norms and dropout split "
