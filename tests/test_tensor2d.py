@@ -437,7 +437,12 @@ GRID_CP = "tp=4,tp_mode=2d,cp=2"
 #: (8 processes): the norms split along the sequence over the columns
 GRID_SP = {"3d sp": "tp=8,tp_mode=3d,sequence_parallel=true",
            "2.5d sp": "tp=8,tp_mode=2.5d,tp_depth=2,sequence_parallel=true",
-           "pipeline sp": "pp=2,tp=4,tp_mode=2d,microbatches=2,sequence_parallel=true"}
+           "pipeline sp": "pp=2,tp=4,tp_mode=2d,microbatches=2,sequence_parallel=true",
+           # and with what the search combines it with on a grid: ZeRO-3 over dp, cp
+           "zero3 sp": "dp=2,tp=4,tp_mode=2d,zero=3,sequence_parallel=true",
+           "cp sp": "tp=4,tp_mode=2d,cp=2,sequence_parallel=true"}
+#: the share of every matrix a rank holds under each (ZeRO-3 over dp=2 halves the grid's quarter)
+GRID_SP_SHARE = {"3d sp": 8, "2.5d sp": 4, "pipeline sp": 4, "zero3 sp": 8, "cp sp": 4}
 
 
 def _cube_worker(rank, world, path):
@@ -456,7 +461,7 @@ def _cube_worker(rank, world, path):
         if spec != HF_GPT2:
             out[spec, "cp"] = (want_losses, *_train(spec, GRID_CP, want_w, matrices, 4)[3])
             for run, strategy in GRID_SP.items():
-                pm, _, _, got = _train(spec, strategy, want_w, matrices, 8 if run.startswith("3d") else 4)
+                pm, _, _, got = _train(spec, strategy, want_w, matrices, GRID_SP_SHARE[run])
                 norms = {op["out"][-1] for name, op in pm.plan.to_dict()["ops"].items() if name.endswith("_norm")}
                 out[spec, run] = (want_losses, *got, norms)
         if spec == GPT:     # and one of the pipelined grid, under 1d without a pipeline
