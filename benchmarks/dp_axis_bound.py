@@ -38,12 +38,11 @@ from autopar.errors import StrategyError
 from autopar.search.grid import grid_configs
 from autopar.search.planner import MANUAL
 from benchmarks.common import each_case, timed_run
+from benchmarks.mesh_search import LLAMA_70B
+from benchmarks.tensor2d import GPT_1_3B, GPT_6_7B, LLAMA_8B
+from benchmarks.tensor2d import NAMES as _NAMES
 
-GPT_1_3B = "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200"
-GPT_6_7B = "gpt:layers=32,hidden=4096,heads=32,seq=2048,vocab=51200"
-LLAMA_8B = "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=8192,vocab=128256"
-LLAMA_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,seq=8192,vocab=128256"
-NAMES = {GPT_1_3B: "GPT 1.3B", GPT_6_7B: "GPT 6.7B", LLAMA_8B: "Llama-3 8B", LLAMA_70B: "Llama-3 70B"}
+NAMES = {**_NAMES, LLAMA_70B: "Llama-3 70B"}
 
 #: (model, cluster, devices, global batch): memory-tight requests (few GPUs for the model)
 #: and roomy ones, on both presets
