@@ -44,6 +44,7 @@ import math
 import os
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -219,9 +220,11 @@ class HighsBackend:
         lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.array(value, dtype=float)
         if model.relax_first:
+            t0 = time.perf_counter()
             got = _integral_relaxation(lp, model, time_limit_s)
             if got is not None:
                 return got
+            time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - t0))    # the MILP gets what is left
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in model.integer]
         h = quiet_highs()
