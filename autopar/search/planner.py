@@ -500,7 +500,9 @@ class Planner:
             seq = 1
             lengths.append((nd.name, nd.out.shape[seq]))
             # the norm and the residual stream into it: the elementwise ops (residual and bias
-            # adds, dropout) of the same shape, back to the matmuls and embeddings producing it
+            # adds, dropout) of the same shape, back to the matmuls and embeddings producing it,
+            # and the casts between them (a norm written out in ops, Hugging Face's LlamaRMSNorm,
+            # computes in fp32 between two `to`s: pinned through, its ops split as a fused norm's)
             todo = [nd.name]
             while todo:
                 name = todo.pop()
@@ -509,7 +511,13 @@ class Planner:
                 pinned[name] = f"S({seq})"
                 for i in g[name].inputs:
                     src = g[i]
-                    if src.kind == "elementwise" and src.out is not None and src.out.shape == nd.out.shape:
+                    if src.out is None or src.out.shape != nd.out.shape:
+                        continue
+                    # a view only where it keeps its input's shape (a cast): a reshape into
+                    # (batch, sequence, hidden) cannot hold the sequence split its input lacks
+                    if src.kind == "elementwise" or (src.kind == "view" and src.inputs and
+                                                     g[src.inputs[0]].out is not None and
+                                                     g[src.inputs[0]].out.shape == src.out.shape):
                         todo.append(i)
         return tuple(sorted(pinned.items())), lengths
 
