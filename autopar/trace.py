@@ -1267,6 +1267,10 @@ def _index_map(n: fx.Node, t: str, nd: int, nout: int) -> dict[int, int] | None:
     if t == "select":
         d = int(_arg(n, 1, "dim", 0)) % nd
         return {i: (i if i < d else i - 1) for i in range(nd) if i != d}
+    if t == "slice":   # torch.export's aten.slice (x[..., :k], x[:, ...]): every dim keeps its place; the
+        # rule keeps a shard only on a dim the slice leaves whole (sizes equal: the sliced dim of a
+        # full-range slice, as export writes `x[:, ...]`, whose local slice [0:end] is the shard)
+        return {i: i for i in range(nd)} if nout == nd else None
     if t != "getitem":
         return None
     idx = n.args[1]

@@ -209,7 +209,8 @@ def test_sequence_parallelism_splits_a_norm_written_out_between_casts():
     the norm through its casts, so its ops and the residual stream into it are split along the
     sequence, as around the zoo's fused norm (the pins stopped at the cast: the norm's ops ran
     hidden-split and its output moved to the sequence split at every layer: at Llama-3 405B's
-    shape, tp=8, a layer's tensor-parallel communication was 1.47x the zoo Llama's, 1.26x now).
+    shape, tp=8, a layer's tensor-parallel communication was 1.47x the zoo Llama's, 1.26x with
+    this alone; the rest was rotate_half's slices, below).
     A reshape into the residual stream's shape is not walked through (GPT-2's Conv1D output
     cannot hold the split)."""
     from autopar.api import planner_for
@@ -236,3 +237,24 @@ def test_sequence_parallelism_splits_a_norm_written_out_between_casts():
     gpt2 = autopar.api.as_graph("hf-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,seq=16")
     assert autopar.evaluate(gpt2, cluster="dgx-h100", devices=4, global_batch=4,
                             strategy="tp=4,sequence_parallel=true").step_time_s > 0
+
+
+def test_llama_as_hugging_face_writes_it_costs_the_zoo_llamas_communication_under_sequence_parallelism():
+    """With the norm pinned through its casts (above) and torch.export's ``aten.slice``
+    keeping every dim it leaves whole (rotate_half's ``x[..., :d/2]`` keeps the heads split;
+    a full-range ``x[:, ...]`` keeps the batch split, as the grid's rows need), Hugging Face's
+    Llama charges the tensor-parallel communication of the zoo's Llama of the same shape (1.47x
+    at Llama-3 405B's shape before: every rotate_half gathered q and k)."""
+    hf = "hf-llama:hidden_size=256,intermediate_size=512,num_hidden_layers=4,num_attention_heads=8," \
+         "num_key_value_heads=2,vocab_size=512,seq=64"
+    zoo_llama = "llama:layers=4,hidden=256,heads=8,kv_heads=2,ffn=512,seq=64,vocab=512"
+    kw = dict(cluster="dgx-h100", devices=4, global_batch=8, strategy="tp=4,sequence_parallel=true")
+    graph = autopar.api.as_graph(hf)
+    slices = [nd for nd in graph.nodes if nd.kind == "index" and nd.target == "slice"]
+    assert slices and all(nd.attrs.get("dim_map") for nd in slices)
+    ops = autopar.plan(graph, **kw).to_dict()["ops"]
+    # q's rotate_half slices (the first two of each attention; k's 2 heads do not split over 4)
+    q_halves = [op["out"][-1] for name, op in ops.items() if name.endswith(("self_attn:slice", "self_attn:slice#1"))]
+    assert len(q_halves) == 8 and set(q_halves) == {"S(1)"}
+    assert autopar.evaluate(graph, **kw).tp_comm_time_s == pytest.approx(
+        autopar.evaluate(zoo_llama, **kw).tp_comm_time_s, rel=1e-9)
