@@ -103,7 +103,7 @@ class _MeshProblem(_Problem):
         self.comms: list[Comm] = []
         self.byte_scale: Callable[[str], float] = lambda name: 1.0
         # per move, the collectives edge_cost prices (_edge_collectives)
-        self._move_memo: dict[tuple, tuple | None] = {}
+        self._edge_memo: dict[tuple, tuple | None] = {}
         super().__init__(graph, math.prod(self.sizes), shapes, pins)
 
     # -- candidates -----------------------------------------------------------------
@@ -226,8 +226,8 @@ class _MeshProblem(_Problem):
         Per axis ``(axis, the share of the value a rank holds on the other
         axes, its (collective, fraction of that share) pairs)``."""
         key = (have, want, into, grad, kind)
-        if key in self._move_memo:
-            return self._move_memo[key]
+        if key in self._edge_memo:
+            return self._edge_memo[key]
         haves, wants = axis_placements(have, self.k), axis_placements(want, self.k)
         out: tuple | None = None
         if nested_moves(haves, wants) is None:
@@ -248,7 +248,7 @@ class _MeshProblem(_Problem):
                     break
                 steps.append((a, self._local(haves, a), tuple(colls)))
             out = None if steps is None else tuple(steps)
-        self._move_memo[key] = out
+        self._edge_memo[key] = out
         return out
 
     def edge_cost(self, u: str, have: str, read: tuple) -> float:

@@ -227,18 +227,25 @@ class HighsBackend:
             time_limit_s = max(1.0, time_limit_s - (time.perf_counter() - t0))    # the MILP gets what is left
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                            for i in model.integer]
-        h = quiet_highs()
-        h.setOptionValue("time_limit", float(time_limit_s))
+        h = _highs(time_limit_s)
         h.setOptionValue("mip_rel_gap", float(model.rel_gap))
-        h.setOptionValue("threads", 1)
         h.setOptionValue("mip_heuristic_run_feasibility_jump", False)
-        h.setOptionValue("presolve", "off")
         h.passModel(lp)
         h.run()
         st = h.getModelStatus()
         if st != highspy.HighsModelStatus.kOptimal:
             return Solution(h.modelStatusToString(st), [], 0.0)
         return Solution("Optimal", list(h.getSolution().col_value), h.getInfo().objective_function_value)
+
+
+def _highs(time_limit_s: float) -> "highspy.Highs":
+    """A silent HiGHS instance as every solve here runs it: one thread, no
+    presolve (module docstring), ``time_limit_s``."""
+    h = quiet_highs()
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("presolve", "off")
+    return h
 
 
 #: how far from an integer a relaxation's integer column may be and still count as integral
@@ -253,10 +260,7 @@ def _integral_relaxation(lp: "highspy.HighsLp", model: Model, time_limit_s: floa
     three-axis mesh program's relaxation is integral at its optimum; HiGHS's
     MIP solver spends 2-3x the simplex's time at its root on the same LP
     (GPT-3's 24 layers on a 2 x 2 x 2 mesh: 2.7 s against 0.9 s)."""
-    h = quiet_highs()
-    h.setOptionValue("time_limit", float(time_limit_s))
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("presolve", "off")
+    h = _highs(time_limit_s)
     h.setOptionValue("solver", "simplex")
     h.passModel(lp)
     h.run()
