@@ -70,8 +70,9 @@ def _collector_paused():
 
 @_collector_paused()
 def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None = None,
-             target: Any = None, batch: int | None = None) -> Graph:
-    """Trace ``model`` unless it already is a :class:`Graph`. A zoo string is
+             target: Any = None, batch: int | None = None, batch_dim: int = 0) -> Graph:
+    """Trace ``model`` unless it already is a :class:`Graph` (its inputs'
+    batch at ``batch_dim``, as :func:`trace` takes it). A zoo string is
     built on the meta device with its default loss (batch 2 by default, so the
     batch dimension can be told apart from the others), as :func:`trace` builds it."""
     if isinstance(model, Graph):
@@ -80,7 +81,7 @@ def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None
         from . import zoo
         z = zoo.build_for_planning(model, batch=batch)
         return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name)
-    return trace(model, example_inputs, loss_fn=loss_fn, target=target)
+    return trace(model, example_inputs, loss_fn=loss_fn, target=target, batch_dim=batch_dim)
 
 
 def check_sizes(devices: Any, global_batch: Any) -> None:
@@ -138,17 +139,18 @@ def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
 
 def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, strategy: str,
              global_batch: int, optimizer: str = "adamw", precision: str | None = None,
-             loss_fn: Callable | None = None, target: Any = None) -> Estimate:
+             loss_fn: Callable | None = None, target: Any = None, batch_dim: int = 0) -> Estimate:
     """Predict one manual strategy as written (Megatron-style placements;
     with a pipeline, equal layers per stage): step time (compute and
     communication parts), TFLOP/s per device, peak memory per device and
     whether it fits.
 
-    ``model`` is an ``nn.Module`` (with ``example_inputs``), a zoo string or a
+    ``model`` is an ``nn.Module`` (with ``example_inputs``, their batch at
+    ``batch_dim``), a zoo string or a
     traced :class:`Graph` (cheapest: evaluating a strategy on a graph takes
     milliseconds). Raises :class:`StrategyError` for an invalid strategy."""
     check_sizes(devices, global_batch)
-    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target, batch_dim=batch_dim)
     check_batch(graph, global_batch)
     cfg = _config(strategy, devices)
     planner = planner_for(graph, cluster, optimizer, precision, devices=devices, global_batch=global_batch)
@@ -259,7 +261,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
          memory_options: bool = True,
          search_mode: str | None = None, shardings: dict[str, Any] | None = None,
          progress: Callable[[int, int], None] | None = None, solver: str = "highs",
-         tp_modes: Sequence[str] = ("1d",)) -> Plan:
+         tp_modes: Sequence[str] = ("1d",), batch_dim: int = 0) -> Plan:
     """Choose a strategy and return the :class:`Plan` with its predictions
     (:func:`plan_and_record` also returns how the search got there).
 
@@ -288,6 +290,8 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
     4 deep and ``"3d"`` for the q x q x q cubes, which the cost model prices,
     and ``"mesh"`` for tp groups as two-axis meshes whose placements one
     program decides on both axes (``tp_mode=mesh``; ``"mesh3"`` on three).
+    ``batch_dim``: where an ``nn.Module``'s example inputs hold the batch
+    (1 for ``[seq, batch, ...]``; see :func:`autopar.trace`).
 
     Raises :class:`StrategyError` for an invalid strategy, search mode,
     solver (or one not installed) or pin (two contradicting pins are both
@@ -296,7 +300,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
                            strategy=strategy, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
                            target=target, executable_only=executable_only, memory_options=memory_options,
                            search_mode=search_mode, shardings=shardings, progress=progress,
-                           solver=solver, tp_modes=tp_modes)[0]
+                           solver=solver, tp_modes=tp_modes, batch_dim=batch_dim)[0]
 
 
 @_collector_paused()
@@ -306,7 +310,8 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
                     executable_only: bool = False, memory_options: bool = True, search_mode: str | None = None,
                     shardings: dict[str, Any] | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    solver: str = "highs", tp_modes: Sequence[str] = ("1d",)) -> tuple[Plan, SearchRecord]:
+                    solver: str = "highs", tp_modes: Sequence[str] = ("1d",),
+                    batch_dim: int = 0) -> tuple[Plan, SearchRecord]:
     """:func:`plan`, and beside the plan the
     :class:`~autopar.search.planner.SearchRecord` of how it was found (the
     configurations compared, the ILP's runners-up: what
@@ -320,7 +325,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
     check_sizes(devices, global_batch)
     tp_modes = check_tp_modes(tp_modes)
     user_pins = {**_pins.annotations(model), **(shardings or {})}
-    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target)
+    graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target, batch_dim=batch_dim)
     check_batch(graph, global_batch)
     spec, state = _state(graph, cluster, optimizer, precision)
     pins = _pins.resolve(graph, user_pins, track_batch(graph).out)

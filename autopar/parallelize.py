@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -49,7 +50,8 @@ from .runtime import collectives as C
 from .runtime import regions as R_
 from .runtime.dist import Mesh, init_process_group, local_device
 from .runtime.optim import DistributedOptimizer, check_max_norm
-from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, local_tensors
+from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, batch_first, batch_where, \
+    local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import AxisSharding, batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
@@ -71,7 +73,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 seed_broadcast: bool = True, search_mode: str | None = None,
                 shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise",
                 timeout_s: float = 600, lr_scheduler: Callable[[Any], Any] | None = None,
-                max_grad_norm: float | None = None) -> ParallelModule:
+                max_grad_norm: float | None = None, batch_dim: int = 0) -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -79,6 +81,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       ``train_step`` (the global batch when ``full_batch=True``, this rank's
       data-parallel shard when ``False``). ``example_target`` defaults to a
       zero tensor shaped like the first input, enough for tracing most losses.
+    * ``batch_dim``: the dim of the inputs and the target that holds the
+      batch (default 0). PyTorch's ``nn.Transformer*``,
+      ``nn.MultiheadAttention``, ``nn.LSTM`` and ``nn.GRU`` take ``[seq,
+      batch, ...]`` by default (``batch_first=False``): pass ``batch_dim=1``
+      and the batches to ``train_step`` in that layout too. It applies to
+      every tensor of more dims than it; tensors of fewer dims (a label per
+      sample) hold the batch at dim 0.
     * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
       ``loss_fn="labels"``: the model's own loss, ``model(*inputs,
       labels=target).loss`` (Hugging Face models).
@@ -117,13 +126,20 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     """
     max_grad_norm = _check_arguments(model, optimizer, on_nonfinite, lr_scheduler, max_grad_norm)
     rank, world = init_process_group(backend, timeout_s=timeout_s)
-    graph, inputs, target, keys = _trace_request(model, example_inputs, example_target, loss_fn)
+    graph, inputs, target, keys = _trace_request(model, example_inputs, example_target, loss_fn, batch_dim)
     traced_inputs = dict(zip(keys, inputs)) if keys else inputs
     plan, cfg, gbatch = resolve_plan(graph, model, strategy, world=world, cluster=cluster or default_cluster(),
                                      full_batch=full_batch, global_batch=global_batch, search_mode=search_mode,
                                      shardings=shardings)
     check_runnable(graph, cfg)
-    batch_moves = cfg.dp > 1 and samples_cross_ranks(graph, cfg) is not None
+    meet = samples_cross_ranks(graph, cfg)
+    batch_moves = cfg.dp > 1 and meet is not None
+    if meet is not None and meet in graph and graph[meet].kind == "sdpa" and graph.batch_dim == 0:
+        warnings.warn(f"autopar: attention ({meet}) reads the batch dim of its inputs as the sequence: dim 0 of "
+                      f"{graph.name}'s inputs looks like the sequence, not the batch. PyTorch's nn.Transformer*, "
+                      "nn.MultiheadAttention, nn.LSTM and nn.GRU take [seq, batch, ...] unless batch_first=True: "
+                      "pass batch_dim=1 to parallelize. As traced, the program gathers the whole input on every "
+                      "data-parallel rank (correct, not data parallel)", stacklevel=2)
     graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)
@@ -159,8 +175,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
-    pm.example_inputs, pm.example_target = example_specs(graph, inputs, target)
-    pm.input_keys = keys
+    pm.example_inputs, pm.example_target = example_specs(graph, batch_first(inputs, batch_dim),
+                                                         batch_first(target, batch_dim))
+    pm.input_keys, pm.batch_dim = keys, batch_dim
     if lr_scheduler is not None:
         pm.lr_scheduler = lr_scheduler(pm.optimizer)
     if pm.pipeline is not None:
@@ -169,16 +186,18 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
 
 
 def _trace_request(model: nn.Module, example_inputs: Any, example_target: Any,
-                   loss_fn: Callable | str) -> tuple[Graph, tuple, Any, list[str] | None]:
-    """Trace ``model`` with its loss on the example batch, checked (something
-    trains, the output is a loss): (graph, the inputs as a tuple, the
-    target, the input keys of a keyword batch or None)."""
+                   loss_fn: Callable | str, batch_dim: int = 0) -> tuple[Graph, tuple, Any, list[str] | None]:
+    """Trace ``model`` with its loss on the example batch (its batch at
+    ``batch_dim``), checked (something trains, the output is a loss):
+    (graph, the inputs as a tuple, the target, the input keys of a keyword
+    batch or None), the inputs and target as given."""
     keys = None
     if isinstance(example_inputs, dict):     # model(**batch): its labels are the target with loss_fn="labels"
         example_inputs, example_target, keys = keyword_inputs(example_inputs, example_target, loss_fn)
     inputs = as_tuple(example_inputs)
     target = _example_target(inputs, example_target)
-    graph = trace(model, dict(zip(keys, inputs)) if keys else inputs, loss_fn=loss_fn, target=target)
+    graph = trace(model, dict(zip(keys, inputs)) if keys else inputs, loss_fn=loss_fn, target=target,
+                  batch_dim=batch_dim)
     api.check_trainable(graph)
     api.check_loss(graph)          # without loss_fn too: the output is the loss
     return graph, inputs, target, keys
@@ -445,7 +464,8 @@ def retrace_in_precision(graph: Graph, model: nn.Module, inputs: tuple | dict, l
         def low_(x: Any) -> Any:
             return x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         cast = {k: low_(x) for k, x in inputs.items()} if isinstance(inputs, dict) else tuple(map(low_, inputs))
-        return trace(model, cast, loss_fn=loss_fn, target=target, frontend="export", name=graph.name)
+        return trace(model, cast, loss_fn=loss_fn, target=target, frontend="export", name=graph.name,
+                     batch_dim=graph.batch_dim)
     finally:
         for t, data in params:
             t.data = data
@@ -551,20 +571,23 @@ def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: An
     """The model traced again at one context-parallel rank's sequence length
     ``T / cp`` (every view, size and slice then holds this rank's sizes), and
     the sequence dim of each input and of the target (dim 1 of those of
-    length ``T``; None: not split). Raises :class:`CompileError` when the
+    length ``T``, batch first; None: not split). Raises :class:`CompileError` when the
     trace's ops are not the plan's graph's."""
     seq = sequence_length(graph)
     local = seq // cfg.cp
+    at = graph.batch_dim
+    inputs, target = batch_first(inputs, at), batch_first(target, at)
 
     def dim(x: Any) -> int | None:
         return 1 if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq else None
 
-    def cut(x: Any) -> Any:
-        return x.narrow(1, 0, local) if dim(x) is not None else x
+    def cut(x: Any) -> Any:      # in the caller's layout again
+        return batch_where(x.narrow(1, 0, local), at) if dim(x) is not None else batch_where(x, at)
 
     cut_inputs = tuple(cut(x) for x in inputs)
     traced = dict(zip(keys, cut_inputs)) if keys else cut_inputs
-    lg = trace(model, traced, loss_fn=loss_fn, target=cut(target), frontend=graph.frontend, name=graph.name)
+    lg = trace(model, traced, loss_fn=loss_fn, target=cut(target), frontend=graph.frontend, name=graph.name,
+               batch_dim=at)
     lg = retrace_in_precision(lg, model, traced, loss_fn, cut(target), cfg)
     # only reshapes and slices may differ (torch.export writes a slice to the full length as an alias)
     moved = [n for g, h in ((graph, lg), (lg, graph)) for n in g.nodes

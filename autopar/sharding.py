@@ -389,6 +389,11 @@ def samples_meet(graph: Graph) -> str | None:
                 # keep the batch split: a batched matmul)
                 elif s and have != want and nd.kind == "matmul" and sum(split) > 1:
                     return nd.name
+                # attention reading a batch-split query, key or value otherwise: the batch is on
+                # the sequence (``[seq, batch, ...]`` inputs traced with dim 0 as the batch; traced
+                # at batch 1 the walk cannot tell the batch dim from the other size-1 dims)
+                elif is_shard(have) and have != want and i in data and nd.kind == "sdpa" and graph.batch_size > 1:
+                    return nd.name
         return graph.cross_sample
 
     return graph.memo(("samples_meet",), find)

@@ -44,6 +44,7 @@ from . import ops
 from .errors import TraceError
 from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo, parent_module
 from .inplace import out_of_place, traced_inplace_operators
+from .runtime.parallel import batch_first
 from .shallow_export import export_shallow, trace_shallow
 
 # --------------------------------------------------------------------------
@@ -134,6 +135,20 @@ def _functional_form(g: fx.Graph, mod: nn.Module, x: Any, attr: Callable[[str], 
     return new
 
 
+#: the torch.nn modules :func:`_functional_form` writes out (fx keeps them as leaves)
+_FUNCTIONAL_LEAVES = (nn.Linear, nn.Embedding, nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+                      nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Dropout,
+                      nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.MaxPool2d, nn.AvgPool2d,
+                      nn.AdaptiveAvgPool2d, nn.Flatten, nn.Softmax, nn.Identity)
+
+
+def _has_functional_form(mod: nn.Module) -> bool:
+    """Whether :func:`_functional_form` writes ``mod`` out."""
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return type(mod) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and mod.padding_mode == "zeros"
+    return isinstance(mod, _FUNCTIONAL_LEAVES)
+
+
 def _functionalize_modules(gm: fx.GraphModule) -> None:
     """Replace ``call_module`` nodes of well-known torch.nn modules by their
     functional form, with every parameter read by a ``get_attr`` node, so the
@@ -209,6 +224,16 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self) if sys.version_info >= (3, 11) else super().proxy(node)
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """The torch.nn modules autopar writes in functional form stay leaves;
+        fx's other torch.nn leaves (``nn.MultiheadAttention``,
+        ``nn.Transformer*``, ``nn.LSTM``, ``nn.GroupNorm``, ...) are traced
+        through, so that their ops and weights are nodes the rules place (as
+        one opaque node they ran replicated on every rank and hid the batch
+        from the analysis: a data-parallel program read a local value as the
+        whole batch). Where fx cannot trace one, torch.export does."""
+        return super().is_leaf_module(m, module_qualified_name) and _has_functional_form(m)
+
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
         self.path_stack.append(f"{path or '<root>'} ({type(m).__name__})")
@@ -258,23 +283,29 @@ def _model_loss(out: Any) -> Any:
 
 
 def with_loss(model: nn.Module, loss_fn: Callable | str | None, n_inputs: int,
-              keys: tuple[str, ...] | None = None) -> _WithLoss:
+              keys: tuple[str, ...] | None = None,
+              back: tuple[tuple[int, ...] | None, ...] | None = None) -> _WithLoss:
     """Wrap ``model`` and ``loss_fn`` into one module taking ``(*inputs, target)``
     (``loss_fn="labels"``: the model's own ``model(*inputs, labels=target).loss``;
     ``None``: just ``(*inputs)``, the model's output). With ``keys`` the model
-    is called with keyword inputs, ``model(key_0=input_0, ...)``.
+    is called with keyword inputs, ``model(key_0=input_0, ...)``. ``back``:
+    per input and for the target, the permutation that gives the model its
+    own layout from the wrapper's batch-first one (``trace(batch_dim=...)``),
+    None where there is none.
 
     fx cannot trace ``*args`` and reads ``forward`` from the class, so the
     class is made with one named argument per model input plus ``target``."""
     check_loss_fn(loss_fn)
     names = [f"input_{i}" for i in range(n_inputs)]
-    call = ", ".join(f"{k}={n}" for k, n in zip(keys, names)) if keys else ", ".join(names)
+    back = back or (None,) * (n_inputs + 1)
+    args = [f"{n}.permute{p}" if p else n for n, p in zip(names + ["target"], back)]
+    call = ", ".join(f"{k}={a}" for k, a in zip(keys, args)) if keys else ", ".join(args[:n_inputs])
     if loss_fn is None:
         body, params = f"self.model({call})", names
         loss_fn = _no_loss
     else:
-        body = (f"self.loss_fn(self.model({call}, labels=target))" if loss_fn == MODEL_LOSS
-                else f"self.loss_fn(self.model({call}), target)")
+        body = (f"self.loss_fn(self.model({call}, labels={args[-1]}))" if loss_fn == MODEL_LOSS
+                else f"self.loss_fn(self.model({call}), {args[-1]})")
         params = names + ["target"]
     if loss_fn == MODEL_LOSS:
         loss_fn = _model_loss
@@ -291,7 +322,7 @@ def with_loss(model: nn.Module, loss_fn: Callable | str | None, n_inputs: int,
 # --------------------------------------------------------------------------
 def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | None = None,
           target: torch.Tensor | None = None, name: str | None = None,
-          frontend: str = "auto") -> Graph:
+          frontend: str = "auto", batch_dim: int = 0) -> Graph:
     """Trace ``model`` on ``example_inputs`` into a :class:`Graph`.
 
     ``model`` may also be a zoo string (``"gpt:layers=2,hidden=64"``); it is
@@ -300,9 +331,19 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     (:func:`autopar.zoo.build_for_planning`: 2). With ``loss_fn`` and
     ``target``, the loss is part of the graph (its cost and sharding count).
     ``frontend`` is ``"auto"`` (fx, then export), ``"fx"`` or ``"export"``.
+    ``batch_dim``: the dim of the inputs and the target that holds the batch
+    (default 0; 1 for ``[seq, batch, ...]`` tensors, the layout of PyTorch's
+    ``nn.Transformer*``, ``nn.MultiheadAttention``, ``nn.LSTM`` and
+    ``nn.GRU`` by default); it applies to every tensor of more dims than it,
+    and tensors of fewer dims (a label per sample) hold the batch at dim 0.
+    The graph's inputs hold the batch at dim 0 (each is moved back to the
+    model's layout inside the traced program).
 
     Raises :class:`TraceError` naming the module that could not be traced and why.
     """
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+        raise TraceError(f"batch_dim must be a non-negative int (the dim of the inputs that holds the batch), "
+                         f"got {batch_dim!r}")
     if isinstance(model, str):
         from . import zoo
         z = zoo.build_for_planning(model)     # as evaluate and plan trace it (batch 2)
@@ -324,19 +365,32 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     example_inputs = tuple(example_inputs)
     name = name or type(model).__name__
     root: nn.Module = model
-    args = example_inputs
     check_loss_fn(loss_fn)
+    back = None
+    if batch_dim:    # the graph takes batch-first tensors and gives the model its own layout back
+        back = tuple(_layout_of(a, batch_dim) for a in (*example_inputs, target))
+        example_inputs, target = batch_first(example_inputs, batch_dim), batch_first(target, batch_dim)
+    args = example_inputs
     if loss_fn is not None:
         if target is None:
             raise TraceError("loss_fn was given without an example target to trace it with")
-        root = with_loss(model, loss_fn, len(example_inputs), keys)
+        root = with_loss(model, loss_fn, len(example_inputs), keys, back)
         args = example_inputs + (target,)
-    elif keys is not None:
-        root = with_loss(model, None, len(example_inputs), keys)
+    elif keys is not None or back is not None:
+        root = with_loss(model, None, len(example_inputs), keys, back)
     args = _unaliased(args)
     graph = _trace_frontends(root, args, name, frontend)
     graph.input_keys = keys
+    graph.batch_dim = batch_dim
     return graph
+
+
+def _layout_of(x: Any, batch_dim: int) -> tuple[int, ...] | None:
+    """The permutation of a batch-first view of ``x`` that gives ``x``'s own
+    layout (the batch back at ``batch_dim``), or None when ``x`` is not moved."""
+    if not isinstance(x, torch.Tensor) or x.dim() <= batch_dim:
+        return None
+    return (*range(1, batch_dim + 1), 0, *range(batch_dim + 1, x.dim()))
 
 
 def check_call(model: nn.Module, n_inputs: int, keys: tuple[str, ...] | None, loss_fn: Any) -> None:
@@ -392,11 +446,36 @@ def _quiet_torch_logs():
             lg.setLevel(lv)
 
 
+@contextlib.contextmanager
+def _masks_as_given():
+    """``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` / ``nn.Transformer``
+    called with an attention mask and no ``is_causal`` hint compare the mask
+    with a causal one to pick SDPA's causal kernel: ``bool((mask ==
+    causal).all())``, a branch on tensor values that neither front end can
+    trace (export stops on a data-dependent guard; PyTorch's own
+    ``word_language_model`` example and its nn.Transformer tutorial call them
+    so). While tracing, a missing hint reads as ``False``: the layers apply the
+    mask they were given, which PyTorch documents as always correct (the hint
+    only picks a kernel). An explicit hint is kept."""
+    import torch.nn.modules.transformer as tm
+
+    detect = tm._detect_is_causal_mask
+
+    def as_given(mask: Any, is_causal: bool | None = None, size: int | None = None) -> bool:
+        return detect(mask, is_causal if is_causal is not None else False, size)
+
+    tm._detect_is_causal_mask = as_given
+    try:
+        yield
+    finally:
+        tm._detect_is_causal_mask = detect
+
+
 def _trace_frontends(root: nn.Module, args: tuple, name: str, frontend: str) -> Graph:
     """torch.fx first (``frontend="auto"``), torch.export when fx fails, or the one asked for."""
     if frontend not in ("auto", "fx", "export"):
         raise TraceError(f"unknown frontend {frontend!r}; valid: 'auto', 'fx', 'export'")
-    with _quiet_torch_logs():
+    with _quiet_torch_logs(), _masks_as_given():
         return _trace_either(root, args, name, frontend)
 
 

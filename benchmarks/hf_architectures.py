@@ -188,7 +188,11 @@ STACKS = {"hf-smollm3": "no rotary positions in every fourth layer",
           "hf-llama4": "dense and mixture-of-experts layers in turn",
           "hf-t5": "an encoder's stack then a decoder's, the first block of each unlike the others",
           "hf-bart": "an encoder's stack then a decoder's"}
-DEPTH = [*MORE_HF, *VARIANTS, *STACKS]
+#: models on PyTorch's own layers, run at depth beside the eight (:data:`benchmarks.real_models.TORCH_NN`)
+TORCH_LAYERS = {"torch-encoder-lm": "a causal LM on nn.TransformerEncoder (batch first, pre-norm, is_causal=True)",
+                "torch-word-lm": "PyTorch's examples/word_language_model Transformer: [seq, batch] token ids "
+                                 "(batch_dim=1), a mask and no is_causal hint, post-norm, log-softmax and NLL"}
+DEPTH = [*MORE_HF, *VARIANTS, *STACKS, *TORCH_LAYERS]
 
 
 def main(models: list[str] | None = None) -> dict:
@@ -201,6 +205,7 @@ def main(models: list[str] | None = None) -> dict:
         rows = _with_saved("hf_architectures-cpu", rows, DEPTH)
     cells = [c for r in rows if r["model"] in MORE_HF for c in r["cells"].values()]
     stacked = [c for r in rows if r["model"] in STACKS for c in r["cells"].values()]
+    torch_layers = [c for r in rows if r["model"] in TORCH_LAYERS for c in r["cells"].values()]
     res = {
         "title": "More Hugging Face architectures against one process",
         "description": "Eight `transformers` decoder architectures beside the matrix's four, 4 layers each, "
@@ -214,7 +219,9 @@ def main(models: list[str] | None = None) -> dict:
                        f"{sum(c == 'ok' for c in r['cells'].values())} of {len(r['cells'])}"
                        for r in rows if r["model"] in VARIANTS},
                     "stacks of unlike layers and encoder-decoders: cells equal to one process":
-                        f"{sum(c == 'ok' for c in stacked)} of {len(stacked)}"},
+                        f"{sum(c == 'ok' for c in stacked)} of {len(stacked)}",
+                    "PyTorch's own transformer layers: cells equal to one process":
+                        f"{sum(c == 'ok' for c in torch_layers)} of {len(torch_layers)}"},
         "table": _table(rows, FAMILIES),
         "notes": ["Found by these runs: sequence parallelism took the heads dim of Qwen3's per-head q / k "
                   "norms (RMSNorm over `[batch, seq, heads, head_dim]`) for the sequence and refused tp=4 with "
@@ -222,7 +229,14 @@ def main(models: list[str] | None = None) -> dict:
                   *(f"{name}: {why}." for name, why in VARIANTS.items() if any(r["model"] == name for r in rows)),
                   "Beside the eight, at the same depth: " + "; ".join(
                       f"{name} ({why})" for name, why in STACKS.items() if any(r["model"] == name for r in rows))
-                  + " (`benchmarks/real_models.py`, `BREADTH_HF` and `ENCODER_DECODER`)."],
+                  + " (`benchmarks/real_models.py`, `BREADTH_HF` and `ENCODER_DECODER`).",
+                  "PyTorch's own layers, at the same depth: " + "; ".join(
+                      f"{name} ({why})" for name, why in TORCH_LAYERS.items() if any(r["model"] == name for r in rows))
+                  + " (`benchmarks/real_models.py`, `TORCH_NN`). Found by these runs: the layers' causal-mask "
+                  "detection (a branch on the mask's values) stopped torch.export, fx kept nn.MultiheadAttention "
+                  "and nn.TransformerEncoder as opaque leaves (replicated, the batch hidden from the analysis: a "
+                  "data-parallel program crashed on a reshape of its local batch), and [seq, batch] inputs split "
+                  "along dim 0 trained another model under data parallelism without a word."],
         "rows": rows, "params": {"models": [r["model"] for r in rows]},
     }
     path = save("hf_architectures", res)
@@ -232,8 +246,9 @@ def main(models: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS or STACKS, or of the breadth "
-                                      "run's with --breadth (default: all); the saved table's other rows are kept")
+    ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS, STACKS or TORCH_LAYERS, or of "
+                                      "the breadth run's with --breadth (default: all); the saved table's other rows "
+                                      "are kept")
     ap.add_argument("--breadth", action="store_true",
                     help="the twenty-nine more decoders, six encoders, three encoder-decoders and five vision models "
                          "on 2 processes")

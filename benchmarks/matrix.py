@@ -182,7 +182,7 @@ def worker(rank: int, world: int, runs: list[tuple[str, ...]]) -> dict:
         try:
             pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
                                      optimizer=functools.partial(_optimizer, lr=c.lr or LR), strategy=strategy,
-                                     cluster=cluster[0] if cluster else None)
+                                     cluster=cluster[0] if cluster else None, batch_dim=c.batch_dim)
             losses = [pm.train_step(c.inputs, c.target) for _ in range(STEPS)]
             sd = pm.full_state_dict()
             out[run] = {

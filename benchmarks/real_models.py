@@ -125,6 +125,9 @@ class Case:
     # ill-conditioned: eager fp32 and fp64 differ by 5e-4 at step 3 (ResNet-18); at 1e-4 by 6e-6 at
     # step 4, so the 1e-4 criterion compares autopar with one process, not two roundings
     lr: float | None = None
+    # where the inputs and the target hold the batch (``parallelize(batch_dim=...)``): 1 for
+    # PyTorch's [seq, batch] layout
+    batch_dim: int = 0
 
     def loss(self, inputs: tuple | None = None) -> torch.Tensor:
         """The loss of one eager forward (on ``inputs``, default the case's)."""
@@ -359,6 +362,86 @@ ENCODER_DECODER: dict[str, Callable[[], Case]] = {
 }
 
 
+# ----------------------------------------------------------------------------- PyTorch's own layers
+class EncoderLM(nn.Module):
+    """A causal language model on ``nn.TransformerEncoder`` (batch first, pre-norm, GELU), as
+    one writes it from PyTorch's documentation: the causal mask made in the forward by
+    ``nn.Transformer.generate_square_subsequent_mask``, learned positions sliced by ``T``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = nn.Parameter(torch.randn(1, SEQ, HIDDEN) * 0.02)
+        layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, 4 * HIDDEN, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx):
+        T = idx.size(1)
+        mask = nn.Transformer.generate_square_subsequent_mask(T, device=idx.device)
+        x = self.emb(idx) + self.pos[:, :T]
+        x = self.encoder(x, mask=mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+class WordLanguageModel(nn.Transformer):
+    """PyTorch's ``examples/word_language_model`` ``TransformerModel`` as written there
+    (``nn.Transformer``'s encoder, post-norm, ReLU, sinusoidal positions in a buffer sliced by
+    the length, log-softmax output), dropout 0 so that runs compare exactly; like the
+    example, it takes ``[seq, batch]`` token ids."""
+
+    def __init__(self, ntoken: int = VOCAB, ninp: int = HIDDEN, nhead: int = HEADS, nhid: int = 2 * HIDDEN,
+                 nlayers: int = LAYERS, dropout: float = 0.0) -> None:
+        super().__init__(d_model=ninp, nhead=nhead, dim_feedforward=nhid, num_encoder_layers=nlayers,
+                         dropout=dropout)
+        self.src_mask = None
+        pe = torch.zeros(5000, ninp)
+        position = torch.arange(0, 5000, dtype=torch.float).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, ninp, 2).float() * (-math.log(10000.0) / ninp))
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe.unsqueeze(0).transpose(0, 1))
+        self.pos_drop = nn.Dropout(dropout)
+        self.input_emb = nn.Embedding(ntoken, ninp)
+        self.ninp = ninp
+        self.decoder = nn.Linear(ninp, ntoken)
+        nn.init.uniform_(self.input_emb.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+
+    def forward(self, src):
+        if self.src_mask is None or self.src_mask.size(0) != len(src):
+            self.src_mask = torch.log(torch.tril(torch.ones(len(src), len(src)))).to(src.device)
+        src = self.input_emb(src) * math.sqrt(self.ninp)
+        src = self.pos_drop(src + self.pe[:src.size(0), :])
+        output = self.encoder(src, mask=self.src_mask)
+        return F.log_softmax(self.decoder(output), dim=-1)
+
+
+def encoder_lm() -> Case:
+    torch.manual_seed(0)
+    x, y = _tokens()
+    return Case(EncoderLM(), (x,), y, lm_loss, LAYERS)
+
+
+def word_language_model() -> Case:
+    torch.manual_seed(0)
+    x, y = _tokens()
+    return Case(WordLanguageModel(), (x.t().contiguous(),), y.t().contiguous(), nll_seq_loss, LAYERS, batch_dim=1)
+
+
+def nll_seq_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The word-language-model example's loss: NLL of its log-probabilities, flattened."""
+    return F.nll_loss(out.view(-1, out.size(-1)), target.reshape(-1))
+
+
+#: models on PyTorch's own transformer layers (``nn.TransformerEncoderLayer``, whose attention is
+#: ``nn.MultiheadAttention``'s functional form)
+TORCH_NN: dict[str, Callable[[], Case]] = {"torch-encoder-lm": encoder_lm, "torch-word-lm": word_language_model}
+
+
 def _image_case(build: Callable[[], nn.Module], size: int = 32) -> Callable[[], Case]:
     """A classifier built by ``build`` (seeded) on a batch of ``size`` x ``size`` images, 10 classes."""
     def case() -> Case:
@@ -513,5 +596,5 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
 CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **ENCODERS, **ENCODER_DECODER,
-                                        **BREADTH_VISION,
+                                        **BREADTH_VISION, **TORCH_NN,
                                         "hf-opt-untied-relu": hf_opt_untied_relu, "mlp": residual_mlp}

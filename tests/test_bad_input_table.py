@@ -142,6 +142,15 @@ def _gpt_batch(fx, inputs, target=None):
     return pm.train_step(inputs(ids), ids if target is None else target(ids))
 
 
+def _seq_first_step() -> float:
+    """One step of a ``[seq, batch, features]`` encoder (PyTorch's default layout) under ``batch_dim=1``."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1, enable_nested_tensor=False)
+    x, t = torch.randn(6, 4, 8), torch.randn(6, 4, 8)
+    pm = _parallelize(model, (x,), loss_fn=_mse, example_target=t, batch_dim=1)
+    return pm.train_step((x,), t)
+
+
 def _parallelize(model=None, inputs=None, **kw):
     model = model if model is not None else nn.Linear(8, 8)
     inputs = inputs if inputs is not None else (torch.randn(4, 8),)
@@ -328,6 +337,10 @@ CASES: list[Case] = [
          r"loss|scalar|single"),
     Case(TR, "a model string with a typo in the family", lambda fx: autopar.trace("gtp:layers=2"), r"gtp"),
     Case(TR, "a factory file that does not exist", lambda fx: autopar.trace("nofile.py:make"), r"nofile"),
+    Case(TR, "batch_dim=-1", lambda fx: autopar.trace(nn.Linear(4, 4), (torch.randn(2, 4),), batch_dim=-1),
+         r"batch_dim"),
+    Case(TR, 'batch_dim="1"', lambda fx: autopar.trace(nn.Linear(4, 4), (torch.randn(2, 4),), batch_dim="1"),
+         r"batch_dim"),
     # -- parallelize
     Case(PZ, "a model with no trainable parameters", lambda fx: _parallelize(
         NoParams(), loss_fn=lambda o, t: o.mean()), r"no trainable parameters", autopar.StrategyError),
@@ -349,6 +362,8 @@ CASES: list[Case] = [
     Case(PZ, 'search_mode="genetic"', lambda fx: _parallelize(search_mode="genetic"), r"search_mode"),
     Case(PZ, "a keyword batch with labels and loss_fn=_mse",
          lambda fx: _parallelize(inputs={"x": torch.randn(4, 8), "labels": torch.randn(4, 8)}), r"labels"),
+    Case(PZ, "[seq, batch] inputs (nn.TransformerEncoder, batch_first=False) with batch_dim=1 (a correct result)",
+         lambda fx: _seq_first_step(), None, check=lambda loss: math.isfinite(loss)),
     Case(PZ, "a plain model trained (a correct result)", lambda fx: _parallelize().train_step(
         (torch.randn(4, 8),), torch.randn(4, 8)), None, check=lambda loss: math.isfinite(loss)),
     # -- train_step on a parallelized nanoGPT

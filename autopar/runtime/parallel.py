@@ -34,7 +34,8 @@ from .optim import DistributedOptimizer, clip_grad_norm_
 from .pipeline import PipelineExecutor
 from .regions import full_tensor, unsharded_params
 
-__all__ = ["ParallelModule", "StateNames", "LOW_PRECISION", "local_tensors", "as_tuple"]
+__all__ = ["ParallelModule", "StateNames", "LOW_PRECISION", "local_tensors", "as_tuple", "batch_first",
+           "batch_where"]
 
 #: the compute dtype of each low-precision setting (fp32 computes in fp32)
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,6 +46,29 @@ def as_tuple(x: Any) -> tuple:
     if isinstance(x, torch.Tensor):
         return (x,)
     return tuple(x)
+
+
+def batch_first(values: Any, dim: int) -> Any:
+    """``values`` (a tensor, or a tuple, list or dict of them) with the batch
+    moved from ``dim`` to dim 0 in every tensor of more than ``dim`` dims
+    (views, no copy); tensors of fewer dims (a label per sample when the
+    inputs are ``[seq, batch]``) and other values are left as they are."""
+    return _each_tensor(values, lambda t: t.movedim(dim, 0) if t.dim() > dim else t) if dim else values
+
+
+def batch_where(values: Any, dim: int) -> Any:
+    """The inverse of :func:`batch_first`: the batch moved back from dim 0 to ``dim``."""
+    return _each_tensor(values, lambda t: t.movedim(0, dim) if t.dim() > dim else t) if dim else values
+
+
+def _each_tensor(values: Any, f: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(values, torch.Tensor):
+        return f(values)
+    if isinstance(values, dict):
+        return {k: _each_tensor(v, f) for k, v in values.items()}
+    if isinstance(values, (tuple, list)):
+        return type(values)(_each_tensor(v, f) for v in values)
+    return values
 
 
 @dataclass(frozen=True)
@@ -238,9 +262,18 @@ class ParallelModule(nn.Module):
                                    "model, which run together in train_step(inputs, target)")
         return self.program(*inputs_and_target)
 
+    #: where the caller's batches hold the batch (``parallelize(batch_dim=...)``); the program's at dim 0
+    batch_dim = 0
+
     def positional(self, inputs: Any, target: Any) -> tuple[tuple, Any]:
         """A batch as the program takes it: a keyword batch (``model(**batch)``,
-        its ``labels`` the target when none is given) in the traced key order."""
+        its ``labels`` the target when none is given) in the traced key order,
+        the batch of every tensor at dim 0 (:attr:`batch_dim`)."""
+        inputs, target = self._keyword(inputs, target)
+        return batch_first(inputs, self.batch_dim), batch_first(target, self.batch_dim)
+
+    def _keyword(self, inputs: Any, target: Any) -> tuple[tuple, Any]:
+        """A keyword batch in the traced key order (a positional one as a tuple), and the target."""
         if not isinstance(inputs, dict):
             return as_tuple(inputs), target
         if self.input_keys is None:
@@ -308,9 +341,13 @@ class ParallelModule(nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise StrategyError(f"train_step: {what} must be a tensor, got {type(x).__name__}")
             if x.dim() != len(shape) or tuple(x.shape[1:]) != shape[1:]:
-                want = "(batch" + "".join(f", {n}" for n in shape[1:]) + ")"
-                raise StrategyError(f"train_step: {what} has shape {tuple(x.shape)}, but the model was traced "
-                                    f"with {want}; the plan's shapes are fixed past the batch dim")
+                # in the caller's layout (the batch at batch_dim)
+                want = ["batch", *map(str, shape[1:])]
+                if len(shape) > self.batch_dim:
+                    want.insert(self.batch_dim, want.pop(0))
+                has = tuple(batch_where(x, self.batch_dim).shape)
+                raise StrategyError(f"train_step: {what} has shape {has}, but the model was traced "
+                                    f"with ({', '.join(want)}); the plan's shapes are fixed past the batch dim")
             if x.is_floating_point() != dtype.is_floating_point:
                 raise StrategyError(f"train_step: {what} is {x.dtype}, but the model was traced with {dtype}")
             # token ids past an embedding's rows (the target: past the classes; negative ones may be ignored)
