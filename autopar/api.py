@@ -80,7 +80,8 @@ def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None
     if isinstance(model, str):
         from . import zoo
         z = zoo.build_for_planning(model, batch=batch)
-        return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name)
+        return trace(z.model, z.example_inputs, loss_fn=z.loss_fn, target=z.example_target, name=z.name,
+                     batch_dim=batch_dim)
     return trace(model, example_inputs, loss_fn=loss_fn, target=target, batch_dim=batch_dim)
 
 

@@ -55,6 +55,9 @@ BatchOpt = typer.Option(..., "--global-batch", "-b", min=1, help="Samples per op
 OptimizerOpt = typer.Option("adamw", "--optimizer", help=f"Optimizer whose state is counted: {', '.join(OPTIMIZERS)}.")
 PrecisionOpt = typer.Option(None, "--precision", help="fp32, bf16 or fp16 (mixed = bf16; default: the cluster's).")
 JsonOpt = typer.Option(False, "--json", help="Print JSON to stdout instead of tables.")
+BatchDimOpt = typer.Option(0, "--batch-dim", min=0,
+                           help="The dim of a factory's example inputs that holds the batch: 1 for [seq, batch, ...] "
+                                "(PyTorch's nn.Transformer*, nn.MultiheadAttention, nn.LSTM by default).")
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -92,8 +95,8 @@ def _check_options(optimizer: str, precision: str | None) -> None:
         _fail(f"precision {precision!r} is invalid; valid: fp32, bf16, fp16 (mixed = bf16)")
 
 
-def _load_graph(model: str, quiet: bool = False) -> Any:
-    """Trace a model string with a spinner on stderr.
+def _load_graph(model: str, quiet: bool = False, batch_dim: int = 0) -> Any:
+    """Trace a model string with a spinner on stderr (its inputs' batch at ``batch_dim``).
 
     Zoo models are built with an example batch of 2 (as :func:`autopar.plan`
     does), so the batch dimension can be told apart from the others."""
@@ -102,9 +105,9 @@ def _load_graph(model: str, quiet: bool = False) -> Any:
         # as_graph asks every model string for batch 2; a factory fixes its own batch, which is fine here
         warnings.filterwarnings("ignore", message=r"batch=\d+ is ignored for factory")
         if quiet or not err.is_terminal:
-            return as_graph(model)
+            return as_graph(model, batch_dim=batch_dim)
         with err.status(f"tracing [bold]{escape(model)}[/]"):
-            return as_graph(model)
+            return as_graph(model, batch_dim=batch_dim)
 
 
 def _tp_hint(graph: Any, devices: int) -> Callable[[Exception], str]:
@@ -291,6 +294,7 @@ def plan(
                                       "4 deep (tp_mode=2.5d), 3d for the q x q x q cubes (tp_mode=3d), and mesh for a tp "
                                       "group as a two-axis mesh whose placements one program decides (tp_mode=mesh; mesh3 on three "
                                       "axes)."),
+    batch_dim: int = BatchDimOpt,
 ) -> None:
     """Search for the best strategy (or take a manual one) and print the plan."""
     from .api import plan_and_record as make_plan
@@ -298,7 +302,7 @@ def plan(
     shardings = _parse_pins(pin or [])
     _check_out_dir(out_path, "plan")
     _check_out_dir(html_out, "report")
-    graph = _load_graph(model, quiet=as_json)
+    graph = _load_graph(model, quiet=as_json, batch_dim=batch_dim)
     with _errors(_tp_hint(graph, devices)):
         if strategy == "auto":
             with _search_progress(quiet=as_json) as tick:
@@ -338,13 +342,14 @@ def evaluate(
     optimizer: str = OptimizerOpt,
     precision: Optional[str] = PrecisionOpt,
     as_json: bool = JsonOpt,
+    batch_dim: int = BatchDimOpt,
 ) -> None:
     """Predict step time and memory of one manual strategy."""
     from .api import evaluate as estimate
     _check_options(optimizer, precision)
     if strategy == "auto":
         _fail("evaluate takes a manual strategy such as 'dp=2,tp=2'; use `autopar plan` to search")
-    graph = _load_graph(model, quiet=as_json)
+    graph = _load_graph(model, quiet=as_json, batch_dim=batch_dim)
     with _errors(_tp_hint(graph, devices)):
         est = estimate(graph, cluster=cluster, devices=devices, strategy=strategy, global_batch=global_batch,
                        optimizer=optimizer, precision=precision)
@@ -539,9 +544,10 @@ def show(
 def trace(
     model: str = typer.Argument(..., help=MODEL_HELP),
     as_json: bool = JsonOpt,
+    batch_dim: int = BatchDimOpt,
 ) -> None:
     """Trace a model and summarise its graph: nodes, parameters, FLOPs, repeated layers, op kinds."""
-    graph = _load_graph(model, quiet=as_json)
+    graph = _load_graph(model, quiet=as_json, batch_dim=batch_dim)
     s = graph.summary()
     if as_json:
         _echo_json(s)

@@ -117,6 +117,37 @@ def test_trace_user_factory():
     assert d["groups"] and d["params"] > 0
 
 
+SEQ_FIRST = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0), 1,
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.head(self.enc(self.emb(x)))
+
+def make():
+    x = torch.randint(0, 64, (16, 4))     # [seq, batch]: PyTorch's default layout
+    return M(), (x,), lambda o, t: F.cross_entropy(o.reshape(-1, 64), t.reshape(-1)), x
+"""
+
+
+def test_a_seq_first_factory_with_batch_dim(tmp_path):
+    path = tmp_path / "seq_first.py"
+    path.write_text(SEQ_FIRST)
+    assert json.loads(ok("trace", f"{path}:make", "--json").stdout)["batch_size"] == 16    # the sequence
+    assert json.loads(ok("trace", f"{path}:make", "--batch-dim", "1", "--json").stdout)["batch_size"] == 4
+    d = json.loads(ok("evaluate", f"{path}:make", "--batch-dim", "1", "--cluster", "cpu", "--devices", "2",
+                      "--strategy", "dp=2", "--global-batch", "8", "--json").stdout)
+    assert d["fits"]
+    assert "batch-dim" in fails("trace", f"{path}:make", "--batch-dim", "-1")
+
+
 def test_zoo_and_presets():
     fams = json.loads(ok("zoo", "--json").stdout)
     assert {"gpt", "llama", "mlp", "cnn"} <= set(fams) and "hidden" in fams["gpt"]
