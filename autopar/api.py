@@ -70,7 +70,7 @@ def _collector_paused():
 
 @_collector_paused()
 def as_graph(model: Any, example_inputs: Any = None, *, loss_fn: Callable | None = None,
-             target: Any = None, batch: int | None = None, batch_dim: int = 0) -> Graph:
+             target: Any = None, batch: int | None = None, batch_dim: int | tuple[int, ...] = 0) -> Graph:
     """Trace ``model`` unless it already is a :class:`Graph` (its inputs'
     batch at ``batch_dim``, as :func:`trace` takes it). A zoo string is
     built on the meta device with its default loss (batch 2 by default, so the
@@ -140,7 +140,7 @@ def _config(strategy: str | ParallelConfig, devices: int) -> ParallelConfig:
 
 def evaluate(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, strategy: str,
              global_batch: int, optimizer: str = "adamw", precision: str | None = None,
-             loss_fn: Callable | None = None, target: Any = None, batch_dim: int = 0) -> Estimate:
+             loss_fn: Callable | None = None, target: Any = None, batch_dim: int | tuple[int, ...] = 0) -> Estimate:
     """Predict one manual strategy as written (Megatron-style placements;
     with a pipeline, equal layers per stage): step time (compute and
     communication parts), TFLOP/s per device, peak memory per device and
@@ -262,7 +262,7 @@ def plan(model: Any, example_inputs: Any = None, *, cluster: Any, devices: int, 
          memory_options: bool = True,
          search_mode: str | None = None, shardings: dict[str, Any] | None = None,
          progress: Callable[[int, int], None] | None = None, solver: str = "highs",
-         tp_modes: Sequence[str] = ("1d",), batch_dim: int = 0) -> Plan:
+         tp_modes: Sequence[str] = ("1d",), batch_dim: int | tuple[int, ...] = 0) -> Plan:
     """Choose a strategy and return the :class:`Plan` with its predictions
     (:func:`plan_and_record` also returns how the search got there).
 
@@ -312,7 +312,7 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
                     shardings: dict[str, Any] | None = None,
                     progress: Callable[[int, int], None] | None = None,
                     solver: str = "highs", tp_modes: Sequence[str] = ("1d",),
-                    batch_dim: int = 0) -> tuple[Plan, SearchRecord]:
+                    batch_dim: int | tuple[int, ...] = 0) -> tuple[Plan, SearchRecord]:
     """:func:`plan`, and beside the plan the
     :class:`~autopar.search.planner.SearchRecord` of how it was found (the
     configurations compared, the ILP's runners-up: what

@@ -782,11 +782,11 @@ def import_config(
             _fail("this config asks for a search (parallel_mode 2): there is no fixed strategy to evaluate; "
                   "use --plan")
         evaluate(model=model, cluster=cluster, devices=devices, strategy=got.strategy, global_batch=global_batch,
-                 optimizer=optimizer, precision=precision, as_json=as_json)
+                 optimizer=optimizer, precision=precision, as_json=as_json, batch_dim=0)
         return
     plan(model=model, cluster=cluster, devices=devices, global_batch=global_batch, strategy=got.strategy,
          optimizer=optimizer, precision=precision, plain=False, out_path=out_path, search_mode=got.search_mode,
-         pin=pin, explain=False, solver="highs", html_out=None, as_json=as_json, tp_modes="1d")
+         pin=pin, explain=False, solver="highs", html_out=None, as_json=as_json, tp_modes="1d", batch_dim=0)
 
 
 @app.command()

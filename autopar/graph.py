@@ -165,8 +165,9 @@ class Graph:
     #: the keys of a keyword batch (``model(**batch)``), in the order of the graph's inputs; None: positional
     input_keys: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     #: where the caller's tensors hold the batch (``trace(batch_dim=...)``: 1 for PyTorch's
-    #: ``batch_first=False`` layers' ``[seq, batch, ...]``); the graph's inputs hold it at dim 0
-    batch_dim: int = field(default=0, repr=False, compare=False)
+    #: ``batch_first=False`` layers' ``[seq, batch, ...]``, or one dim per input then the
+    #: target's); the graph's inputs hold it at dim 0
+    batch_dim: int | tuple[int, ...] = field(default=0, repr=False, compare=False)
     #: why symbolic torch.fx could not trace the model, when torch.export did ("" otherwise)
     fallback_reason: str = field(default="", repr=False, compare=False)
     _by_name: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)

@@ -50,7 +50,7 @@ from .runtime import collectives as C
 from .runtime import regions as R_
 from .runtime.dist import Mesh, init_process_group, local_device
 from .runtime.optim import DistributedOptimizer, check_max_norm
-from .runtime.parallel import LOW_PRECISION, ParallelModule, StateNames, as_tuple, batch_first, batch_where, \
+from .runtime.parallel import LOW_PRECISION, BatchDim, ParallelModule, StateNames, as_tuple, batch_first_all, \
     local_tensors
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
                 seed_broadcast: bool = True, search_mode: str | None = None,
                 shardings: dict[str, Any] | None = None, on_nonfinite: str = "raise",
                 timeout_s: float = 600, lr_scheduler: Callable[[Any], Any] | None = None,
-                max_grad_norm: float | None = None, batch_dim: int = 0) -> ParallelModule:
+                max_grad_norm: float | None = None, batch_dim: BatchDim = 0) -> ParallelModule:
     """Parallelize ``model`` over the current process group and return a
     :class:`~autopar.runtime.parallel.ParallelModule`.
 
@@ -87,7 +87,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
       batch, ...]`` by default (``batch_first=False``): pass ``batch_dim=1``
       and the batches to ``train_step`` in that layout too. It applies to
       every tensor of more dims than it; tensors of fewer dims (a label per
-      sample) hold the batch at dim 0.
+      sample) hold the batch at dim 0. A tuple gives one per input, then the
+      target's (``nn.Transformer``'s ``src, tgt, src_key_padding_mask``:
+      ``(1, 1, 0)``).
     * ``loss_fn(output, target)`` -> mean loss; it is traced with the model.
       ``loss_fn="labels"``: the model's own loss, ``model(*inputs,
       labels=target).loss`` (Hugging Face models).
@@ -134,7 +136,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     check_runnable(graph, cfg)
     meet = samples_cross_ranks(graph, cfg)
     batch_moves = cfg.dp > 1 and meet is not None
-    if meet is not None and meet in graph and graph[meet].kind == "sdpa" and graph.batch_dim == 0:
+    if meet is not None and meet in graph and graph[meet].kind == "sdpa" and graph.batch_dim in (0, ()):
         warnings.warn(f"autopar: attention ({meet}) reads the batch dim of its inputs as the sequence: dim 0 of "
                       f"{graph.name}'s inputs looks like the sequence, not the batch. PyTorch's nn.Transformer*, "
                       "nn.MultiheadAttention, nn.LSTM and nn.GRU take [seq, batch, ...] unless batch_first=True: "
@@ -175,8 +177,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     pm.max_grad_norm, pm.grad_copies = max_grad_norm, copies
     if cp_dims is not None:
         pm.set_context_split(*cp_dims, positions(sequence_length(graph), cfg.cp, mesh.coord("cp")))
-    pm.example_inputs, pm.example_target = example_specs(graph, batch_first(inputs, batch_dim),
-                                                         batch_first(target, batch_dim))
+    pm.example_inputs, pm.example_target = example_specs(graph, *batch_first_all(inputs, target, batch_dim))
     pm.input_keys, pm.batch_dim = keys, batch_dim
     if lr_scheduler is not None:
         pm.lr_scheduler = lr_scheduler(pm.optimizer)
@@ -186,7 +187,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
 
 
 def _trace_request(model: nn.Module, example_inputs: Any, example_target: Any,
-                   loss_fn: Callable | str, batch_dim: int = 0) -> tuple[Graph, tuple, Any, list[str] | None]:
+                   loss_fn: Callable | str, batch_dim: BatchDim = 0) -> tuple[Graph, tuple, Any, list[str] | None]:
     """Trace ``model`` with its loss on the example batch (its batch at
     ``batch_dim``), checked (something trains, the output is a loss):
     (graph, the inputs as a tuple, the target, the input keys of a keyword
@@ -576,19 +577,20 @@ def trace_local_sequence(graph: Graph, model: nn.Module, inputs: tuple, keys: An
     seq = sequence_length(graph)
     local = seq // cfg.cp
     at = graph.batch_dim
-    inputs, target = batch_first(inputs, at), batch_first(target, at)
+    inputs, target = batch_first_all(inputs, target, at)
 
     def dim(x: Any) -> int | None:
         return 1 if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq else None
 
-    def cut(x: Any) -> Any:      # in the caller's layout again
-        return batch_where(x.narrow(1, 0, local), at) if dim(x) is not None else batch_where(x, at)
+    def cut(x: Any) -> Any:
+        return x.narrow(1, 0, local) if dim(x) is not None else x
 
-    cut_inputs = tuple(cut(x) for x in inputs)
+    # cut batch first, traced in the caller's layout
+    cut_inputs, cut_target = batch_first_all(tuple(map(cut, inputs)), cut(target), at, back=True)
     traced = dict(zip(keys, cut_inputs)) if keys else cut_inputs
-    lg = trace(model, traced, loss_fn=loss_fn, target=cut(target), frontend=graph.frontend, name=graph.name,
+    lg = trace(model, traced, loss_fn=loss_fn, target=cut_target, frontend=graph.frontend, name=graph.name,
                batch_dim=at)
-    lg = retrace_in_precision(lg, model, traced, loss_fn, cut(target), cfg)
+    lg = retrace_in_precision(lg, model, traced, loss_fn, cut_target, cfg)
     # only reshapes and slices may differ (torch.export writes a slice to the full length as an alias)
     moved = [n for g, h in ((graph, lg), (lg, graph)) for n in g.nodes
              if n.name not in h and n.kind not in ("view", "index")]

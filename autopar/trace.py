@@ -44,7 +44,7 @@ from . import ops
 from .errors import TraceError
 from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo, parent_module
 from .inplace import out_of_place, traced_inplace_operators
-from .runtime.parallel import batch_first
+from .runtime.parallel import BatchDim, batch_dims, batch_first_all
 from .shallow_export import export_shallow, trace_shallow
 
 # --------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def with_loss(model: nn.Module, loss_fn: Callable | str | None, n_inputs: int,
 # --------------------------------------------------------------------------
 def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | None = None,
           target: torch.Tensor | None = None, name: str | None = None,
-          frontend: str = "auto", batch_dim: int = 0) -> Graph:
+          frontend: str = "auto", batch_dim: BatchDim = 0) -> Graph:
     """Trace ``model`` on ``example_inputs`` into a :class:`Graph`.
 
     ``model`` may also be a zoo string (``"gpt:layers=2,hidden=64"``); it is
@@ -336,14 +336,13 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     ``nn.Transformer*``, ``nn.MultiheadAttention``, ``nn.LSTM`` and
     ``nn.GRU`` by default); it applies to every tensor of more dims than it,
     and tensors of fewer dims (a label per sample) hold the batch at dim 0.
-    The graph's inputs hold the batch at dim 0 (each is moved back to the
-    model's layout inside the traced program).
+    A tuple gives one per input and then the target's (default 0):
+    ``nn.Transformer``'s ``(src, tgt, src_key_padding_mask)`` are ``(1, 1,
+    0)``. The graph's inputs hold the batch at dim 0 (each is moved back to
+    the model's layout inside the traced program).
 
     Raises :class:`TraceError` naming the module that could not be traced and why.
     """
-    if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
-        raise TraceError(f"batch_dim must be a non-negative int (the dim of the inputs that holds the batch), "
-                         f"got {batch_dim!r}")
     if isinstance(model, str):
         from . import zoo
         z = zoo.build_for_planning(model)     # as evaluate and plan trace it (batch 2)
@@ -366,10 +365,14 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     name = name or type(model).__name__
     root: nn.Module = model
     check_loss_fn(loss_fn)
+    try:
+        in_dims, target_dim = batch_dims(batch_dim, len(example_inputs))
+    except ValueError as e:
+        raise TraceError(str(e)) from None
     back = None
-    if batch_dim:    # the graph takes batch-first tensors and gives the model its own layout back
-        back = tuple(_layout_of(a, batch_dim) for a in (*example_inputs, target))
-        example_inputs, target = batch_first(example_inputs, batch_dim), batch_first(target, batch_dim)
+    if any(in_dims) or target_dim:    # the graph takes batch-first tensors, the model its own layout back
+        back = tuple(_layout_of(a, d) for a, d in zip((*example_inputs, target), (*in_dims, target_dim)))
+        example_inputs, target = batch_first_all(example_inputs, target, batch_dim)
     args = example_inputs
     if loss_fn is not None:
         if target is None:
@@ -381,7 +384,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *, loss_fn: Callable | N
     args = _unaliased(args)
     graph = _trace_frontends(root, args, name, frontend)
     graph.input_keys = keys
-    graph.batch_dim = batch_dim
+    graph.batch_dim = batch_dim if isinstance(batch_dim, int) else tuple(batch_dim)
     return graph
 
 

@@ -62,7 +62,7 @@ def test_torch_nn_layers_without_a_functional_form_are_traced_through():
 
 def test_batch_dim_is_checked():
     c = CASES["torch-word-lm"]()
-    for bad in (-1, "1", 1.0, True):
+    for bad in (-1, "1", 1.0, True, (1, -1), (1, 1, 1)):
         with pytest.raises(TraceError, match="batch_dim"):
             autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target, batch_dim=bad)
 
@@ -187,3 +187,65 @@ def test_a_keyword_batch_and_the_plan_api_take_batch_dim():
                            devices=2, strategy="dp=2", global_batch=8)
     assert est.fits
 
+
+
+class _Translator(nn.Module):
+    """PyTorch's translation tutorial shape: ``nn.Transformer`` on ``[seq, batch]``
+    ids with a causal target mask and a source padding mask ``[batch, seq]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src_emb, self.tgt_emb = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(VOCAB, HIDDEN)
+        self.transformer = nn.Transformer(HIDDEN, HEADS, 2, 2, 2 * HIDDEN, dropout=0.0)
+        self.generator = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, src, tgt, src_padding_mask):
+        tgt_mask = self.transformer.generate_square_subsequent_mask(tgt.size(0))
+        out = self.transformer(self.src_emb(src), self.tgt_emb(tgt), tgt_mask=tgt_mask,
+                               src_key_padding_mask=src_padding_mask, memory_key_padding_mask=src_padding_mask)
+        return self.generator(out)
+
+
+#: src and tgt hold the batch at dim 1, the padding mask at dim 0, the target at dim 1
+TRANSLATOR_DIMS = (1, 1, 0, 1)
+
+
+def _translator_case():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    src, tgt, y = (torch.randint(1, VOCAB, (n, 8), generator=g) for n in (12, 10, 10))
+    pad = torch.zeros(8, 12, dtype=torch.bool)
+    pad[::2, -3:] = True
+    return _Translator(), (src, tgt, pad), y
+
+
+def _translator_worker(rank: int, world: int, strategies: list[str]) -> dict:
+    out = {}
+    for strategy in strategies:
+        model, inputs, y = _translator_case()
+        pm = autopar.parallelize(model, inputs, loss_fn=_flat_ce, example_target=y, strategy=strategy,
+                                 batch_dim=TRANSLATOR_DIMS, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        out[strategy] = [pm.train_step(inputs, y) for _ in range(3)]
+    return out
+
+
+def test_an_encoder_decoder_with_a_batch_first_padding_mask_trains_as_in_one_process():
+    """A batch dim per input: the padding mask is ``[batch, seq]`` where the
+    ids are ``[seq, batch]`` (as ``nn.Transformer`` takes them)."""
+    model, inputs, y = _translator_case()
+    graph = autopar.trace(model, inputs, loss_fn=_flat_ce, target=y, batch_dim=TRANSLATOR_DIMS)
+    assert graph.batch_size == 8 and graph.batch_dim == TRANSLATOR_DIMS
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = _flat_ce(model(*inputs), y)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    got = run_distributed(_translator_worker, 2, ["dp=2", "pp=2,microbatches=2"], timeout=300)
+    for per_rank in got:
+        for strategy, losses in per_rank.items():
+            assert losses == pytest.approx(ref, rel=1e-5), strategy
+    with pytest.raises(TraceError, match="one per input"):
+        autopar.trace(model, inputs, loss_fn=_flat_ce, target=y, batch_dim=(1, 1))

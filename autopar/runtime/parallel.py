@@ -35,7 +35,7 @@ from .pipeline import PipelineExecutor
 from .regions import full_tensor, unsharded_params
 
 __all__ = ["ParallelModule", "StateNames", "LOW_PRECISION", "local_tensors", "as_tuple", "batch_first",
-           "batch_where"]
+           "batch_where", "batch_dims", "batch_first_all", "BatchDim"]
 
 #: the compute dtype of each low-precision setting (fp32 computes in fp32)
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,6 +46,25 @@ def as_tuple(x: Any) -> tuple:
     if isinstance(x, torch.Tensor):
         return (x,)
     return tuple(x)
+
+
+#: where a caller's tensors hold the batch: one dim for every input and the target, or one per
+#: input and then one for the target (``parallelize(batch_dim=...)``)
+BatchDim = int | tuple[int, ...]
+
+
+def batch_dims(spec: BatchDim, n_inputs: int) -> tuple[tuple[int, ...], int]:
+    """``(the dim of each of n_inputs inputs, the target's)`` of a batch-dim
+    ``spec`` (:data:`BatchDim`, checked: the caller raises on ValueError)."""
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+        return (spec,) * n_inputs, spec
+    dims = tuple(spec) if isinstance(spec, (tuple, list)) else None
+    if dims is None or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims) or \
+            len(dims) not in (n_inputs, n_inputs + 1):
+        raise ValueError(f"batch_dim must be a non-negative int (the dim of the inputs and the target that holds "
+                         f"the batch), or a tuple of one per input ({n_inputs}), then one for the target; "
+                         f"got {spec!r}")
+    return dims[:n_inputs], dims[n_inputs] if len(dims) > n_inputs else 0
 
 
 def batch_first(values: Any, dim: int) -> Any:
@@ -59,6 +78,14 @@ def batch_first(values: Any, dim: int) -> Any:
 def batch_where(values: Any, dim: int) -> Any:
     """The inverse of :func:`batch_first`: the batch moved back from dim 0 to ``dim``."""
     return _each_tensor(values, lambda t: t.movedim(0, dim) if t.dim() > dim else t) if dim else values
+
+
+def batch_first_all(inputs: tuple, target: Any, spec: BatchDim, back: bool = False) -> tuple[tuple, Any]:
+    """The inputs and the target with each one's batch at dim 0 (``back``: from
+    dim 0 to where ``spec`` puts it), per :func:`batch_dims`."""
+    move = batch_where if back else batch_first
+    dims, at = batch_dims(spec, len(inputs))
+    return tuple(move(x, d) for x, d in zip(inputs, dims)), move(target, at)
 
 
 def _each_tensor(values: Any, f: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -263,14 +290,14 @@ class ParallelModule(nn.Module):
         return self.program(*inputs_and_target)
 
     #: where the caller's batches hold the batch (``parallelize(batch_dim=...)``); the program's at dim 0
-    batch_dim = 0
+    batch_dim: BatchDim = 0
 
     def positional(self, inputs: Any, target: Any) -> tuple[tuple, Any]:
         """A batch as the program takes it: a keyword batch (``model(**batch)``,
         its ``labels`` the target when none is given) in the traced key order,
         the batch of every tensor at dim 0 (:attr:`batch_dim`)."""
         inputs, target = self._keyword(inputs, target)
-        return batch_first(inputs, self.batch_dim), batch_first(target, self.batch_dim)
+        return batch_first_all(inputs, target, self.batch_dim)
 
     def _keyword(self, inputs: Any, target: Any) -> tuple[tuple, Any]:
         """A keyword batch in the traced key order (a positional one as a tuple), and the target."""
@@ -341,11 +368,13 @@ class ParallelModule(nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise StrategyError(f"train_step: {what} must be a tensor, got {type(x).__name__}")
             if x.dim() != len(shape) or tuple(x.shape[1:]) != shape[1:]:
-                # in the caller's layout (the batch at batch_dim)
+                # in the caller's layout (the batch at its batch dim)
+                dims, at = batch_dims(self.batch_dim, len(inputs))
+                d = dims[i] if i < len(inputs) else at
                 want = ["batch", *map(str, shape[1:])]
-                if len(shape) > self.batch_dim:
-                    want.insert(self.batch_dim, want.pop(0))
-                has = tuple(batch_where(x, self.batch_dim).shape)
+                if len(shape) > d:
+                    want.insert(d, want.pop(0))
+                has = tuple(batch_where(x, d).shape)
                 raise StrategyError(f"train_step: {what} has shape {has}, but the model was traced "
                                     f"with ({', '.join(want)}); the plan's shapes are fixed past the batch dim")
             if x.is_floating_point() != dtype.is_floating_point:
