@@ -1420,6 +1420,9 @@ def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
     elif k in ("matmul", "grouped_mm"):     # grouped_mm: each row of x times its group's [K, N]
         a = ins[0].out if ins and ins[0].out else None
         flops = 2.0 * out_numel * (a.shape[-1] if a else 1)
+    elif k == "recurrent":     # every token through every weight matrix of every layer and direction
+        tokens = act[0].numel // act[0].shape[-1] if act and act[0].shape else 0
+        flops = 2.0 * tokens * sum(w.numel for w in par if len(w.shape) == 2)
     elif k == "sdpa":
         q, kk = ins[0].out, ins[1].out
         b_h_tq = q.numel // q.shape[-1]

@@ -249,3 +249,14 @@ def test_an_encoder_decoder_with_a_batch_first_padding_mask_trains_as_in_one_pro
             assert losses == pytest.approx(ref, rel=1e-5), strategy
     with pytest.raises(TraceError, match="one per input"):
         autopar.trace(model, inputs, loss_fn=_flat_ce, target=y, batch_dim=(1, 1))
+
+
+def test_a_recurrent_layer_counts_its_weights_products():
+    """``nn.LSTM`` is one op over the sequence (aten.lstm): the planner counts
+    every token through each of its weight matrices (it counted nothing, so an
+    LSTM model looked like its embedding and decoder alone)."""
+    model, x, y = _seq_first_case("lstm")
+    graph = autopar.trace(model, (x,), loss_fn=_flat_ce, target=y, batch_dim=1)
+    (rnn,) = [n for n in graph.nodes if n.kind == "recurrent"]
+    matrices = sum(p.numel() for n, p in model.rnn.named_parameters() if n.startswith("weight"))
+    assert rnn.flops == 2.0 * x.numel() * matrices

@@ -188,6 +188,28 @@ def _conv(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("recurrent")
+def _recurrent(ctx: Ctx) -> list[Strategy]:
+    """aten.lstm / gru / rnn_*(input, initial states, weights, ...): one op over
+    the sequence whose weights every token reads, so no split of them (it
+    runs replicated on a tensor axis); the samples apart where the input is
+    ``[seq, batch, features]`` (the layers' default layout): the input, the
+    states ``[layers, batch, hidden]`` and every output split at dim 1. Not
+    batch first: the op returns one tuple, whose output holds the batch at
+    dim 0 and whose final states at dim 1, which one placement cannot say."""
+    out = _replicated(ctx)
+    x = ctx.ins[0] if ctx.ins else None
+    states = [k for k in range(1, len(ctx.ins)) if ctx.in_kinds[k] not in STATE_KINDS and ctx.ins[k] is not None
+              and len(ctx.ins[k]) == 3]
+    if x is None or len(x) != 3 or not states:
+        return out
+    if x[0] != ctx.ins[states[0]][1] and x[1] == ctx.ins[states[0]][1] and \
+            all(ctx.div(t, 1) for t in [x, *(ctx.ins[k] for k in states)]):
+        out.append(Strategy("batch", tuple(S(1) if k == 0 or k in states else R for k in range(len(ctx.ins))),
+                            S(1), True))
+    return out
+
+
 # ---------------------------------------------------------------- lookups and losses
 @ops.register_rule("embedding")
 def _embedding(ctx: Ctx) -> list[Strategy]:
