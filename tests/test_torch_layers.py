@@ -24,7 +24,7 @@ import autopar
 from autopar.errors import StrategyError, TraceError
 from benchmarks import matrix
 from benchmarks.real_models import CASES, HEADS, HIDDEN, VOCAB, _tokens
-from distributed import run_distributed
+from distributed import eager_steps, run_distributed
 
 
 def test_a_transformer_encoder_with_a_mask_and_no_hint_traces():
@@ -105,18 +105,14 @@ def _seq_first_case(kind: str = "encoder"):
     return (_SeqFirstEncoder() if kind == "encoder" else _LSTMLM()), x.t().contiguous(), y.t().contiguous()
 
 
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
 def _seq_first_steps(model, x, y, pm=None, steps=3):
     if pm is not None:
         return [pm.train_step((x,), y) for _ in range(steps)]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _flat_ce(model(x), y)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return eager_steps(model, (x,), y, _flat_ce, _sgd, steps)
 
 
 def _seq_first_worker(rank: int, world: int, runs: list) -> dict:
@@ -126,7 +122,7 @@ def _seq_first_worker(rank: int, world: int, runs: list) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             pm = autopar.parallelize(model, (x,), loss_fn=_flat_ce, example_target=y, strategy=strategy,
-                                     batch_dim=batch_dim, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+                                     batch_dim=batch_dim, optimizer=_sgd)
         losses = _seq_first_steps(model, x, y, pm)
         shape_error = ""
         try:
@@ -224,7 +220,7 @@ def _translator_worker(rank: int, world: int, strategies: list[str]) -> dict:
     for strategy in strategies:
         model, inputs, y = _translator_case()
         pm = autopar.parallelize(model, inputs, loss_fn=_flat_ce, example_target=y, strategy=strategy,
-                                 batch_dim=TRANSLATOR_DIMS, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+                                 batch_dim=TRANSLATOR_DIMS, optimizer=_sgd)
         out[strategy] = [pm.train_step(inputs, y) for _ in range(3)]
     return out
 
@@ -235,14 +231,7 @@ def test_an_encoder_decoder_with_a_batch_first_padding_mask_trains_as_in_one_pro
     model, inputs, y = _translator_case()
     graph = autopar.trace(model, inputs, loss_fn=_flat_ce, target=y, batch_dim=TRANSLATOR_DIMS)
     assert graph.batch_size == 8 and graph.batch_dim == TRANSLATOR_DIMS
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = _flat_ce(model(*inputs), y)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = eager_steps(model, inputs, y, _flat_ce, _sgd)
     got = run_distributed(_translator_worker, 2, ["dp=2", "pp=2,microbatches=2"], timeout=300)
     for per_rank in got:
         for strategy, losses in per_rank.items():
