@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import math
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,7 @@ from .search import pins as _pins
 from .search.grid import search_grid
 from .search.ilp import InfeasiblePins
 from .search.planner import Planner, PlannerState, SearchRecord, Sharder
-from .sharding import AxisSharding, track_batch
+from .sharding import AxisSharding, mislaid_batch, track_batch
 from .spec import MESH_MODES, ParallelConfig, parse_strategy
 from .spec.placement import SEP, R, axis_placements, joint_placement
 from .strategies.rules import Strategy, grouped_warnings
@@ -329,6 +330,9 @@ def plan_and_record(model: Any, example_inputs: Any = None, *, cluster: Any, dev
     graph = as_graph(model, example_inputs, loss_fn=loss_fn, target=target, batch_dim=batch_dim)
     check_batch(graph, global_batch)
     spec, state = _state(graph, cluster, optimizer, precision)
+    mislaid = mislaid_batch(graph) if devices > 1 else None
+    if mislaid:
+        warnings.warn(f"autopar: {mislaid}", stacklevel=3)
     pins = _pins.resolve(graph, user_pins, track_batch(graph).out)
     if search_mode == "sharding_propagation" and not pins:
         raise StrategyError("search_mode='sharding_propagation' propagates from pinned shardings, and none were "

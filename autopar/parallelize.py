@@ -55,7 +55,7 @@ from .runtime.parallel import LOW_PRECISION, BatchDim, ParallelModule, StateName
 from .runtime.pipeline import PipelineExecutor, StageModule, tie_groups
 from .search import pins as _pins
 from .sharding import AxisSharding, batch_reduction, follow_batch, grid_rows, loss_denominator, meeting_limits, \
-    positions_reduced_with_samples, samples_meet, scaled_shapes
+    mislaid_batch, positions_reduced_with_samples, samples_meet, scaled_shapes
 from .spec import MESH_MODES, ParallelConfig, check_grid, is_shard, parse_strategy
 from .spec.placement import R, joint_placement
 from .strategies.context import positions, sequence_length
@@ -136,12 +136,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     check_runnable(graph, cfg)
     meet = samples_cross_ranks(graph, cfg)
     batch_moves = cfg.dp > 1 and meet is not None
-    if meet is not None and meet in graph and graph[meet].kind == "sdpa" and graph.batch_dim in (0, ()):
-        warnings.warn(f"autopar: attention ({meet}) reads the batch dim of its inputs as the sequence: dim 0 of "
-                      f"{graph.name}'s inputs looks like the sequence, not the batch. PyTorch's nn.Transformer*, "
-                      "nn.MultiheadAttention, nn.LSTM and nn.GRU take [seq, batch, ...] unless batch_first=True: "
-                      "pass batch_dim=1 to parallelize. As traced, the program gathers the whole input on every "
-                      "data-parallel rank (correct, not data parallel)", stacklevel=2)
+    mislaid = mislaid_batch(graph) if batch_moves else None
+    if mislaid:
+        warnings.warn(f"autopar: {mislaid}", stacklevel=2)
     graph = retrace_in_precision(graph, model, traced_inputs, loss_fn, target, cfg)
     mesh = build_mesh(cfg, timeout_s)
     if seed_broadcast and world > 1:   # every rank must start from the same weights (as DDP does)

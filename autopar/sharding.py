@@ -399,6 +399,21 @@ def samples_meet(graph: Graph) -> str | None:
     return graph.memo(("samples_meet",), find)
 
 
+def mislaid_batch(graph: Graph) -> str | None:
+    """Why the inputs' dim 0 looks like the sequence, not the batch (for a
+    warning), or None: the samples meet where an attention reads the batch
+    dim as its sequence (:func:`samples_meet`) and the caller said nothing of
+    the batch's dim (``batch_dim``)."""
+    meet = samples_meet(graph)
+    if meet is None or meet not in graph or graph[meet].kind != "sdpa" or graph.batch_dim not in (0, ()):
+        return None
+    return (f"attention ({meet}) reads the batch dim of its inputs as the sequence: dim 0 of {graph.name}'s "
+            "inputs looks like the sequence, not the batch. PyTorch's nn.Transformer*, nn.MultiheadAttention, "
+            "nn.LSTM and nn.GRU take [seq, batch, ...] unless batch_first=True: pass batch_dim=1 (autopar "
+            "--batch-dim 1). As traced, a split batch is gathered whole on every data-parallel rank (correct, "
+            "not data parallel)")
+
+
 def data_values(graph: Graph) -> frozenset[str]:
     """The values the graph's inputs flow into; a size read off an input is no
     data (an expand of a weight to the batch's size is made of the weight

@@ -249,3 +249,12 @@ def test_a_recurrent_layer_counts_its_weights_products():
     (rnn,) = [n for n in graph.nodes if n.kind == "recurrent"]
     matrices = sum(p.numel() for n, p in model.rnn.named_parameters() if n.startswith("weight"))
     assert rnn.flops == 2.0 * x.numel() * matrices
+
+
+def test_planning_a_mislaid_batch_warns():
+    model, x, y = _seq_first_case()
+    with pytest.warns(UserWarning, match="batch_dim=1"):
+        autopar.plan(model, (x,), loss_fn=_flat_ce, target=y, cluster="cpu", devices=2, global_batch=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        autopar.plan(model, (x,), loss_fn=_flat_ce, target=y, cluster="cpu", devices=2, global_batch=8, batch_dim=1)
