@@ -191,7 +191,9 @@ STACKS = {"hf-smollm3": "no rotary positions in every fourth layer",
 #: models on PyTorch's own layers, run at depth beside the eight (:data:`benchmarks.real_models.TORCH_NN`)
 TORCH_LAYERS = {"torch-encoder-lm": "a causal LM on nn.TransformerEncoder (batch first, pre-norm, is_causal=True)",
                 "torch-word-lm": "PyTorch's examples/word_language_model Transformer: [seq, batch] token ids "
-                                 "(batch_dim=1), a mask and no is_causal hint, post-norm, log-softmax and NLL"}
+                                 "(batch_dim=1), a mask and no is_causal hint, post-norm, log-softmax and NLL",
+                "torch-translator": "PyTorch's translation tutorial's nn.Transformer: [seq, batch] source and target "
+                                    "ids, a [batch, seq] source padding mask (batch_dim=(1, 1, 0, 1)), 2 + 2 layers"}
 DEPTH = [*MORE_HF, *VARIANTS, *STACKS, *TORCH_LAYERS]
 
 

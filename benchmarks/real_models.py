@@ -126,8 +126,8 @@ class Case:
     # step 4, so the 1e-4 criterion compares autopar with one process, not two roundings
     lr: float | None = None
     # where the inputs and the target hold the batch (``parallelize(batch_dim=...)``): 1 for
-    # PyTorch's [seq, batch] layout
-    batch_dim: int = 0
+    # PyTorch's [seq, batch] layout, or one per input then the target's
+    batch_dim: int | tuple[int, ...] = 0
 
     def loss(self, inputs: tuple | None = None) -> torch.Tensor:
         """The loss of one eager forward (on ``inputs``, default the case's)."""
@@ -420,6 +420,44 @@ class WordLanguageModel(nn.Transformer):
         return F.log_softmax(self.decoder(output), dim=-1)
 
 
+class Translator(nn.Module):
+    """PyTorch's translation tutorial's ``Seq2SeqTransformer``: ``nn.Transformer``
+    (post-norm, ReLU) on ``[seq, batch]`` source and target ids, a causal
+    target mask made in the forward, and the source padding mask ``[batch,
+    seq]`` for the encoder and the decoder's memory; embeddings scaled by
+    ``sqrt(d)``, sinusoidal positions in a buffer, dropout 0."""
+
+    def __init__(self, layers: int = LAYERS // 2) -> None:
+        super().__init__()
+        self.transformer = nn.Transformer(HIDDEN, HEADS, layers, layers, 2 * HIDDEN, dropout=0.0)
+        self.src_tok_emb, self.tgt_tok_emb = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(VOCAB, HIDDEN)
+        self.generator = nn.Linear(HIDDEN, VOCAB)
+        den = torch.exp(-torch.arange(0, HIDDEN, 2) * math.log(10000) / HIDDEN)
+        pos = torch.arange(0, 64).reshape(64, 1)
+        pe = torch.zeros(64, HIDDEN)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * den), torch.cos(pos * den)
+        self.register_buffer("pos_embedding", pe.unsqueeze(-2))
+
+    def embed(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        x = emb(ids.long()) * math.sqrt(HIDDEN)
+        return x + self.pos_embedding[:x.size(0), :]
+
+    def forward(self, src, tgt, src_padding_mask):
+        tgt_mask = self.transformer.generate_square_subsequent_mask(tgt.size(0))
+        out = self.transformer(self.embed(self.src_tok_emb, src), self.embed(self.tgt_tok_emb, tgt), None, tgt_mask,
+                               None, src_padding_mask, None, src_padding_mask)
+        return self.generator(out)
+
+
+def translator() -> Case:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    src, tgt, y = (torch.randint(1, VOCAB, (SEQ, BATCH), generator=g) for _ in range(3))
+    pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    pad[::2, -3:] = True      # every other source is 3 tokens shorter
+    return Case(Translator(), (src, tgt, pad), y, lm_loss, LAYERS, batch_dim=(1, 1, 0, 1))
+
+
 def encoder_lm() -> Case:
     torch.manual_seed(0)
     x, y = _tokens()
@@ -439,7 +477,8 @@ def nll_seq_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 #: models on PyTorch's own transformer layers (``nn.TransformerEncoderLayer``, whose attention is
 #: ``nn.MultiheadAttention``'s functional form)
-TORCH_NN: dict[str, Callable[[], Case]] = {"torch-encoder-lm": encoder_lm, "torch-word-lm": word_language_model}
+TORCH_NN: dict[str, Callable[[], Case]] = {"torch-encoder-lm": encoder_lm, "torch-word-lm": word_language_model,
+                                           "torch-translator": translator}
 
 
 def _image_case(build: Callable[[], nn.Module], size: int = 32) -> Callable[[], Case]:
