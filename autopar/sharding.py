@@ -405,7 +405,8 @@ def mislaid_batch(graph: Graph) -> str | None:
     dim as its sequence (:func:`samples_meet`) and the caller said nothing of
     the batch's dim (``batch_dim``)."""
     meet = samples_meet(graph)
-    if meet is None or meet not in graph or graph[meet].kind != "sdpa" or graph.batch_dim not in (0, ()):
+    said = graph.batch_dim if isinstance(graph.batch_dim, tuple) else (graph.batch_dim,)
+    if meet is None or meet not in graph or graph[meet].kind != "sdpa" or any(said):
         return None
     return (f"attention ({meet}) reads the batch dim of its inputs as the sequence: dim 0 of {graph.name}'s "
             "inputs looks like the sequence, not the batch. PyTorch's nn.Transformer*, nn.MultiheadAttention, "

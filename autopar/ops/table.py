@@ -54,7 +54,7 @@ _kind("matmul", ("matmul", _("bmm", _SAVED), _("mm", _SAVED), _("baddbmm", _SAVE
 _kind("grouped_mm", ("grouped_mm_fallback", _("_grouped_mm", _SAVED), "grouped_mm"), "matmul",
       "x[S, K] @ w[E, K, N] by groups of rows (mixture-of-experts layers: transformers' "
       "grouped_mm_fallback, torch._grouped_mm)")
-# no sharding rule yet: they run replicated on tp, each data-parallel rank on its samples
+# one op over the sequence: replicated on tp, the samples split on [seq, batch] input (rules.py)
 _kind("recurrent", ("lstm", "gru", "rnn_tanh", "rnn_relu"), "matmul",
       "nn.LSTM / nn.GRU / nn.RNN as one op over the sequence (aten.lstm, ...): its weights' products per token")
 _kind("sdpa", ("scaled_dot_product_attention", _("_scaled_dot_product_flash_attention", _SAVED),
