@@ -13,6 +13,11 @@ equal, the weights really split.
 
     python -m benchmarks.hf_architectures [--models hf-qwen3,hf-phi3] [--breadth]
 
+Beside them, at the same depth: stacks of unlike layers (:data:`STACKS`) and
+models on PyTorch's own layers (:data:`TORCH_LAYERS`: ``nn.TransformerEncoder``,
+PyTorch's word_language_model example on ``[seq, batch]`` ids, the translation
+tutorial's ``nn.Transformer`` with padding masks).
+
 ``--breadth``: twenty-nine more decoders (:data:`benchmarks.real_models.BREADTH_HF`:
 mixtures of experts, ALiBi, multi-query, parallel blocks, soft-capping, ...),
 six encoders (RoBERTa, DeBERTa-v2, DistilBERT, ModernBERT, ELECTRA, ALBERT), three
