@@ -185,34 +185,15 @@ def test_a_keyword_batch_and_the_plan_api_take_batch_dim():
 
 
 
-class _Translator(nn.Module):
-    """PyTorch's translation tutorial shape: ``nn.Transformer`` on ``[seq, batch]``
-    ids with a causal target mask and a source padding mask ``[batch, seq]``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.src_emb, self.tgt_emb = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(VOCAB, HIDDEN)
-        self.transformer = nn.Transformer(HIDDEN, HEADS, 2, 2, 2 * HIDDEN, dropout=0.0)
-        self.generator = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, src, tgt, src_padding_mask):
-        tgt_mask = self.transformer.generate_square_subsequent_mask(tgt.size(0))
-        out = self.transformer(self.src_emb(src), self.tgt_emb(tgt), tgt_mask=tgt_mask,
-                               src_key_padding_mask=src_padding_mask, memory_key_padding_mask=src_padding_mask)
-        return self.generator(out)
-
-
 #: src and tgt hold the batch at dim 1, the padding mask at dim 0, the target at dim 1
 TRANSLATOR_DIMS = (1, 1, 0, 1)
 
 
 def _translator_case():
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    src, tgt, y = (torch.randint(1, VOCAB, (n, 8), generator=g) for n in (12, 10, 10))
-    pad = torch.zeros(8, 12, dtype=torch.bool)
-    pad[::2, -3:] = True
-    return _Translator(), (src, tgt, pad), y
+    """The translation tutorial's ``nn.Transformer`` of the real-model cases."""
+    c = CASES["torch-translator"]()
+    assert c.batch_dim == TRANSLATOR_DIMS
+    return c.model, c.inputs, c.target
 
 
 def _translator_worker(rank: int, world: int, strategies: list[str]) -> dict:
@@ -258,3 +239,22 @@ def test_planning_a_mislaid_batch_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         autopar.plan(model, (x,), loss_fn=_flat_ce, target=y, cluster="cpu", devices=2, global_batch=8, batch_dim=1)
+
+
+def test_the_fx_leaves_are_the_modules_written_out():
+    """``_FUNCTIONAL_LEAVES`` (what fx keeps as leaves) and ``_functional_form``
+    (what the tracer writes out) list the same modules: a leaf without a form
+    would be an opaque node again."""
+    import torch.fx as fx
+
+    from autopar.trace import _FUNCTIONAL_LEAVES, _functional_form, _has_functional_form
+    for cls in _FUNCTIONAL_LEAVES:
+        args = {nn.Linear: (4, 4), nn.Embedding: (4, 4), nn.LayerNorm: (4,), nn.Conv1d: (4, 4, 1),
+                nn.Conv2d: (4, 4, 1), nn.Conv3d: (4, 4, 1), nn.BatchNorm1d: (4,), nn.BatchNorm2d: (4,),
+                nn.BatchNorm3d: (4,), nn.MaxPool2d: (2,), nn.AvgPool2d: (2,), nn.AdaptiveAvgPool2d: (1,),
+                nn.Softmax: (-1,)}.get(cls, (4,) if cls.__name__ == "RMSNorm" else ())
+        mod = cls(*args)
+        g = fx.Graph()
+        x = g.placeholder("x")
+        assert _has_functional_form(mod) and _functional_form(g, mod, x, lambda n: g.placeholder(n)) is not None, cls
+    assert not _has_functional_form(nn.MultiheadAttention(4, 2)) and not _has_functional_form(nn.LSTM(4, 4))
