@@ -1,7 +1,8 @@
 """Real models, as their authors write them, compiled by autopar and trained on one CUDA GPU.
 
 The breadth runs (:mod:`benchmarks.hf_architectures`, ``--breadth``) check
-twenty-nine ``transformers`` decoders and five timm / torchvision vision models
+twenty-nine ``transformers`` decoders, five timm / torchvision vision models and three models
+on PyTorch's own layers (``nn.TransformerEncoder``, ``nn.LSTM``, ``nn.Transformer``, ``[seq, batch]``)
 against one process on gloo CPU processes. This runs the same cases through
 ``autopar.parallelize`` on one CUDA GPU (world size 1, NCCL), where what
 differs from the CPU is the device: factory ops written with the trace's
@@ -34,7 +35,7 @@ import autopar  # noqa: F401 - first: its torchvision shim, before any model is 
 
 from .common import save
 from .matrix import LR, STEPS, _optimizer
-from .real_models import BREADTH_HF, BREADTH_VISION, CASES
+from .real_models import BREADTH_HF, BREADTH_VISION, CASES, TORCH_NN
 
 #: strategies run on one GPU: the plain program, microbatches with full recompute, selective
 #: recompute, and bf16 mixed precision (looser tolerance)
@@ -68,7 +69,8 @@ def compiled(key: str, strategy: str, dev: torch.device) -> tuple[list[float], d
     """Losses, gathered final state and the strategy run of ``key`` through ``autopar.parallelize``."""
     c = CASES[key]()
     pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
-                             optimizer=functools.partial(_optimizer, lr=c.lr or LR), strategy=strategy)
+                             optimizer=functools.partial(_optimizer, lr=c.lr or LR), strategy=strategy,
+                             batch_dim=c.batch_dim)
     off = off_device(pm, dev)
     if off:
         print(f"{key} {strategy}: tensors not on {dev}: {off[:8]}", flush=True)
@@ -156,7 +158,8 @@ def main(cases: list[str], budget_s: float) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join([*BREADTH_HF, *BREADTH_VISION]), help="comma-separated keys")
+    ap.add_argument("--cases", default=",".join([*BREADTH_HF, *BREADTH_VISION, *TORCH_NN]),
+                    help="comma-separated keys")
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no case after this many seconds")
     a = ap.parse_args()
     main(a.cases.split(","), a.budget_s)
