@@ -957,6 +957,14 @@ def _clean_export(gm: fx.GraphModule) -> None:
             continue
         if n.op != "call_function":
             continue
+        if n.target is _aten.view.default:
+            # export drops a ``.contiguous()`` that was a no-op on the example's strides, and the
+            # strides at run time can differ: a non-contiguous input, or CUDA's attention kernels,
+            # whose output is laid out unlike the CPU's (nn.MultiheadAttention's ``permute(...)
+            # .contiguous().view(...)`` then fails on CUDA). A reshape is the same view wherever a
+            # view works, and a copy where eager's contiguous() made one.
+            n.target = _aten.reshape.default
+            continue
         if n.target is _aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
             x, w, b = n.args[:3]
             with g.inserting_before(n):

@@ -25,10 +25,14 @@ GLOBAL_BATCH = 16
 STEPS = 3
 # 400 bytes: with the model below the fp32 buckets are (reverse order)
 # [ln.b, ln.w, fc2.b, fc2.w] = 96, [fc1.b] = 13 and [fc1.w] = 91 elements;
-# padded to multiples of dp=4: 96 + 16 + 92 = 204, shards 24 + 4 + 23 = 51.
+# each parameter starts at a multiple of 4 elements (16 bytes of fp32): 8 + 8 + 8 + 80 = 104,
+# 16 and 92, padded to multiples of dp=4 x 4: 112 + 16 + 96 = 224, shards 28 + 4 + 24 = 56.
+# bf16 / fp16 parameters start at multiples of 8 elements: 8 + 8 + 8 + 80 = 104, 16 and 96; the
+# master is all of them (216) at zero=0, a shard of multiples of 4 x 8 (128 + 32 + 96) / 4 = 64.
 BUCKET_MB = 400 / 2 ** 20
 N_PARAMS = 200
-PADDED, SHARD = 204, 51
+PADDED, SHARD = 224, 56
+LOW_MASTER = {0: 216, 1: 64, 2: 64}
 
 
 def _model() -> nn.Sequential:
@@ -163,8 +167,9 @@ def _check_low_precision(rank: int, ck: _Checks) -> None:
                                                  scale=scale)
                 ck.true(tag + " applied", all(applied), str(applied))
                 ck.true(tag + " master fp32", opt.master.dtype == torch.float32, str(opt.master.dtype))
-                ck.true(tag + " master shard", opt.master.numel() == (SHARD if zero else N_PARAMS),
-                        str(opt.master.numel()))
+                ck.true(tag + " master shard", opt.master.numel() == LOW_MASTER[zero], str(opt.master.numel()))
+                ck.true(tag + " 16-byte aligned", all(t.data_ptr() % 16 == 0 for t in (*opt.params, opt.master)),
+                        str([p.data_ptr() % 16 for p in opt.params]))
                 ck.true(tag + " params dtype", all(p.dtype == dtype for p in opt.params),
                         str({p.dtype for p in opt.params}))
                 ck.true(tag + " grad buffer fp32", opt.reduce_dtype == torch.float32, str(opt.reduce_dtype))
@@ -383,7 +388,8 @@ def test_reduce_dtype_makes_fp32_flat():
     losses, applied, w, opt = _train(0, 1, None, 1, factory=_sgdm, reduce_dtype="bf16")
     assert opt.mode == "flat" and opt.reduce_dtype == torch.bfloat16 and all(applied)
     mem = opt.memory_bytes()
-    assert mem["master"] == 0 and mem["grad_buffer"] == N_PARAMS * (2 + 4)   # bf16 buffer + fp32 master grad
+    # bf16 buffer + fp32 master grad, each parameter at a multiple of 8 elements (16 bytes of bf16)
+    assert mem["master"] == 0 and mem["grad_buffer"] == LOW_MASTER[0] * (2 + 4)
     # grads rounded to bf16 before the update: agreement to bf16 roundoff (2^-8) of the update sizes
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=1e-3)
     for k in ref_w:

@@ -490,3 +490,33 @@ def test_shallow_fx_trace_gives_the_whole_graph(monkeypatch, spec):
     assert shallow.fingerprint == whole.fingerprint
     assert [(n.name, n.kind, n.out, n.inputs, n.group, n.param, n.flops) for n in shallow.nodes] == \
         [(n.name, n.kind, n.out, n.inputs, n.group, n.param, n.flops) for n in whole.nodes]
+
+
+class _ViewsAfterContiguous(nn.Module):
+    """``x.contiguous().view(...)`` behind a branch on a size: fx cannot trace it, export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 4)
+
+    def forward(self, x):
+        b, t, c = x.size()
+        if b > 0:
+            x = x.contiguous()
+        return self.lin(x.view(b, t * c))
+
+
+def test_export_runs_on_other_strides():
+    """export drops a ``.contiguous()`` that was a no-op on the example, so its ``view`` broke on
+    a tensor laid out otherwise at run time (a non-contiguous batch here; on CUDA, the output of
+    nn.MultiheadAttention's attention kernel, which failed every fp32 nn.Transformer model there):
+    the program reshapes instead, and trains as eager does."""
+    torch.manual_seed(0)
+    model = _ViewsAfterContiguous()
+    x = torch.randn(3, 8, 4).transpose(0, 1)     # [8, 3, 4], not contiguous
+    y = torch.randn(8, 4)
+    assert autopar.trace(model, (x.contiguous(),), loss_fn=F.mse_loss, target=y).frontend == "export"
+    want = F.mse_loss(model(x), y).item()
+    pm = autopar.parallelize(model, (x.contiguous(),), loss_fn=F.mse_loss, example_target=y,
+                             strategy="precision=fp32")
+    assert pm.train_step((x,), y) == pytest.approx(want, rel=1e-6)

@@ -31,7 +31,8 @@ identical to ``GradSync.sync()`` + ``optimizer.step()``.
 *flat* (every other setting): Megatron's distributed optimizer. Parameters are
 grouped into buckets (reverse parameter order, ``bucket_mb`` MiB of
 ``reduce_dtype`` each, a parameter never split); each bucket is padded to a
-multiple of the dp size ``d`` (zero>=1) and the buckets are laid end to end in
+multiple of the dp size ``d`` (zero>=1) times the elements of 16 bytes (each
+parameter starts there too, as kernels such as ``torch._grouped_mm`` need) and the buckets are laid end to end in
 ONE flat parameter buffer of the parameter dtype; every ``p.data`` becomes a
 view of it. A rank's shard is its ``1/d`` contiguous chunk of every bucket
 (Megatron's layout: a bucket's reduce-scatter and all-gather then deliver
@@ -84,7 +85,8 @@ Memory per parameter element (bytes), for the cost model
 ``P`` = parameter bytes (fp32 4, bf16/fp16 2), ``G`` = ``reduce_dtype`` bytes
 (default 4 for bf16/fp16, else ``P``), ``K`` = optimizer state in fp32 (SGD 0,
 momentum SGD 4, Adam/AdamW 8), ``d`` = dp size; shards are ``1/d`` of the
-padded buckets (each bucket padded by < d elements).
+padded buckets (each parameter starts 16 bytes into the flat buffers, and each
+bucket is padded to a multiple of ``d`` times that: a few elements per parameter).
 
 =============  ==========  ======================  ============  =========  ==========================
 mode           params      grads (persistent)      fp32 master   state      transient staging
@@ -123,6 +125,8 @@ from .collectives import (_all_gather_single, _buckets, _reduce_scatter_single, 
 
 __all__ = ["DistributedOptimizer", "clip_grad_norm_"]
 
+#: where every parameter and shard starts in the flat buffers (bytes): kernels need 16-byte aligned tensors
+_ALIGN_BYTES = 16
 _PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -364,14 +368,23 @@ class DistributedOptimizer:
                 groups[-1].append(i)
                 used += nbytes
         div = self.dp if (self.mode == "flat" and self.zero >= 1) else 1
+        # flat: every parameter (and every rank's shard) starts 16 bytes into every flat buffer, as
+        # kernels need (torch._grouped_mm refuses a bf16 expert weight at an odd offset)
+        align = self._align() if self.mode == "flat" else 1
         out = []
         for g in groups:
             offsets, n = [], 0
             for i in g:
                 offsets.append(n)
-                n += self.params[i].numel()
-            out.append(_Bucket(first + len(out), g, offsets, -(-n // div) * div, tied))
+                n += -(-self.params[i].numel() // align) * align
+            out.append(_Bucket(first + len(out), g, offsets, -(-n // (div * align)) * (div * align), tied))
         return out
+
+    def _align(self) -> int:
+        """Elements per 16 bytes of the narrowest flat buffer (parameters, grads, master)."""
+        sizes = [torch.empty((), dtype=t).element_size() for t in (self.param_dtype, self.reduce_dtype,
+                                                                     self.master_dtype)]
+        return max(1, _ALIGN_BYTES // min(sizes))
 
     def _build_plain(self, order: list[int], tied_order: list[int], factory) -> None:
         self.overlapped = self._make_buckets(order, False, 0)
