@@ -18,7 +18,7 @@ from .plan import Plan
 from .search.planner import SearchRecord
 
 #: op kinds worth a line of their own (views and elementwise ops follow their neighbours)
-_SHOWN = {"linear", "matmul", "sdpa", "embedding", "cross_entropy", "conv", "layernorm", "rmsnorm",
+_SHOWN = {"linear", "matmul", "einsum", "sdpa", "embedding", "cross_entropy", "conv", "layernorm", "rmsnorm",
           "batchnorm", "softmax", "pool"}
 
 

@@ -297,9 +297,22 @@ def _walk_structure(graph: Graph) -> _Walk:
         position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
         copies = {g: plan for g in pairs
                   if (plan := _copy_plan(inst[g], inst[prev_of[g]], pairs[g])) is not None}
+        # an instance with other nodes between its own (a residual add of the parent module's loop,
+        # ``x = x + attn(norm(x)); x = x + ff(norm(x))``, between the attention and the MLP of one
+        # layer) is walked node by node in graph order: walked at its first node, its MLP read the
+        # add before it was decided and took it for an unplaced parameter (replicated)
+        last = {g: nodes[-1].name for g, nodes in inst.items()}
+        broken, open_ = set(), None
+        for nd in graph.nodes:
+            if nd.group is not None and open_ is None and nd.name != last[nd.group]:
+                open_ = nd.group
+            elif open_ is not None and nd.group != open_ and _decided(nd):
+                broken.add(open_)
+            if open_ is not None and nd.name == last[open_]:
+                open_ = None
         order: list[Node | str] = []
         for nd in graph.nodes:
-            if nd.group is None:
+            if nd.group is None or nd.group in broken:
                 order.append(nd)
             elif inst[nd.group][0] is nd:
                 order.append(nd.group)
@@ -387,7 +400,7 @@ def samples_meet(graph: Graph) -> str | None:
                     partial.add(nd.name)
                 # a product of two batch-split operands whose batch dims do not meet (aligned ones
                 # keep the batch split: a batched matmul)
-                elif s and have != want and nd.kind == "matmul" and sum(split) > 1:
+                elif s and have != want and nd.kind in ("matmul", "einsum") and sum(split) > 1:
                     return nd.name
                 # attention reading a batch-split query, key or value otherwise: the batch is on
                 # the sequence (``[seq, batch, ...]`` inputs traced with dim 0 as the batch; traced

@@ -1272,6 +1272,10 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             a.update(_loss_attrs(n, t))
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
+        elif k == "einsum" and o is not None:
+            labels = einsum_labels(_arg(n, 0, "equation"), [i.shape if i is not None else None for i in ins])
+            if labels is not None and len(labels[1]) == len(o):
+                a["einsum"] = labels
         elif k == "pad" and x is not None:
             a["padded_dims"] = _padded_dims(n, t, nd)
         elif k == "scatter" and x is not None:
@@ -1317,6 +1321,69 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
     except (TypeError, ValueError, IndexError, KeyError):
         pass  # unusual arguments: the rule falls back to replication
     return a
+
+
+def einsum_labels(equation: Any, shapes: list[tuple[int, ...] | None]) -> tuple[tuple[str, ...], str] | None:
+    """The letters of ``torch.einsum(equation, *operands)``: one string per
+    operand (a letter per dim) and the output's, with an ellipsis written out
+    as letters of its own (right-aligned, the broadcast dims) and an implicit
+    output (no ``->``) as NumPy and torch define it: the ellipsis, then the
+    letters used once, sorted. None when the equation is not understood (the
+    rule then replicates)."""
+    if not isinstance(equation, str) or not shapes or any(s is None for s in shapes):
+        return None
+    eq = "".join(equation.split())
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        return None
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in eq]
+    widths = [len(s) - (len(t) - 3) for t, s in zip(terms, shapes) if "..." in t]
+    if any(w < 0 for w in widths) or max(widths, default=0) > len(spare):
+        return None
+    ell = "".join(spare[:max(widths, default=0)])
+    out = []
+    for t, s in zip(terms, shapes):
+        if "..." in t:
+            t = t.replace("...", ell[len(ell) - (len(s) - (len(t) - 3)):])
+        if len(t) != len(s) or not t.isalpha():
+            return None
+        out.append(t)
+    if arrow:
+        res = rhs.replace("...", ell)
+    else:
+        used = "".join(out)
+        res = ell + "".join(sorted(c for c in set(used) if used.count(c) == 1 and c not in ell))
+    if (res and not res.isalpha()) or len(set(res)) != len(res) or not set(res) <= set("".join(out)):
+        return None
+    return tuple(out), res
+
+
+def einsum_flops(terms: tuple[str, ...], res: str, shapes: list[tuple[int, ...]]) -> float:
+    """Forward FLOPs of an einsum contracted left to right, as torch does
+    without opt_einsum: each pairwise product is 2 x the sizes of every letter
+    it spans, keeping the letters a later operand or the output needs; one
+    operand (a sum, a trace, a transpose) reads its elements once."""
+    size: dict[str, int] = {}
+    for t, s in zip(terms, shapes):
+        for c, d in zip(t, s):
+            size[c] = max(size.get(c, 1), int(d))
+
+    def span(letters: set[str]) -> float:
+        p = 1.0
+        for c in letters:
+            p *= size[c]
+        return p
+
+    if len(terms) == 1:
+        return span(set(terms[0]))
+    cur, total = set(terms[0]), 0.0
+    for i, t in enumerate(terms[1:], 1):
+        both = cur | set(t)
+        total += 2.0 * span(both)
+        later = set(res).union(*terms[i + 1:])
+        cur = {c for c in both if c in later}
+    return total
 
 
 def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
@@ -1428,6 +1495,8 @@ def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
     elif k in ("matmul", "grouped_mm"):     # grouped_mm: each row of x times its group's [K, N]
         a = ins[0].out if ins and ins[0].out else None
         flops = 2.0 * out_numel * (a.shape[-1] if a else 1)
+    elif k == "einsum" and "einsum" in nd.attrs:
+        flops = einsum_flops(*nd.attrs["einsum"], [i.out.shape for i in ins])
     elif k == "recurrent":     # every token through every weight matrix of every layer and direction
         tokens = act[0].numel // act[0].shape[-1] if act and act[0].shape else 0
         flops = 2.0 * tokens * sum(w.numel for w in par if len(w.shape) == 2)

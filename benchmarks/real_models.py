@@ -481,6 +481,61 @@ TORCH_NN: dict[str, Callable[[], Case]] = {"torch-encoder-lm": encoder_lm, "torc
                                            "torch-translator": translator}
 
 
+class EinsumAttention(nn.Module):
+    """Causal attention as research code in lucidrains' x-transformers style
+    writes it: separate query and key-value projections, ``torch.einsum``
+    over spelled-out labels, a causal mask made in the forward and filled with
+    the dtype's most negative value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads, self.scale = HEADS, (HIDDEN // HEADS) ** -0.5
+        self.to_q = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.to_kv = nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.to_out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (self.to_q(x), *self.to_kv(x).chunk(2, dim=-1))
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        sim = sim.masked_fill(mask, -torch.finfo(sim.dtype).max)
+        out = torch.einsum("b h i j, b h j d -> b h i d", sim.softmax(dim=-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class EinsumLM(nn.Module):
+    """A pre-norm decoder of :class:`EinsumAttention` and GELU feed-forwards,
+    learned positions, the head on a final norm."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.token_emb, self.pos_emb = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+        self.layers = nn.ModuleList(nn.ModuleList([nn.LayerNorm(HIDDEN), EinsumAttention(), nn.LayerNorm(HIDDEN),
+                                                   nn.Sequential(nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(),
+                                                                 nn.Linear(4 * HIDDEN, HIDDEN))])
+                                    for _ in range(layers))
+        self.norm, self.to_logits = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids):
+        x = self.token_emb(ids) + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+        for norm1, attn, norm2, ff in self.layers:
+            x = x + attn(norm1(x))
+            x = x + ff(norm2(x))
+        return self.to_logits(self.norm(x))
+
+
+def einsum_lm() -> Case:
+    torch.manual_seed(0)
+    x, y = _tokens()
+    return Case(EinsumLM(), (x,), y, lm_loss, LAYERS)
+
+
+#: research code on ``torch.einsum`` (which symbolic fx keeps as one op)
+RESEARCH: dict[str, Callable[[], Case]] = {"einsum-lm": einsum_lm}
+
+
 def _image_case(build: Callable[[], nn.Module], size: int = 32) -> Callable[[], Case]:
     """A classifier built by ``build`` (seeded) on a batch of ``size`` x ``size`` images, 10 classes."""
     def case() -> Case:
@@ -635,5 +690,5 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 #: every case by name: the matrix's models and the tour's (:mod:`benchmarks.tour`) others
 CASES: dict[str, Callable[[], Case]] = {**MODELS, **MORE_HF, **BREADTH_HF, **ENCODERS, **ENCODER_DECODER,
-                                        **BREADTH_VISION, **TORCH_NN,
+                                        **BREADTH_VISION, **TORCH_NN, **RESEARCH,
                                         "hf-opt-untied-relu": hf_opt_untied_relu, "mlp": residual_mlp}

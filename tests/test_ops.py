@@ -94,7 +94,7 @@ OLD_LINEAR_FIRST = ("mul", "truediv", "div", "imul", "mul_", "rmul",
 
 
 #: kinds registered since the tables were replaced, with their family
-NEW_KINDS = {"recurrent": "matmul"}
+NEW_KINDS = {"recurrent": "matmul", "einsum": "matmul"}
 
 
 def test_kinds_are_the_old_table():
@@ -105,7 +105,7 @@ def test_kinds_are_the_old_table():
         assert op_family(kind) == OLD_FAMILY.get(kind, "other"), kind
     for kind, family in NEW_KINDS.items():
         assert op_family(kind) == family, kind
-    assert ops.matmul_kinds() == {"linear", "matmul", "sdpa", "conv", "grouped_mm", "recurrent"}
+    assert ops.matmul_kinds() == {"linear", "matmul", "sdpa", "conv", "grouped_mm", "recurrent", "einsum"}
 
 
 def test_op_facts_are_the_old_sets():
@@ -312,6 +312,23 @@ class _Matmuls(nn.Module):
                 torch.baddbmm(a, a, a), torch.mm(x[0], m), torch.matmul(x, self.w.t()), grouped)
 
 
+class _Einsums(nn.Module):
+    """torch.einsum as research code writes it: attention with spaced labels, a weight, the
+    implicit output, an ellipsis, a broadcast size-1 dim, three operands, one operand, a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 12))
+
+    def forward(self, q, k, z):                    # q, k [4, 2, 6, 8], z [4, 1, 6, 8]
+        scores = torch.einsum("b h i d, b h j d -> b h i j", q, k)
+        ctx = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), k)
+        return (scores, ctx, torch.einsum("bhid,de->bhie", q, self.w), torch.einsum("bhid,bhjd", q, k),
+                torch.einsum("...id,...jd->...ij", q, z), torch.einsum("bhid,bhid,de->bhe", q, z, self.w),
+                torch.einsum("bhid->bdh", q), torch.einsum("bhid,bhjd->bhij", [q, k]),
+                torch.einsum("bhii->bhi", scores))
+
+
 class _Convs(nn.Module):
     """Convolution, batch norm, pooling (NCHW)."""
 
@@ -359,6 +376,7 @@ def _case_inputs(gen: torch.Generator) -> dict[str, tuple[nn.Module, tuple, bool
         "attention": (_Attention().double(), (ids(V, 4, T), ids(V, 4, T)), False),
         "pointwise": (_Pointwise(), (rnd(4, 8, 6), rnd(6), rnd(4, 1, 6)), False),
         "matmuls": (_Matmuls().double(), (rnd(4, 6, 8), rnd(8, 12), rnd(4, 8, 8)), False),
+        "einsums": (_Einsums().double(), (rnd(4, 2, 6, 8), rnd(4, 2, 6, 8), rnd(4, 1, 6, 8)), False),
         "convs": (_Convs().double(), (rnd(4, 4, 8, 8),), False),
         "convs_eval_dp": (conv_eval, (rnd(4, 4, 8, 8),), True),
         "losses": (_Losses().double(), (rnd(8, V), ids(V, 8), ids(V, 4, 4)), False),
@@ -633,7 +651,7 @@ KNOWN_BUGS = {
         "sizes do not fit the local chunk of the unflattened dim",
 }
 CASES = ("attention", "pointwise", "matmuls", "convs", "convs_eval_dp", "losses",
-         "attention_export", "matmuls_export", "recurrent_export")
+         "attention_export", "matmuls_export", "recurrent_export", "einsums", "einsums_export")
 _RESULTS: dict[str, tuple[dict, set]] = {}
 
 

@@ -54,6 +54,10 @@ _kind("matmul", ("matmul", _("bmm", _SAVED), _("mm", _SAVED), _("baddbmm", _SAVE
 _kind("grouped_mm", ("grouped_mm_fallback", _("_grouped_mm", _SAVED), "grouped_mm"), "matmul",
       "x[S, K] @ w[E, K, N] by groups of rows (mixture-of-experts layers: transformers' "
       "grouped_mm_fallback, torch._grouped_mm)")
+# torch.einsum (fx; torch.export writes it out as bmm and permutes): the trace reads its labels
+_kind("einsum", ("einsum",), "matmul",
+      "Einstein summation: each operand's dims labelled by letters; a letter shared is multiplied "
+      "along, one missing from the output summed over")
 # one op over the sequence: replicated on tp, the samples split on [seq, batch] input (rules.py)
 _kind("recurrent", ("lstm", "gru", "rnn_tanh", "rnn_relu"), "matmul",
       "nn.LSTM / nn.GRU / nn.RNN as one op over the sequence (aten.lstm, ...): its weights' products per token")

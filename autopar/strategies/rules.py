@@ -119,6 +119,34 @@ def _matmul(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("einsum")
+def _einsum(ctx: Ctx) -> list[Strategy]:
+    """torch.einsum, one strategy per letter (the labels the trace read,
+    ``attrs["einsum"]``): every operand holding it split along it (a
+    broadcast size-1 dim whole), the output split along it where the output
+    has it, Partial where it is summed over, as DTensor's einsum strategies
+    do. matmul's batch, rows, cols and contraction are its special cases. A
+    letter repeated within an operand (a diagonal) is not split."""
+    out = _replicated(ctx)
+    labels = ctx.node.attrs.get("einsum")
+    if labels is None or ctx.out is None or len(ctx.ins) != len(labels[0]) or any(x is None for x in ctx.ins):
+        return out
+    terms, res = labels
+    for c in sorted(set("".join(terms))):
+        if any(t.count(c) > 1 for t in terms):
+            continue
+        ins = []
+        for t, x in zip(terms, ctx.ins):
+            d = t.find(c)
+            ins.append(R if d < 0 or x[d] == 1 else S(d) if ctx.div(x, d) else None)
+        if None in ins or all(p == R for p in ins):
+            continue
+        if c in res and not ctx.div(ctx.out, res.index(c)):
+            continue
+        out.append(Strategy(f"letter_{c}", tuple(ins), S(res.index(c)) if c in res else P, True))
+    return out
+
+
 @ops.register_rule("grouped_mm")
 def _grouped_mm(ctx: Ctx) -> list[Strategy]:
     """grouped_mm(x[S, K], w[E, K, N], offs[E]): row s of x times the weight
