@@ -199,7 +199,11 @@ TORCH_LAYERS = {"torch-encoder-lm": "a causal LM on nn.TransformerEncoder (batch
                                  "(batch_dim=1), a mask and no is_causal hint, post-norm, log-softmax and NLL",
                 "torch-translator": "PyTorch's translation tutorial's nn.Transformer: [seq, batch] source and target "
                                     "ids, a [batch, seq] source padding mask (batch_dim=(1, 1, 0, 1)), 2 + 2 layers"}
-DEPTH = [*MORE_HF, *VARIANTS, *STACKS, *TORCH_LAYERS]
+#: research code, run at depth beside the eight (:data:`benchmarks.real_models.RESEARCH`)
+RESEARCH_CODE = {"einsum-lm": "a decoder in lucidrains' x-transformers style: torch.einsum attention over "
+                              "spelled-out labels, a causal mask made in the forward, the residual adds in the "
+                              "parent module's loop"}
+DEPTH = [*MORE_HF, *VARIANTS, *STACKS, *TORCH_LAYERS, *RESEARCH_CODE]
 
 
 def main(models: list[str] | None = None) -> dict:
@@ -213,6 +217,7 @@ def main(models: list[str] | None = None) -> dict:
     cells = [c for r in rows if r["model"] in MORE_HF for c in r["cells"].values()]
     stacked = [c for r in rows if r["model"] in STACKS for c in r["cells"].values()]
     torch_layers = [c for r in rows if r["model"] in TORCH_LAYERS for c in r["cells"].values()]
+    research = [c for r in rows if r["model"] in RESEARCH_CODE for c in r["cells"].values()]
     res = {
         "title": "More Hugging Face architectures against one process",
         "description": "Eight `transformers` decoder architectures beside the matrix's four, 4 layers each, "
@@ -228,7 +233,9 @@ def main(models: list[str] | None = None) -> dict:
                     "stacks of unlike layers and encoder-decoders: cells equal to one process":
                         f"{sum(c == 'ok' for c in stacked)} of {len(stacked)}",
                     "PyTorch's own transformer layers: cells equal to one process":
-                        f"{sum(c == 'ok' for c in torch_layers)} of {len(torch_layers)}"},
+                        f"{sum(c == 'ok' for c in torch_layers)} of {len(torch_layers)}",
+                    "research code (torch.einsum): cells equal to one process":
+                        f"{sum(c == 'ok' for c in research)} of {len(research)}"},
         "table": _table(rows, FAMILIES),
         "notes": ["Found by these runs: sequence parallelism took the heads dim of Qwen3's per-head q / k "
                   "norms (RMSNorm over `[batch, seq, heads, head_dim]`) for the sequence and refused tp=4 with "
@@ -243,7 +250,15 @@ def main(models: list[str] | None = None) -> dict:
                   "detection (a branch on the mask's values) stopped torch.export, fx kept nn.MultiheadAttention "
                   "and nn.TransformerEncoder as opaque leaves (replicated, the batch hidden from the analysis: a "
                   "data-parallel program crashed on a reshape of its local batch), and [seq, batch] inputs split "
-                  "along dim 0 trained another model under data parallelism without a word."],
+                  "along dim 0 trained another model under data parallelism without a word.",
+                  "Research code, at the same depth: " + "; ".join(
+                      f"{name} ({why})" for name, why in RESEARCH_CODE.items() if any(r["model"] == name for r in rows))
+                  + " (`benchmarks/real_models.py`, `RESEARCH`). Found with it: torch.einsum had no kind (no "
+                  "FLOPs, no activations, replicated under tp: q, k and v gathered and the softmax over "
+                  "[b, h, T, T] run whole on every rank); it has a per-letter rule now and its attention splits by "
+                  "heads. And the batch walk decided a layer at its first node, so the MLP after a residual add "
+                  "of the parent loop read the add undecided and lost the batch (a meta-device model's MLP "
+                  "activations were not scaled with the batch: 25 GB of a 1.3B model's plan)."],
         "rows": rows, "params": {"models": [r["model"] for r in rows]},
     }
     path = save("hf_architectures", res)
@@ -253,7 +268,8 @@ def main(models: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS, STACKS or TORCH_LAYERS, or of "
+    ap.add_argument("--models", help="comma-separated names of MORE_HF, VARIANTS, STACKS, TORCH_LAYERS or "
+                                      "RESEARCH_CODE, or of "
                                       "the breadth run's with --breadth (default: all); the saved table's other rows "
                                       "are kept")
     ap.add_argument("--breadth", action="store_true",
