@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import api, ops
-from .compile.fx_utils import get_attr, retarget_devices, to_device
+from .compile.fx_utils import get_attr, random_ops, retarget_devices, to_device
 from .compile.context import apply_cp as _apply_cp
 from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
@@ -167,6 +167,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
         global_batch=gbatch, full_batch=full_batch, param_placement=placement, comms=comms,
         pipeline=pipe.executor(cfg, mesh) if pipe is not None else None, draw_timeline=_timeline_drawer(plan))
     pm.on_nonfinite = on_nonfinite
+    pm.rng_seed = agreed_seed(run_graph, cfg, world)
     apply_loss_parts(pm, graph, run_graph, cfg, batch_moves)
     if cfg.tp_mode != "1d":
         pm.set_grid_rows(prog.row_placement, mesh.group("tp_row"), prog.depth_placement,
@@ -181,6 +182,21 @@ def parallelize(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | st
     if pm.pipeline is not None:
         pm.pipeline.timeout = datetime.timedelta(seconds=timeout_s)
     return pm
+
+
+def agreed_seed(graph: Graph, cfg: ParallelConfig, world: int) -> int | None:
+    """The seed of the program's random numbers, drawn on rank 0 from its
+    generator (a run the caller seeded is reproduced) and broadcast, where the
+    ranks of a tensor-parallel group must draw alike: the program draws random
+    numbers (dropout) and ``tp > 1``. None elsewhere: the caller's generator
+    runs as it is (data-parallel replicas and pipeline stages draw for values
+    of their own)."""
+    if cfg.tp == 1 or world == 1 or not random_ops(graph.gm):
+        return None
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+    seed = seed.to(local_device())
+    dist.broadcast(seed, 0)
+    return int(seed.item())
 
 
 def _trace_request(model: nn.Module, example_inputs: Any, example_target: Any,

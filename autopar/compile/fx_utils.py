@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device"]
+__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "random_ops"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -93,3 +93,51 @@ def to_device(module: nn.Module, device: torch.device) -> int:
                 setattr(sub, name, value.to(device))
                 moved += 1
     return moved
+
+
+#: ops that draw from the default random generator (dropout only with p > 0 in training)
+_RANDOM = frozenset({"bernoulli", "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like",
+                     "randperm", "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_",
+                     "cauchy_", "log_normal_", "random_", "poisson", "rrelu", "rrelu_with_noise"})
+
+
+def _name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    packet = getattr(t, "overloadpacket", None)         # aten.native_dropout.default -> native_dropout
+    return getattr(packet or t, "__name__", str(t)).split(".")[-1]
+
+
+def random_ops(gm: nn.Module) -> list[str]:
+    """Names of the nodes of ``gm`` (and of the graphs nested in it) that draw
+    random numbers when run: dropout with ``p > 0`` in training mode (fx's
+    ``F.dropout`` / ``nn.Dropout``, export's ``aten.dropout`` /
+    ``native_dropout`` and the feature / alpha variants), ``bernoulli``,
+    ``rand*``, ``randperm``, in-place samplers."""
+    out = []
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op == "call_module":        # a dropout module called as one (a leaf)
+                mod = sub.get_submodule(node.target)
+                if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training:
+                    out.append(node.name)
+            if node.op not in ("call_function", "call_method"):
+                continue
+            name = _name(node)
+            if "dropout" in name:
+                p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+                train = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2
+                                                                    else name.startswith(("dropout", "native"))))
+                if not isinstance(p, (int, float)) or p > 0 and train is not False:
+                    out.append(node.name)
+            elif name in _RANDOM:
+                out.append(node.name)
+            elif "scaled_dot_product" in name:        # attention's own dropout (dropout_p)
+                at = 3 if "flash" in name else 5 if "efficient" in name else 4
+                p = node.kwargs.get("dropout_p", node.args[at] if len(node.args) > at else 0.0)
+                if not isinstance(p, (int, float)) or p > 0:
+                    out.append(node.name)
+    return out

@@ -9,6 +9,8 @@ step over the microbatches and returns the global mean loss.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
 import time
@@ -238,6 +240,10 @@ class ParallelModule(nn.Module):
         # counts the loss's target tokens of a part of the batch (compile/tokens.py), where the loss
         # averages over them and the batch is split: each part is weighted by its share of the tokens
         self.token_counter: Any = None
+        #: the seed of the program's random numbers (dropout), agreed by every rank (parallelize sets it
+        #: where the tensor-parallel ranks must draw alike); None: the caller's generator runs as it is
+        self.rng_seed: int | None = None
+        self._evals = 0
 
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, then buffers, by their names in the program."""
@@ -331,7 +337,7 @@ class ParallelModule(nn.Module):
             # grad mode set here and restored on the way out: a step raised inside a
             # ``torch.no_grad()`` region of an export graph (its higher-order op does not restore
             # the mode on an exception) would otherwise leave the process without autograd
-            with torch.enable_grad():
+            with torch.enable_grad(), self._random_stream("train", step):
                 return self._train_step(inputs, target, t0)
         except DistributedError:
             raise
@@ -544,9 +550,28 @@ class ParallelModule(nn.Module):
         m = self.config.microbatches
         total = torch.zeros((), device=self.device)
         micro = list(zip(zip(*(x.chunk(m, 0) for x in inputs)), target.chunk(m, 0)))
-        for (xs, tg), w in zip(micro, self._token_weights(micro)):
-            total += self.program(*xs, tg).float() * w / m
+        self._evals += 1
+        with self._random_stream("eval", self._evals):
+            for (xs, tg), w in zip(micro, self._token_weights(micro)):
+                total += self.program(*xs, tg).float() * w / m
         return float(self._mean_over_replicas(total))
+
+    def _random_stream(self, kind: str, step: int) -> Any:
+        """The random numbers of one step (dropout masks): with :attr:`rng_seed`
+        set, drawn from a stream seeded by it, the step and this rank's data
+        replica (dp, pipeline stage, cp: their samples and positions differ),
+        the same on every rank of a tensor-parallel group, so a value the group
+        holds replicated is dropped alike on each (ranks seeded apart, as
+        ``torch.manual_seed(seed + rank)`` does, ran them apart); the caller's
+        generators are restored afterwards. Without it, a no-op."""
+        if self.rng_seed is None:
+            return contextlib.nullcontext()
+        cp = self.mesh.coord("cp") if self.cp_group is not None else 0
+        key = repr((self.rng_seed, kind, step, self.dp_rank, self.pp_rank, cp)).encode()   # not hash(): salted per process
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        cuda = self.device.type == "cuda"
+        return _seeded(seed, [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+                       if cuda else [])
 
     # -- checkpoints ----------------------------------------------------------
     #: steps taken before this module loaded a checkpoint (``steps`` counts them too)
@@ -633,3 +658,11 @@ class ParallelModule(nn.Module):
             if isinstance(t, nn.Parameter):
                 lines.append(f"  {name}: {tuple(t.shape)} {self.param_placement.get(name, 'R')}")
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, devices: list[torch.device]):
+    """Run the block with every generator seeded by ``seed``; restore them after."""
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
