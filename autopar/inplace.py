@@ -110,6 +110,13 @@ def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
     return None
 
 
+def updates_state(n: fx.Node) -> bool:
+    """Whether ``n`` writes the model's state in place (a buffer's update
+    that :func:`out_of_place` keeps as written)."""
+    return _inplace_form(n) is not None and bool(n.args) and isinstance(n.args[0], fx.Node) \
+        and _base_of(n.args[0]).op == "get_attr"
+
+
 def _is_tensor(n: fx.Node) -> bool:
     """Whether ``n`` is a tensor, from the shapes the front end recorded."""
     tm = n.meta.get("tensor_meta")
@@ -131,8 +138,10 @@ def _is_view(n: fx.Node) -> bool:
 
 
 def _base_of(t: fx.Node) -> fx.Node:
-    """The node whose storage ``t`` views (``t`` itself when it is no view)."""
-    while _is_view(t):
+    """The node whose storage ``t`` views (``t`` itself when it is no view);
+    an in-place op returns its first argument's storage, so a chain of them
+    (``self.ema.mul_(0.9).add_(m, alpha=0.1)``) updates the buffer it starts from."""
+    while _is_view(t) or (_inplace_form(t) is not None and t.args and isinstance(t.args[0], fx.Node)):
         t = t.args[0]
     return t
 
@@ -209,7 +218,16 @@ def out_of_place(gm: fx.GraphModule) -> int:
             continue
         base = _base_of(t)
         if base.op == "get_attr":
-            continue        # a state update (BatchNorm's num_batches_tracked): it stays as written
+            # a state update (an EMA, BatchNorm's num_batches_tracked): it stays as written, and a later
+            # read of the state reads it, so the graph says what the read depends on (fx reads the
+            # buffer again by name: the analysis saw no path from the update to the read)
+            for u in [u for u in g.nodes if order.get(u, -1) > order[n]]:
+                for a in u.all_input_nodes:
+                    if a is not n and a.op == "get_attr" and a.target == base.target or \
+                            updates_state(a) and a is not n and order[a] < order[n] and \
+                            _base_of(a.args[0]).target == base.target:
+                        u.replace_input_with(a, n)
+            continue
         seen_later = [u for a in _views_of(base) - {t} for u in a.users if order.get(u, -1) > order[n]]
         chain = _slices_up(t, base) if seen_later and _is_tensor(t) else None
         if seen_later and chain is None:

@@ -43,7 +43,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import ops
 from .errors import TraceError
 from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo, parent_module
-from .inplace import out_of_place, traced_inplace_operators
+from .inplace import out_of_place, traced_inplace_operators, updates_state
 from .runtime.parallel import BatchDim, batch_dims, batch_first_all
 from .shallow_export import export_shallow, trace_shallow
 
@@ -214,6 +214,11 @@ class _Proxy(fx.Proxy):
 
 class _Tracer(fx.Tracer):
     """fx tracer that remembers which module it was inside when tracing failed."""
+
+    #: buffers are proxies too (fx's default hands the module's own tensor to the code, so an op on
+    #: a buffer alone, ``self.ema.mul_(0.9)``, ran on the model's buffer while tracing and was not
+    #: recorded: the program never updated it, and tracing itself changed the model's state)
+    proxy_buffer_attributes = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -1320,6 +1325,8 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
             node.kind = "item"     # a piece of a split, or of an op's tuple (max and min with a dim: values, indices)
     except (TypeError, ValueError, IndexError, KeyError):
         pass  # unusual arguments: the rule falls back to replication
+    if updates_state(n):        # a buffer updated in place (an EMA, a counter): whole on every rank
+        a["updates_state"] = True
     return a
 
 

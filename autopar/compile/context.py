@@ -34,6 +34,7 @@ from ..errors import UnsupportedError
 from ..graph import Graph, Node
 from ..runtime import kernels as K
 from ..strategies.context import Attention, attentions, positions
+from .fx_utils import eliminate_dead_code
 
 #: F.scaled_dot_product_attention's arguments after q, k, v, in order
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -123,7 +124,7 @@ def apply_cp(gm: fx.GraphModule, graph: Graph, *, cp: int, rank: int, group: Any
             if roles:
                 _replace(gm, f, "cp_index", PositionIndex(roles, pos, seq), (f.args[0],))
                 count += 1
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     gm.recompile()
     return count
 

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "random_ops"]
+__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "random_ops", "eliminate_dead_code"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -141,3 +141,13 @@ def random_ops(gm: nn.Module) -> list[str]:
                 if not isinstance(p, (int, float)) or p > 0:
                     out.append(node.name)
     return out
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> None:
+    """fx's dead-code elimination, keeping the in-place updates of the
+    model's state that the trace left in place (``self.ema.mul_(0.9).add_(m)``,
+    a counter's ``add_(1)``): nothing reads them, and fx counts a method call
+    as pure, so a sharded program dropped the update (out-of-place rewriting
+    has made every other in-place op a pure one: :mod:`autopar.inplace`)."""
+    from ..inplace import updates_state
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or updates_state(n))

@@ -45,7 +45,7 @@ from ..sharding import AxisSharding, data_values, loss_denominator, needs_grad, 
 from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import nested_moves, transition_steps
-from .fx_utils import get_attr
+from .fx_utils import eliminate_dead_code, get_attr
 
 
 class Comm(nn.Module):
@@ -290,7 +290,7 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     for fnode in graph.gm.graph.nodes:
         rw.node(fnode)
     gm = fx.GraphModule(rw.root, rw.new, class_name="AutoparLocal")
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     gm.recompile()
     return LocalProgram(module=gm, param_placement=rw.placement[-1], comms=rw.count,
                         row_placement=rw.placement[-2] if grid else {},

@@ -651,6 +651,10 @@ def candidates(ctx: Ctx) -> list[Strategy]:
 
     A node without a rule is replicated, with one warning per op naming it."""
     rule: Callable[[Ctx], list[Strategy]] | None = ops.rule(ctx.node.kind)
+    if ctx.node.attrs.get("updates_state"):
+        # the model's state written in place (self.ema.mul_(0.9).add_(m)): a rank updating its
+        # slice of a buffer it holds whole would leave each rank's copy half updated
+        return _replicated(ctx)
     if rule is None:
         key = f"{ctx.node.kind}:{ctx.node.target}"
         if key not in _warned and ctx.n > 1:
