@@ -1278,9 +1278,7 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
         elif k == "einsum" and o is not None:
-            labels = einsum_labels(_arg(n, 0, "equation"), [i.shape if i is not None else None for i in ins])
-            if labels is not None and len(labels[1]) == len(o):
-                a["einsum"] = labels
+            a.update(_einsum_attrs(n, ins, len(o)))
         elif k == "pad" and x is not None:
             a["padded_dims"] = _padded_dims(n, t, nd)
         elif k == "scatter" and x is not None:
@@ -1328,6 +1326,12 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
     if updates_state(n):        # a buffer updated in place (an EMA, a counter): whole on every rank
         a["updates_state"] = True
     return a
+
+
+def _einsum_attrs(n: fx.Node, ins: list[Any], out_dims: int) -> dict[str, Any]:
+    """``{"einsum": labels}`` of an einsum node whose labels are understood and fit its output."""
+    labels = einsum_labels(_arg(n, 0, "equation"), [i.shape if i is not None else None for i in ins])
+    return {"einsum": labels} if labels is not None and len(labels[1]) == out_dims else {}
 
 
 def einsum_labels(equation: Any, shapes: list[tuple[int, ...] | None]) -> tuple[tuple[str, ...], str] | None:
