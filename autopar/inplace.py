@@ -110,11 +110,18 @@ def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
     return None
 
 
+def updated_state(n: fx.Node) -> str | None:
+    """The state (``get_attr`` target) that ``n`` writes in place (a buffer's
+    update that :func:`out_of_place` keeps as written), or None."""
+    if _inplace_form(n) is None or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    base = _base_of(n.args[0])
+    return str(base.target) if base.op == "get_attr" else None
+
+
 def updates_state(n: fx.Node) -> bool:
-    """Whether ``n`` writes the model's state in place (a buffer's update
-    that :func:`out_of_place` keeps as written)."""
-    return _inplace_form(n) is not None and bool(n.args) and isinstance(n.args[0], fx.Node) \
-        and _base_of(n.args[0]).op == "get_attr"
+    """Whether ``n`` writes the model's state in place (:func:`updated_state`)."""
+    return updated_state(n) is not None
 
 
 def _is_tensor(n: fx.Node) -> bool:
@@ -223,9 +230,8 @@ def out_of_place(gm: fx.GraphModule) -> int:
             # buffer again by name: the analysis saw no path from the update to the read)
             for u in [u for u in g.nodes if order.get(u, -1) > order[n]]:
                 for a in u.all_input_nodes:
-                    if a is not n and a.op == "get_attr" and a.target == base.target or \
-                            updates_state(a) and a is not n and order[a] < order[n] and \
-                            _base_of(a.args[0]).target == base.target:
+                    if a is not n and (a.op == "get_attr" and a.target == base.target or
+                                       updated_state(a) == str(base.target) and order.get(a, -1) < order[n]):
                         u.replace_input_with(a, n)
             continue
         seen_later = [u for a in _views_of(base) - {t} for u in a.users if order.get(u, -1) > order[n]]

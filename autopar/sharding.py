@@ -388,6 +388,8 @@ def samples_meet(graph: Graph) -> str | None:
                 continue
             haves = [sh.out.get(i, R) for i in nd.inputs]
             split = [is_shard(h) or h == P for h in haves]
+            if nd.attrs.get("updates_state") and any(split) and graph.batch_size > 1:
+                return nd.name      # state updated from the samples (an EMA of batch means): one process's
             if sh.out.get(nd.name) == P:
                 partial.add(nd.name)
             for k, (i, have, want, s) in enumerate(zip(nd.inputs, haves, st.ins, split)):

@@ -43,7 +43,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from . import ops
 from .errors import TraceError
 from .graph import NO_DISPATCH, Graph, LayerGroup, Node, ParamInfo, TensorInfo, parent_module
-from .inplace import out_of_place, traced_inplace_operators, updates_state
+from .inplace import out_of_place, traced_inplace_operators, updated_state, updates_state
 from .runtime.parallel import BatchDim, batch_dims, batch_first_all
 from .shallow_export import export_shallow, trace_shallow
 
@@ -1122,6 +1122,7 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
         _cost_node(nd, by_name)
     _mark_norm_outputs(gm, by_name)
     _mark_fused_splits(nodes, by_name)
+    _mark_updated_state(gm, nodes)
     batch = 1
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
@@ -1326,6 +1327,20 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
     if updates_state(n):        # a buffer updated in place (an EMA, a counter): whole on every rank
         a["updates_state"] = True
     return a
+
+
+def _mark_updated_state(gm: fx.GraphModule, nodes: list[Node]) -> None:
+    """``attrs["whole_inputs"]``: the inputs of a node that are a buffer the
+    program updates in place (an EMA): every rank keeps it whole, so its
+    readers read it so (a rank holding a slice updated a gathered copy)."""
+    updated = {t for n in gm.graph.nodes if (t := updated_state(n)) is not None}
+    if not updated:
+        return
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
+    for nd in nodes:
+        whole = [k for k, i in enumerate(nd.inputs) if fx_nodes[i].op == "get_attr" and fx_nodes[i].target in updated]
+        if whole:
+            nd.attrs["whole_inputs"] = whole
 
 
 def _einsum_attrs(n: fx.Node, ins: list[Any], out_dims: int) -> dict[str, Any]:

@@ -204,22 +204,23 @@ class _RunningMean(nn.Module):
     """A buffer updated in place in the forward, as a VQ-VAE codebook's EMA or an observation
     normaliser is: ``self.ema.mul_(0.9).add_(m, alpha=0.1)`` (a chain of in-place ops), then read."""
 
-    def __init__(self, export: bool = False):
+    def __init__(self, export: bool = False, after: bool = False):
         super().__init__()
-        self.export = export
+        self.export, self.after = export, after
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
         self.register_buffer("ema", torch.zeros(16))
 
     def forward(self, x):
         h = self.a(x)
+        out = self.b(h - self.ema)           # with after=True the batch statistics reach the next step only
         if not self.export or x.shape[0] > 0:        # a branch on a size: fx cannot trace it, export can
             self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
-        return self.b(h - self.ema)
+        return out if self.after else self.b(h - self.ema)
 
 
-def _ema_eager(steps: int, export: bool) -> tuple[list[float], torch.Tensor]:
+def _ema_eager(steps: int, export: bool, after: bool) -> tuple[list[float], torch.Tensor]:
     torch.manual_seed(0)
-    m, (x, y) = _RunningMean(export), _ema_batch()
+    m, (x, y) = _RunningMean(export, after), _ema_batch()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
@@ -236,27 +237,31 @@ def _ema_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
 
 
-def _ema_worker(rank: int, world: int, strategy: str, export: bool) -> tuple[list[float], torch.Tensor]:
+def _ema_worker(rank: int, world: int, strategy: str, export: bool, after: bool) -> tuple[list[float], torch.Tensor]:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    m, (x, y) = _RunningMean(export), _ema_batch()
+    m, (x, y) = _RunningMean(export, after), _ema_batch()
     pm = autopar.parallelize(m, (x,), loss_fn=_loss, example_target=y, strategy=strategy,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     return [pm.train_step((x,), y) for _ in range(3)], pm.full_state_dict()["ema"]
 
 
 @pytest.mark.parametrize("export", [False, True], ids=["fx", "export"])
-def test_a_buffer_updated_in_the_forward_is_updated(export):
-    """The chain's second op took the first's output for a new tensor and was made out of place, so
-    the buffer kept only the ``mul_`` (it stayed 0), and the sharded program's dead-code elimination
-    dropped the update (fx counts a method call as pure); under tp each rank added its slice of the
-    batch mean into its slice of the buffer it holds whole. One process, tp and dp now equal eager."""
+@pytest.mark.parametrize("after", [False, True], ids=["read", "next-step"])
+def test_a_buffer_updated_in_the_forward_is_updated(export, after):
+    """fx ran ``self.ema.mul_(0.9)`` on the model's buffer while tracing and did not record it; the
+    chain's second op took the first's output for a new tensor and was made out of place, so the
+    buffer was never updated; the sharded program's dead-code elimination dropped such updates (fx
+    counts a method call as pure); under tp each rank added its slice of the batch mean into its
+    slice of the buffer, or updated a gathered copy of it; under dp each replica updated it from its
+    own samples. One process, tp and dp now equal eager, whether the forward reads the update or
+    only the next step does."""
     from distributed import run_distributed
-    want, ema = _ema_eager(3, export)
+    want, ema = _ema_eager(3, export, after)
     assert ema.abs().sum() > 0
-    got = _ema_worker(0, 1, "precision=fp32", export)
+    got = _ema_worker(0, 1, "precision=fp32", export, after)
     assert got[0] == pytest.approx(want, rel=1e-6) and torch.allclose(got[1], ema, atol=1e-6)
     for strategy in ("tp=2", "dp=2"):
-        for losses, state in run_distributed(_ema_worker, 2, strategy, export, timeout=300):
+        for losses, state in run_distributed(_ema_worker, 2, strategy, export, after, timeout=300):
             assert losses == pytest.approx(want, rel=1e-5), strategy
             assert torch.allclose(state, ema, atol=1e-5), strategy

@@ -666,6 +666,9 @@ def candidates(ctx: Ctx) -> list[Strategy]:
                               f"kind {ctx.node.kind}); it runs replicated", stacklevel=3)
         return _replicated(ctx)
     out = rule(ctx)
+    whole = ctx.node.attrs.get("whole_inputs")      # a buffer the program updates in place: kept whole
+    if whole:
+        out = [st for st in out if all(st.ins[k] == R for k in whole if k < len(st.ins))] or _replicated(ctx)
     blocks = ctx.node.attrs.get("blocks")
     # the blocked ones first: they cost what their plain twins cost here, and a greedy walk takes
     # the first of equals (the split at the end of the chain can only hand out blocked shards)
