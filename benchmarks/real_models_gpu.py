@@ -1,8 +1,9 @@
 """Real models, as their authors write them, compiled by autopar and trained on one CUDA GPU.
 
 The breadth runs (:mod:`benchmarks.hf_architectures`, ``--breadth``) check
-twenty-nine ``transformers`` decoders, five timm / torchvision vision models and three models
+twenty-nine ``transformers`` decoders, five timm / torchvision vision models, three models
 on PyTorch's own layers (``nn.TransformerEncoder``, ``nn.LSTM``, ``nn.Transformer``, ``[seq, batch]``)
+and research code on ``torch.einsum``
 against one process on gloo CPU processes. This runs the same cases through
 ``autopar.parallelize`` on one CUDA GPU (world size 1, NCCL), where what
 differs from the CPU is the device: factory ops written with the trace's
@@ -35,7 +36,7 @@ import autopar  # noqa: F401 - first: its torchvision shim, before any model is 
 
 from .common import save
 from .matrix import LR, STEPS, _optimizer
-from .real_models import BREADTH_HF, BREADTH_VISION, CASES, TORCH_NN
+from .real_models import BREADTH_HF, BREADTH_VISION, CASES, RESEARCH, TORCH_NN
 
 #: strategies run on one GPU: the plain program, microbatches with full recompute, selective
 #: recompute, and bf16 mixed precision (looser tolerance)
@@ -158,7 +159,7 @@ def main(cases: list[str], budget_s: float) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join([*BREADTH_HF, *BREADTH_VISION, *TORCH_NN]),
+    ap.add_argument("--cases", default=",".join([*BREADTH_HF, *BREADTH_VISION, *TORCH_NN, *RESEARCH]),
                     help="comma-separated keys")
     ap.add_argument("--budget-s", type=float, default=300.0, help="start no case after this many seconds")
     a = ap.parse_args()
