@@ -8,7 +8,9 @@ a replicated value differently: the group's copies of it parted, and
 Now ``parallelize`` agrees on a seed (rank 0's draw, broadcast) where the
 program draws random numbers and ``tp > 1``; each step runs on a stream seeded
 by it, the step and the rank's data replica, and the caller's generators are
-restored afterwards.
+restored afterwards; an op whose output the group splits (dropout of a
+column-parallel layer's output) runs on a stream of the rank's own, seeded from
+the shared one, as Megatron's model-parallel generator does.
 """
 from __future__ import annotations
 
@@ -38,14 +40,16 @@ class _Masks(TorchDispatchMode):
 
 
 class _Head(nn.Module):
-    """A Megatron MLP whose reduced (row-parallel) output is dropped, pinned replicated."""
+    """A Megatron MLP: its hidden layer dropped split over tp (pinned ``S(1)``), its reduced
+    (row-parallel) output dropped replicated (pinned ``R``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.out, self.drop = nn.Linear(6, 8), nn.Linear(8, 6), nn.Dropout(0.5)
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.drop_hidden, self.drop = nn.Dropout(0.5), nn.Dropout(0.5)
 
     def forward(self, x):
-        return self.drop(self.out(F.gelu(self.inp(x))))
+        return self.drop(self.out(self.drop_hidden(F.gelu(self.inp(x)))))
 
 
 def _worker(rank: int, world: int, strategy: str) -> dict:
@@ -54,7 +58,8 @@ def _worker(rank: int, world: int, strategy: str) -> dict:
     torch.manual_seed(0)
     model, x, y = _Head(), torch.randn(4, 6), torch.randn(4, 6)
     pm = autopar.parallelize(model, (x,), loss_fn=F.mse_loss, example_target=y, strategy=strategy,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), shardings={"drop": "R"})
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                             shardings={"drop": "R", "drop_hidden": "S(1)"} if "tp" in strategy else None)
     torch.manual_seed(100 + rank)       # ranks seeded apart, as many training scripts do
     rec = _Masks()
     with rec:
@@ -72,11 +77,21 @@ def test_tensor_parallel_ranks_drop_a_replicated_value_alike(runs):
     r0, r1 = runs["tp=2"]
     assert any(p != "R" for p in r0["placement"].values()), "nothing split: not a tensor-parallel run"
     assert r0["seed"] is not None and r0["seed"] == r1["seed"]
-    assert len(r0["masks"]) == 2 and all(m.shape == (4, 6) for m in r0["masks"])      # whole on each rank
-    assert all(torch.equal(a, b) for a, b in zip(r0["masks"], r1["masks"]))
-    assert not torch.equal(r0["masks"][0], r0["masks"][1])      # a new mask every step
-    assert 0 < float(r0["masks"][0].mean()) < 1                # dropout is on
-    assert r0["losses"] == r1["losses"]                        # one loss, as train_step promises
+    whole = [(a, b) for a, b in zip(r0["masks"], r1["masks"]) if a.shape == (4, 6)]
+    assert len(whole) == 2                                      # one a step, whole on each rank
+    assert all(torch.equal(a, b) for a, b in whole)
+    assert not torch.equal(whole[0][0], whole[1][0])            # a new mask every step
+    assert 0 < float(whole[0][0].mean()) < 1                    # dropout is on
+    assert r0["losses"] == r1["losses"]                         # one loss, as train_step promises
+
+
+def test_each_shard_of_a_split_value_draws_its_own_mask(runs):
+    """As Megatron's model-parallel generator: the halves of the hidden layer were dropped with one
+    pattern repeated (each rank drew from the same stream) before a split op ran on a rank's own."""
+    r0, r1 = runs["tp=2"]
+    split = [(a, b) for a, b in zip(r0["masks"], r1["masks"]) if a.shape == (4, 4)]
+    assert len(split) == 2
+    assert not any(torch.equal(a, b) for a, b in split)
 
 
 def test_the_callers_generator_is_left_as_it_was(runs):

@@ -7,7 +7,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "random_ops", "eliminate_dead_code"]
+__all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "draws_random", "random_ops",
+           "eliminate_dead_code"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -109,38 +110,35 @@ def _name(node: fx.Node) -> str:
     return getattr(packet or t, "__name__", str(t)).split(".")[-1]
 
 
-def random_ops(gm: nn.Module) -> list[str]:
-    """Names of the nodes of ``gm`` (and of the graphs nested in it) that draw
-    random numbers when run: dropout with ``p > 0`` in training mode (fx's
-    ``F.dropout`` / ``nn.Dropout``, export's ``aten.dropout`` /
-    ``native_dropout`` and the feature / alpha variants), ``bernoulli``,
+def draws_random(node: fx.Node, owner: nn.Module) -> bool:
+    """Whether ``node`` (of a graph of ``owner``) draws random numbers when
+    run: dropout with ``p > 0`` in training mode (fx's ``F.dropout`` /
+    ``nn.Dropout``, export's ``aten.dropout`` / ``native_dropout`` and the
+    feature / alpha variants), attention's ``dropout_p``, ``bernoulli``,
     ``rand*``, ``randperm``, in-place samplers."""
-    out = []
-    for sub in gm.modules():
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        for node in sub.graph.nodes:
-            if node.op == "call_module":        # a dropout module called as one (a leaf)
-                mod = sub.get_submodule(node.target)
-                if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training:
-                    out.append(node.name)
-            if node.op not in ("call_function", "call_method"):
-                continue
-            name = _name(node)
-            if "dropout" in name:
-                p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-                train = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2
-                                                                    else name.startswith(("dropout", "native"))))
-                if not isinstance(p, (int, float)) or p > 0 and train is not False:
-                    out.append(node.name)
-            elif name in _RANDOM:
-                out.append(node.name)
-            elif "scaled_dot_product" in name:        # attention's own dropout (dropout_p)
-                at = 3 if "flash" in name else 5 if "efficient" in name else 4
-                p = node.kwargs.get("dropout_p", node.args[at] if len(node.args) > at else 0.0)
-                if not isinstance(p, (int, float)) or p > 0:
-                    out.append(node.name)
-    return out
+    if node.op == "call_module":        # a dropout module called as one (a leaf)
+        mod = owner.get_submodule(node.target)
+        return isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = _name(node)
+    if "dropout" in name:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        train = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2
+                                                            else name.startswith(("dropout", "native"))))
+        return not isinstance(p, (int, float)) or p > 0 and train is not False
+    if "scaled_dot_product" in name:        # attention's own dropout (dropout_p)
+        at = 3 if "flash" in name else 5 if "efficient" in name else 4
+        p = node.kwargs.get("dropout_p", node.args[at] if len(node.args) > at else 0.0)
+        return not isinstance(p, (int, float)) or p > 0
+    return name in _RANDOM
+
+
+def random_ops(gm: nn.Module) -> list[str]:
+    """Names of the nodes of ``gm`` and of the graphs nested in it that draw
+    random numbers (:func:`draws_random`)."""
+    return [node.name for sub in gm.modules() if isinstance(sub, fx.GraphModule)
+            for node in sub.graph.nodes if draws_random(node, sub)]
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> None:

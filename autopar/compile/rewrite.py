@@ -27,6 +27,7 @@ families and placements.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import operator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from ..sharding import AxisSharding, data_values, loss_denominator, needs_grad, 
 from ..spec.placement import P, R, local_chunk, shard_blocks
 from ..strategies import is_shard, shard_dim
 from ..strategies.redistribute import nested_moves, transition_steps
-from .fx_utils import eliminate_dead_code, get_attr
+from .fx_utils import draws_random, eliminate_dead_code, get_attr
 
 
 class Comm(nn.Module):
@@ -140,6 +141,35 @@ class SyncBatchNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"momentum={self.momentum}, eps={self.eps}"
+
+
+class RankStream(nn.Module):
+    """One random op (dropout, ``randn_like``, ...) whose output the ranks of
+    an axis split, run on a stream of this rank's own, as Megatron's
+    model-parallel generator does: it draws a number from the stream every
+    rank of the group shares (so they stay in step), seeds a forked generator
+    with it and ``salt`` (this rank's coordinates on the splitting axes), and
+    runs the op there. Without it every shard drew the same pattern (one
+    dropout mask, one noise, repeated across the split dim). Recompute replays
+    it: the shared stream is restored, so is the draw."""
+
+    def __init__(self, op: str, target: Any, salt: tuple[tuple[int, int], ...]) -> None:
+        super().__init__()
+        self.op, self.target, self.salt = op, target, salt
+
+    def forward(self, *args, **kwargs):
+        draw = int(torch.randint(0, 2 ** 62, (1,)))
+        key = repr((draw, self.salt)).encode()
+        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            if self.op == "call_method":
+                return getattr(args[0], self.target)(*args[1:], **kwargs)
+            return self.target(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{getattr(self.target, '__name__', self.target)}, salt={self.salt}"
 
 
 def _batch_norm_args(fnode: fx.Node) -> tuple | None:
@@ -455,6 +485,9 @@ class _Rewriter:
             return
         if op == "call_module":
             self.root[target] = graph.gm.get_submodule(target)
+        salt = tuple((i, ax.rank) for i, ax in enumerate(self.axes) if ax.n > 1 and is_shard(ax.out(fnode.name)))
+        if salt and op != "call_module" and draws_random(fnode, graph.gm):     # each shard draws its own
+            op, target = "call_module", self.add_module("rank_stream", RankStream(op, target, salt))
         x = self.new.create_node(op, target, args, kwargs, name=fnode.name)
         env[fnode.name] = self._loss_parts(nd, self.whole_size(fnode, x), self.axes, remap)
 
