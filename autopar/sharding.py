@@ -216,7 +216,7 @@ def walk_axis(graph: Graph, n: int, shapes: dict[str, Shape | None], input_place
             res.reused_instances += 1
             res.copied_from[g] = prev
             continue
-        for x in inst[g]:
+        for x in walk.span.get(g, inst[g]):
             decide(x)
     if output_placement is not None and graph.output is not None:
         res.out["__output__"] = output_placement
@@ -238,6 +238,7 @@ class _Walk:
     position: dict[str, tuple[str, int]]        # node -> (its instance, its position in it)
     copies: dict[str, "_CopyPlan"]              # per instance: the pairs sorted for a bulk copy
     order: tuple[Node | str, ...]               # the nodes outside instances, and each instance at its first
+    span: dict[str, list[Node]]                 # per instance: its nodes and the others between them
 
 
 @dataclass(frozen=True)
@@ -286,39 +287,59 @@ def _copy_plan(nodes: list[Node], prev: list[Node],
 def _walk_structure(graph: Graph) -> _Walk:
     def build() -> _Walk:
         inst = instances(graph)
-        prev_of = {b: a for g in graph.groups for a, b in zip(g.instances, g.instances[1:])}
+        span, broken = _spans(graph, inst)
+        walked = {g: span.get(g, nodes) for g, nodes in inst.items()}
+        prev_of = {b: a for g in graph.groups for a, b in zip(g.instances, g.instances[1:])
+                   if a in span and b in span and _alike(span[a], span[b])}
         external, pairs = {}, {}
-        for g, nodes in inst.items():
+        for g, nodes in walked.items():
             names = {x.name for x in nodes}
             external[g] = tuple(i for x in nodes for i in x.inputs if i not in names and not graph[i].is_state)
             if g in prev_of:
                 pairs[g] = tuple((a.name, b.name, tuple((i, k) for k, i in enumerate(a.inputs) if graph[i].is_state))
-                                 for a, b in zip(nodes, inst[prev_of[g]]))
-        position = {x.name: (g, k) for g, nodes in inst.items() for k, x in enumerate(nodes)}
+                                 for a, b in zip(nodes, walked[prev_of[g]]))
+        position = {x.name: (g, k) for g, nodes in walked.items() for k, x in enumerate(nodes)}
         copies = {g: plan for g in pairs
-                  if (plan := _copy_plan(inst[g], inst[prev_of[g]], pairs[g])) is not None}
-        # an instance with other nodes between its own (a residual add of the parent module's loop,
-        # ``x = x + attn(norm(x)); x = x + ff(norm(x))``, between the attention and the MLP of one
-        # layer) is walked node by node in graph order: walked at its first node, its MLP read the
-        # add before it was decided and took it for an unplaced parameter (replicated)
-        last = {g: nodes[-1].name for g, nodes in inst.items()}
-        broken, open_ = set(), None
-        for nd in graph.nodes:
-            if nd.group is not None and open_ is None and nd.name != last[nd.group]:
-                open_ = nd.group
-            elif open_ is not None and nd.group != open_ and _decided(nd):
-                broken.add(open_)
-            if open_ is not None and nd.name == last[open_]:
-                open_ = None
+                  if (plan := _copy_plan(walked[g], walked[prev_of[g]], pairs[g])) is not None}
+        in_span = {x.name for g, nodes in span.items() for x in nodes if x.group is None}
         order: list[Node | str] = []
         for nd in graph.nodes:
-            if nd.group is None or nd.group in broken:
+            if nd.group in broken or (nd.group is None and nd.name not in in_span):
                 order.append(nd)
-            elif inst[nd.group][0] is nd:
+            elif nd.group is not None and walked[nd.group][0] is nd:
                 order.append(nd.group)
-        return _Walk(inst, prev_of, external, pairs, position, copies, tuple(order))
+        return _Walk(inst, prev_of, external, pairs, position, copies, tuple(order), span)
 
     return graph.memo(("walk_axis",), build)
+
+
+def _spans(graph: Graph, inst: dict[str, list[Node]]) -> tuple[dict[str, list[Node]], set[str]]:
+    """What the walk decides of each instance, in graph order: its nodes and
+    the nodes of no instance between its first and last (the residual adds of
+    a parent module's loop, ``x = x + attn(norm(x)); x = x + ff(norm(x))``,
+    lie between a layer's attention and its MLP: walked at the instance's
+    first node, the MLP read the add undecided, took it for an unplaced
+    parameter and replicated it); and the instances interleaved with another
+    one's decided nodes, walked node by node."""
+    pos = {nd.name: k for k, nd in enumerate(graph.nodes)}
+    span, broken = {}, set()
+    for g, nodes in inst.items():
+        seq = graph.nodes[pos[nodes[0].name]:pos[nodes[-1].name] + 1]
+        if any(nd.group not in (None, g) and _decided(nd) for nd in seq):
+            broken.add(g)
+        else:
+            span[g] = [nd for nd in seq if nd.group == g or nd.group is None and _decided(nd)]
+    return span, broken
+
+
+def _alike(a: list[Node], b: list[Node]) -> bool:
+    """Whether two instances' walked nodes match position by position (kind,
+    op, shape, in an instance or between), so one copies the other's decisions."""
+    return len(a) == len(b) and all(
+        x.kind == y.kind and (x.target == y.target or x.is_state and y.is_state) and
+        (x.group is None) == (y.group is None) and
+        (x.out.shape if x.out is not None else None) == (y.out.shape if y.out is not None else None)
+        for x, y in zip(a, b))
 
 
 def _copy(res: AxisSharding, pairs, plan: _CopyPlan | None = None) -> None:
