@@ -27,7 +27,6 @@ families and placements.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import operator
 from dataclasses import dataclass
@@ -158,12 +157,9 @@ class RankStream(nn.Module):
         self.op, self.target, self.salt = op, target, salt
 
     def forward(self, *args, **kwargs):
-        draw = int(torch.randint(0, 2 ** 62, (1,)))
-        key = repr((draw, self.salt)).encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        seed = K.seed_of(int(torch.randint(0, 2 ** 62, (1,))), self.salt)
         cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(seed)
+        with K.seeded(seed, cuda):
             if self.op == "call_method":
                 return getattr(args[0], self.target)(*args[1:], **kwargs)
             return self.target(*args, **kwargs)

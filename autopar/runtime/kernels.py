@@ -11,8 +11,10 @@ gradients) and puts them in sequence order.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from autopar.errors import DistributedError
 from .collectives import all_gather_reduce_grad, all_reduce, group_size, reduce_grad
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "gather_sequence", "context_attention",
-           "sync_batch_norm"]
+           "sync_batch_norm", "seed_of", "seeded"]
 
 
 def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> None:
@@ -214,3 +216,18 @@ def sync_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None, running_
             unbiased = var.detach() * (n / max(n - 1.0, 1.0))
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return y
+
+
+def seed_of(*parts: Any) -> int:
+    """A 63-bit seed from ``parts`` (ints, strings, tuples), the same in every
+    process (``hash()`` of a string is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, cuda_devices: list[int]) -> Iterator[None]:
+    """Run the block with the CPU generator and those of ``cuda_devices``
+    seeded by ``seed``; restore them after."""
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        yield

@@ -10,7 +10,6 @@ step over the microbatches and returns the global mean loss.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import time
@@ -28,6 +27,7 @@ from ..pipeline.schedule import Timeline
 from ..spec import ParallelConfig, is_shard, shard_blocks, shard_dim, unblock
 from . import checkpoint
 from . import collectives as C
+from . import kernels as K
 from . import regather
 from .dist import Mesh, local_device
 from .faults import FaultBoard
@@ -567,11 +567,10 @@ class ParallelModule(nn.Module):
         if self.rng_seed is None:
             return contextlib.nullcontext()
         cp = self.mesh.coord("cp") if self.cp_group is not None else 0
-        key = repr((self.rng_seed, kind, step, self.dp_rank, self.pp_rank, cp)).encode()   # not hash(): salted per process
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
+        seed = K.seed_of(self.rng_seed, kind, step, self.dp_rank, self.pp_rank, cp)
         cuda = self.device.type == "cuda"
-        return _seeded(seed, [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-                       if cuda else [])
+        return K.seeded(seed, [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+                        if cuda else [])
 
     # -- checkpoints ----------------------------------------------------------
     #: steps taken before this module loaded a checkpoint (``steps`` counts them too)
@@ -658,11 +657,3 @@ class ParallelModule(nn.Module):
             if isinstance(t, nn.Parameter):
                 lines.append(f"  {name}: {tuple(t.shape)} {self.param_placement.get(name, 'R')}")
         return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, devices: list[torch.device]):
-    """Run the block with every generator seeded by ``seed``; restore them after."""
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
