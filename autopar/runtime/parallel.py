@@ -531,8 +531,9 @@ class ParallelModule(nn.Module):
             self.optimizer.zero_grad(set_to_none=True)
         if self.on_nonfinite == "raise":
             raise NonFiniteLossError(
-                f"step {len(self.step_times) + 1}: the loss is {loss}; the weights are left as they were before this step. Check the "
-                f"inputs and the learning rate, or pass on_nonfinite='skip' to parallelize() to skip such steps")
+                f"step {len(self.step_times) + 1}: the loss is {loss}; the weights are left as they were before this "
+                f"step. Check the inputs and the learning rate, or pass on_nonfinite='skip' to parallelize() to skip "
+                f"such steps")
         self.skipped_steps += 1
 
     @torch.no_grad()
