@@ -146,9 +146,13 @@ def tp_valid_sizes(graph: Graph, limit: int | None = None) -> list[int]:
             g = math.gcd(g, h)
     else:
         last = graph[graph.output] if graph.output else None
-        if last is not None and last.kind == "cross_entropy" and last.inputs:
+        if last is not None and last.kind in ("cross_entropy", "nll_loss", "pointwise_loss") and last.inputs:
             last = graph[last.inputs[0]]   # a traced loss: the model's output is its logits
-        final = last.out.shape[-1] if last is not None and last.out is not None and last.out.shape else None
+        while last is not None and last.kind == "elementwise" and last.inputs:     # back through a bias add
+            last = next((graph[i] for i in last.inputs if not graph[i].is_state), None)
+        final = None
+        if last is not None and last.out is not None and last.out.shape:    # the output's features (a conv's: dim 1)
+            final = last.out.shape[1] if last.kind == "conv" and len(last.out.shape) > 1 else last.out.shape[-1]
         widths = [graph[nd.inputs[1]].out.shape[0] for nd in graph.nodes
                   if nd.kind in ("linear", "conv") and len(nd.inputs) > 1 and graph[nd.inputs[1]].kind == "param"]
         widths = [w for w in widths if w != final] or widths

@@ -725,7 +725,7 @@ def _batch_shapes(graph: Graph) -> list[tuple[str, Shape | None, int | None]]:
 
 # --------------------------------------------------------------------------- what backward reads
 #: norms, losses and pooling read their (first) input in backward
-_READS_FIRST = ("layernorm", "rmsnorm", "batchnorm", "cross_entropy", "pool")
+_READS_FIRST = ("layernorm", "rmsnorm", "batchnorm", "groupnorm", "cross_entropy", "pool", "pointwise_loss")
 
 
 def backward_reads(graph: Graph) -> dict[str, list[str]]:

@@ -1274,7 +1274,7 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
                                        x[a["dim"] % nd])
                 if pieces:
                     a["pieces"] = pieces
-        elif k in ("cross_entropy", "nll_loss"):
+        elif k in ("cross_entropy", "nll_loss", "pointwise_loss"):
             a.update(_loss_attrs(n, t))
         elif k == "conv":
             a["groups"] = int(_arg(n, 6, "groups", 1))
@@ -1414,7 +1414,11 @@ def einsum_flops(terms: tuple[str, ...], res: str, shapes: list[tuple[int, ...]]
 
 def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
     """A cross-entropy's reduction and ignored index ("unsupported": label
-    smoothing or class weights)."""
+    smoothing or class weights); an elementwise loss's reduction."""
+    if t in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
+        # aten: (self, target, reduction: 0 none / 1 mean / 2 sum, ...); F.mse_loss: a keyword
+        r = _arg(n, 2, "reduction", 1) if isinstance(n.target, torch._ops.OpOverload) else n.kwargs.get("reduction", "mean")
+        return {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(r, "unsupported") if isinstance(r, int) else r}
     if t in ("cross_entropy_loss", "nll_loss_nd"):
         # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index[, label_smoothing])
         a = {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(_arg(n, 3, "reduction", 1), "unsupported"),
@@ -1538,7 +1542,7 @@ def _cost_node(nd: Node, by_name: dict[str, Node]) -> None:
         for s in w.shape[1:]:
             kern *= s
         flops = 2.0 * out_numel * kern
-    elif k in ("layernorm", "rmsnorm", "softmax", "batchnorm", "cross_entropy"):
+    elif k in ("layernorm", "rmsnorm", "softmax", "batchnorm", "groupnorm", "cross_entropy", "pointwise_loss"):
         flops = 5.0 * (act[0].numel if act else out_numel)
     elif k in ("elementwise", "reduction", "pool"):
         flops = float(max(out_numel, act[0].numel if act else 0))

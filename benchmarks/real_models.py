@@ -532,8 +532,84 @@ def einsum_lm() -> Case:
     return Case(EinsumLM(), (x,), y, lm_loss, LAYERS)
 
 
-#: research code on ``torch.einsum`` (which symbolic fx keeps as one op)
-RESEARCH: dict[str, Callable[[], Case]] = {"einsum-lm": einsum_lm}
+# ----------------------------------------------------------------------------- a diffusion U-Net
+def timestep_embedding(t, dim):
+    """The sinusoidal embedding of diffusion timesteps ``t`` [B]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device) / half)
+    args = t[:, None].to(freqs.dtype) * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+class ResBlock(nn.Module):
+    """Two 3x3 convolutions after group norms and SiLU, the time embedding added between."""
+
+    def __init__(self, cin, cout, tdim):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.temb = nn.Linear(tdim, cout)
+        self.norm2, self.conv2 = nn.GroupNorm(8, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+    def forward(self, x, t):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(F.silu(t))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+class ConvAttention(nn.Module):
+    """Self-attention over the pixels, its heads' width read off the input's channels (``c // heads``)."""
+
+    def __init__(self, c, heads=4):
+        super().__init__()
+        self.heads, self.norm = heads, nn.GroupNorm(8, c)
+        self.qkv, self.out = nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, self.heads, c // self.heads, h * w).unbind(1)
+        attn = torch.softmax(q.transpose(-1, -2) @ k / math.sqrt(c // self.heads), dim=-1)
+        y = (v @ attn.transpose(-1, -2)).reshape(b, c, h, w)
+        return x + self.out(y)
+
+class UNet(nn.Module):
+    """A DDPM-style U-Net as PyTorch diffusion tutorials write it: a sinusoidal time embedding and
+    its MLP, residual blocks with group norm, a strided-conv downsample, attention in the middle,
+    nearest upsampling and skip connections concatenated on the channels."""
+
+    def __init__(self, ch=32, mult=(1, 2), tdim=64):
+        super().__init__()
+        self.tdim = tdim
+        self.time = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.inc = nn.Conv2d(3, ch, 3, padding=1)
+        self.down, chs, c = nn.ModuleList(), [ch], ch
+        for m in mult:
+            self.down.append(ResBlock(c, ch * m, tdim)); c = ch * m; chs.append(c)
+        self.pool = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.mid1, self.mid_attn, self.mid2 = ResBlock(c, c, tdim), ConvAttention(c), ResBlock(c, c, tdim)
+        self.up = nn.ModuleList()
+        for m in reversed(mult):
+            self.up.append(ResBlock(c + chs.pop(), ch * m, tdim)); c = ch * m
+        self.outc = nn.Sequential(nn.GroupNorm(8, c), nn.SiLU(), nn.Conv2d(c, 3, 3, padding=1))
+    def forward(self, x, t):
+        temb = self.time(timestep_embedding(t, self.tdim))
+        h = self.inc(x); hs = [h]
+        for blk in self.down:
+            h = blk(h, temb); hs.append(h)
+        h = self.pool(h)
+        h = self.mid2(self.mid_attn(self.mid1(h, temb)), temb)
+        h = F.interpolate(h, scale_factor=2, mode="nearest")
+        for blk in self.up:
+            h = blk(torch.cat([h, hs.pop()], dim=1), temb)
+        return self.outc(h)
+
+def ddpm_unet() -> Case:
+    """The U-Net predicting the noise of 16 x 16 images at random timesteps (MSE loss)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 1000, (BATCH,), generator=g)
+    return Case(UNet(), (x, t), torch.randn(BATCH, 3, 16, 16, generator=g), F.mse_loss, 2)
+
+
+#: research code on ``torch.einsum`` (which symbolic fx keeps as one op), and a diffusion U-Net
+RESEARCH: dict[str, Callable[[], Case]] = {"einsum-lm": einsum_lm, "ddpm-unet": ddpm_unet}
 
 
 def _image_case(build: Callable[[], nn.Module], size: int = 32) -> Callable[[], Case]:

@@ -94,7 +94,8 @@ OLD_LINEAR_FIRST = ("mul", "truediv", "div", "imul", "mul_", "rmul",
 
 
 #: kinds registered since the tables were replaced, with their family
-NEW_KINDS = {"recurrent": "matmul", "einsum": "matmul"}
+NEW_KINDS = {"recurrent": "matmul", "einsum": "matmul", "groupnorm": "other", "resample": "other",
+             "pointwise_loss": "other", "broadcast": "other"}
 
 
 def test_kinds_are_the_old_table():
@@ -329,6 +330,22 @@ class _Einsums(nn.Module):
                 torch.einsum("bhii->bhi", scores))
 
 
+class _Diffusion(nn.Module):
+    """What a diffusion U-Net adds: group norm, nearest / bilinear resampling, and the losses of
+    a predicted noise (mean squared, L1, smooth L1, Huber; a mean, a sum, none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gn = nn.GroupNorm(2, 4)
+
+    def forward(self, x, noise):                  # x, noise [4, 4, 8, 8]
+        h = self.gn(x)
+        up = F.interpolate(h, scale_factor=2, mode="nearest")
+        lin = F.interpolate(h, size=(12, 12), mode="bilinear", align_corners=False)
+        return (up, lin, F.mse_loss(h, noise), F.mse_loss(h, noise, reduction="sum"), F.l1_loss(h, noise),
+                F.smooth_l1_loss(h, noise, beta=0.5), F.huber_loss(h, noise, reduction="none"))
+
+
 class _Convs(nn.Module):
     """Convolution, batch norm, pooling (NCHW)."""
 
@@ -377,6 +394,7 @@ def _case_inputs(gen: torch.Generator) -> dict[str, tuple[nn.Module, tuple, bool
         "pointwise": (_Pointwise(), (rnd(4, 8, 6), rnd(6), rnd(4, 1, 6)), False),
         "matmuls": (_Matmuls().double(), (rnd(4, 6, 8), rnd(8, 12), rnd(4, 8, 8)), False),
         "einsums": (_Einsums().double(), (rnd(4, 2, 6, 8), rnd(4, 2, 6, 8), rnd(4, 1, 6, 8)), False),
+        "diffusion": (_Diffusion().double(), (rnd(4, 4, 8, 8), rnd(4, 4, 8, 8)), False),
         "convs": (_Convs().double(), (rnd(4, 4, 8, 8),), False),
         "convs_eval_dp": (conv_eval, (rnd(4, 4, 8, 8),), True),
         "losses": (_Losses().double(), (rnd(8, V), ids(V, 8), ids(V, 4, 4)), False),
@@ -651,7 +669,8 @@ KNOWN_BUGS = {
         "sizes do not fit the local chunk of the unflattened dim",
 }
 CASES = ("attention", "pointwise", "matmuls", "convs", "convs_eval_dp", "losses",
-         "attention_export", "matmuls_export", "recurrent_export", "einsums", "einsums_export")
+         "attention_export", "matmuls_export", "recurrent_export", "einsums", "einsums_export", "diffusion",
+         "diffusion_export")
 _RESULTS: dict[str, tuple[dict, set]] = {}
 
 

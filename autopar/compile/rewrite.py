@@ -311,7 +311,7 @@ def compile_local(graph: Graph, tp: AxisSharding, shapes: dict[str, tuple[int, .
     """
     if graph.gm is None:
         raise CompileError(f"graph {graph.name!r} has no program to compile (it was rebuilt from a summary)")
-    axes = [*([batch] if batch is not None else []), *grid, Axis(tp, tp_rank, tp_group)]
+    axes = [*([batch] if batch is not None else []), *grid, Axis(tp, tp_rank, tp_group, whole_sizes=True)]
     rw = _Rewriter(graph, axes, shapes, params, batch_group)
     for fnode in graph.gm.graph.nodes:
         rw.node(fnode)

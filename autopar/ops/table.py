@@ -58,6 +58,17 @@ _kind("grouped_mm", ("grouped_mm_fallback", _("_grouped_mm", _SAVED), "grouped_m
 _kind("einsum", ("einsum",), "matmul",
       "Einstein summation: each operand's dims labelled by letters; a letter shared is multiplied "
       "along, one missing from the output summed over")
+# per sample over groups of channels and the spatial dims (diffusion U-Nets, ConvNeXt-style models)
+_kind("groupnorm", ("group_norm", "native_group_norm"), doc="normalisation of each sample over groups of channels")
+# F.interpolate and the aten kernels it calls: each sample and channel on its own
+_kind("resample", ("interpolate", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                   "upsample_bilinear2d", "upsample_bicubic2d", "upsample_linear1d", "upsample_trilinear3d",
+                   "_upsample_nearest_exact2d", "_upsample_bilinear2d_aa"), doc="spatial resampling, NC... layout")
+# a mean / sum (or none) over an elementwise loss of two tensors alike
+_kind("pointwise_loss", ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"),
+      doc="an elementwise loss of input and target, reduced over every element")
+# torch.broadcast_tensors (F.mse_loss calls it): each input expanded to the common shape
+_kind("broadcast", ("broadcast_tensors",), doc="tensors expanded to one shape (a tuple)")
 # one op over the sequence: replicated on tp, the samples split on [seq, batch] input (rules.py)
 _kind("recurrent", ("lstm", "gru", "rnn_tanh", "rnn_relu"), "matmul",
       "nn.LSTM / nn.GRU / nn.RNN as one op over the sequence (aten.lstm, ...): its weights' products per token")

@@ -317,6 +317,51 @@ def _norm(ctx: Ctx) -> list[Strategy]:
     return out
 
 
+@ops.register_rule("groupnorm")
+def _groupnorm(ctx: Ctx) -> list[Strategy]:
+    """group_norm(x, groups, weight, bias): statistics of each sample, so its samples split."""
+    x = ctx.ins[0]
+    out = _replicated(ctx)
+    if ctx.div(x, 0):
+        out.append(Strategy("batch", (S(0),) + (R,) * (len(ctx.ins) - 1), S(0), True))
+    return out
+
+
+@ops.register_rule("pointwise_loss")
+def _pointwise_loss(ctx: Ctx) -> list[Strategy]:
+    """mse_loss / l1_loss / smooth_l1_loss / huber_loss of two tensors of one
+    shape: split along any dim, both alike; a mean becomes a partial sum
+    scaled by ``1/n`` (each rank's mean of as many elements), a sum a partial
+    sum, no reduction stays split."""
+    out = _replicated(ctx)
+    red = ctx.node.attrs.get("reduction", "mean")
+    if len(ctx.ins) != 2 or ctx.ins[0] is None or ctx.ins[0] != ctx.ins[1] or red not in ("mean", "sum", "none"):
+        return out
+    for d in range(len(ctx.ins[0])):
+        if ctx.div(ctx.ins[0], d):
+            res = S(d) if red == "none" else P
+            out.append(Strategy(f"dim{d}", (S(d), S(d)), res, True, scale=1.0 / ctx.n if red == "mean" else 1.0))
+    return out
+
+
+@ops.register_rule("broadcast")
+def _broadcast(ctx: Ctx) -> list[Strategy]:
+    """broadcast_tensors: a dim of the common shape splits every input that
+    has it (a broadcast size-1 dim stays whole); the tuple is split alike."""
+    o = ctx.out
+    out = _replicated(ctx)
+    if o is None or any(x is None for x in ctx.ins):
+        return out
+    for d in range(len(o)):
+        ins = []
+        for x in ctx.ins:
+            dx = d - (len(o) - len(x))
+            ins.append(R if dx < 0 or x[dx] == 1 else S(dx) if ctx.div(x, dx) else None)
+        if None not in ins and any(p != R for p in ins):
+            out.append(Strategy(f"dim{d}", tuple(ins), S(d), True))
+    return out
+
+
 @ops.register_rule("batchnorm")
 def _batchnorm(ctx: Ctx) -> list[Strategy]:
     """batch_norm(x, running_mean, running_var, weight, bias): channels exactly;
@@ -380,8 +425,9 @@ def _scatter(ctx: Ctx) -> list[Strategy]:
     return out
 
 
-@ops.register_rule("pool")
+@ops.register_rule("pool", "resample")
 def _pool(ctx: Ctx) -> list[Strategy]:
+    """Pooling and resampling (``F.interpolate``): each sample and channel on its own."""
     x = ctx.ins[0]
     out = _replicated(ctx)
     for d in (0, 1):
