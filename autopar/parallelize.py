@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import api, ops
-from .compile.fx_utils import get_attr, random_ops, retarget_devices, to_device
+from .compile.fx_utils import get_attr, matmuls_in_dtype, random_ops, retarget_devices, to_device
 from .compile.context import apply_cp as _apply_cp
 from .compile.copies import apply_copies as _apply_copies
 from .compile.regions import layer_labels, layer_regions
@@ -560,6 +560,8 @@ def apply_tp(graph: Graph, plan: Plan, cfg: ParallelConfig, mesh: Mesh, global_b
     # batch norm takes its statistics over the data-parallel group (SyncBatchNorm): dp computes one process's
     prog = compile_local(graph, tp_sh, shapes, tp_rank=mesh.coord("tp"), tp_group=mesh.group("tp"), params=full,
                          grid=grid, batch_group=mesh.group("dp") if cfg.dp > 1 else None, batch=batch)
+    if cfg.precision in LOW_PRECISION:     # a value the model makes in fp32 meets the low-precision weights
+        matmuls_in_dtype(prog.module, LOW_PRECISION[cfg.precision])
     retarget_devices(prog.module, device)     # an export graph's factory ops name the device it was traced on
     to_device(prog.module, device)     # its tensor constants too, which Module.to leaves behind
     return prog

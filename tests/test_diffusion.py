@@ -10,6 +10,7 @@ norm), tp was refused (the output conv's 3 channels counted as a layer width),
 and once allowed, tp computed another function: the channel count read off a
 value tp splits was this rank's half, so attention was scaled by sqrt(8) instead
 of sqrt(16). A size read off a dim the tp axis splits is the whole one now.
+Under bf16 its fp32 timestep embedding met bf16 weights in a matmul and failed.
 """
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def runs() -> dict:
 def test_the_unet_trains_as_in_one_process(runs, strategy):
     ref = matrix.reference("ddpm-unet")
     assert matrix.check(strategy, strategy, ref, runs[strategy]) == "ok"
+
+
+def test_bf16_reads_an_fp32_embedding_made_in_the_model():
+    """The U-Net makes its sinusoidal timestep embedding in fp32 (``torch.arange``) and feeds it to
+    the time MLP, whose weights bf16 makes bf16: the matmul of two dtypes failed (found on an H200).
+    Matmul-family ops now read their operands in the compute dtype, as torch.autocast makes them."""
+    import torch
+
+    from benchmarks import real_models_gpu as gpu
+    cpu = torch.device("cpu")
+    ref = gpu.eager("ddpm-unet", cpu)
+    assert gpu.verdict("precision=bf16", gpu.compiled("ddpm-unet", "precision=bf16", cpu)[:2], ref) == "ok"

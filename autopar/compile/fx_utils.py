@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 __all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "draws_random", "random_ops",
-           "eliminate_dead_code"]
+           "eliminate_dead_code", "matmuls_in_dtype"]
 
 
 def get_attr(module: nn.Module, target: str) -> Any:
@@ -149,3 +149,38 @@ def eliminate_dead_code(gm: fx.GraphModule) -> None:
     has made every other in-place op a pure one: :mod:`autopar.inplace`)."""
     from ..inplace import updates_state
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or updates_state(n))
+
+
+def matmuls_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> int:
+    """Make every matmul-family op of ``gm`` (linear, matmul, convolution,
+    attention, einsum, grouped matmul) read its floating operands in
+    ``dtype``, as ``torch.autocast`` does for them: under bf16 the weights
+    are bf16, and a value the model makes in fp32 itself (a diffusion model's
+    sinusoidal timestep embedding from ``torch.arange``) met them in a matmul
+    of two dtypes and failed. A cast of a value already in ``dtype`` returns
+    it. Returns how many ops read a cast."""
+    from .. import ops
+    from ..runtime.kernels import in_dtype
+    kinds = ops.matmul_kinds() - {"recurrent"}
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        info = ops.op_info(node.target)
+        if info is None or info.kind not in kinds:
+            continue
+        with gm.graph.inserting_before(node):
+            node.args = tuple(gm.graph.call_function(in_dtype, (a, dtype)) if _activation(a) else a
+                              for a in node.args)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _activation(a: Any) -> bool:
+    """Whether argument ``a`` is a value the program computes (a node other
+    than a weight read, or a list holding one: einsum's operands)."""
+    if isinstance(a, (list, tuple)):
+        return any(_activation(v) for v in a)
+    return isinstance(a, fx.Node) and a.op != "get_attr"

@@ -25,7 +25,7 @@ from autopar.errors import DistributedError
 from .collectives import all_gather_reduce_grad, all_reduce, group_size, reduce_grad
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "gather_sequence", "context_attention",
-           "sync_batch_norm", "seed_of", "seeded"]
+           "sync_batch_norm", "seed_of", "seeded", "in_dtype"]
 
 
 def _check_range(n_local: int, vocab_start: int, vocab_end: int, what: str) -> None:
@@ -231,3 +231,11 @@ def seeded(seed: int, cuda_devices: list[int]) -> Iterator[None]:
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(seed)
         yield
+
+
+def in_dtype(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` in ``dtype`` when it is a floating tensor of another (a list or
+    tuple of them elementwise); anything else as it is."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(in_dtype(v, dtype) for v in x)
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
