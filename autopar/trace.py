@@ -1417,7 +1417,8 @@ def _loss_attrs(n: fx.Node, t: str) -> dict[str, Any]:
     smoothing or class weights); an elementwise loss's reduction."""
     if t in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
         # aten: (self, target, reduction: 0 none / 1 mean / 2 sum, ...); F.mse_loss: a keyword
-        r = _arg(n, 2, "reduction", 1) if isinstance(n.target, torch._ops.OpOverload) else n.kwargs.get("reduction", "mean")
+        aten = isinstance(n.target, torch._ops.OpOverload)
+        r = _arg(n, 2, "reduction", 1) if aten else n.kwargs.get("reduction", "mean")
         return {"reduction": {0: "none", 1: "mean", 2: "sum"}.get(r, "unsupported") if isinstance(r, int) else r}
     if t in ("cross_entropy_loss", "nll_loss_nd"):
         # aten: (input, target, weight, reduction: 0 none / 1 mean / 2 sum, ignore_index[, label_smoothing])
