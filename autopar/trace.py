@@ -1122,7 +1122,7 @@ def _build_graph(gm: fx.GraphModule, name: str, frontend: str, args: tuple,
         _cost_node(nd, by_name)
     _mark_norm_outputs(gm, by_name)
     _mark_fused_splits(nodes, by_name)
-    _mark_updated_state(gm, nodes)
+    _mark_updated_state(gm, nodes, fx_nodes)
     batch = 1
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() > 0:
@@ -1329,14 +1329,13 @@ def _attrs(n: fx.Node, node: Node, by_name: dict[str, Node]) -> dict[str, Any]:
     return a
 
 
-def _mark_updated_state(gm: fx.GraphModule, nodes: list[Node]) -> None:
+def _mark_updated_state(gm: fx.GraphModule, nodes: list[Node], fx_nodes: dict[str, fx.Node]) -> None:
     """``attrs["whole_inputs"]``: the inputs of a node that are a buffer the
     program updates in place (an EMA): every rank keeps it whole, so its
     readers read it so (a rank holding a slice updated a gathered copy)."""
     updated = {t for n in gm.graph.nodes if (t := updated_state(n)) is not None}
     if not updated:
         return
-    fx_nodes = {n.name: n for n in gm.graph.nodes}
     for nd in nodes:
         whole = [k for k, i in enumerate(nd.inputs) if fx_nodes[i].op == "get_attr" and fx_nodes[i].target in updated]
         if whole:

@@ -7,6 +7,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .. import ops
+from ..inplace import updates_state
+from ..runtime.kernels import in_dtype
+
 __all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "draws_random", "random_ops",
            "eliminate_dead_code", "matmuls_in_dtype"]
 
@@ -147,7 +151,6 @@ def eliminate_dead_code(gm: fx.GraphModule) -> None:
     a counter's ``add_(1)``): nothing reads them, and fx counts a method call
     as pure, so a sharded program dropped the update (out-of-place rewriting
     has made every other in-place op a pure one: :mod:`autopar.inplace`)."""
-    from ..inplace import updates_state
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or updates_state(n))
 
 
@@ -159,8 +162,6 @@ def matmuls_in_dtype(gm: fx.GraphModule, dtype: torch.dtype) -> int:
     sinusoidal timestep embedding from ``torch.arange``) met them in a matmul
     of two dtypes and failed. A cast of a value already in ``dtype`` returns
     it. Returns how many ops read a cast."""
-    from .. import ops
-    from ..runtime.kernels import in_dtype
     kinds = ops.matmul_kinds() - {"recurrent"}
     count = 0
     for node in list(gm.graph.nodes):
