@@ -206,6 +206,11 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
         if cfg.stages > n_layers:
             raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
                                 f"{cfg.stages} repeated layers; {graph.name} has {n_layers}")
+    if cfg.fsdp_layers and cfg.fsdp_layers > (n_layers := units(graph).layers if has_layers(graph) else 0):
+        raise StrategyError(f"fsdp_layers={cfg.fsdp_layers} shards that many repeated layers over dp, but "
+                            f"{graph.name} has {n_layers}" + ("" if n_layers else
+                                                               " (layers are repeated blocks, such as a ModuleList "
+                                                               "of alike transformer blocks)"))
     if cfg.recompute != "none" and not has_layers(graph):
         raise StrategyError(f"recompute={cfg.recompute} runs each layer's forward again in its backward, but "
                             f"{graph.name} has no layers to cut it into (layers are repeated blocks, such as a "
@@ -775,6 +780,27 @@ class CostModel:
             opt += self._optimizer_bytes(cfg, local) / (dev.memory_bandwidth * dev.memory_efficiency)
         return comm, opt, st
 
+    def _dp_tails(self, cfg: ParallelConfig, sh: AxisSharding, local: float, n_tensors: float,
+                  topo: MeshTopology, fwd_s: float, bwd_s: float) -> tuple[float, float, dict[str, float]]:
+        """:meth:`_dp_tail` of a configuration without a pipeline. With
+        ``fsdp_layers = k``: the ZeRO-3 tail of the first k layers'
+        parameters (k FSDP2 units, each hiding its collectives behind its
+        layer's share of the compute) plus the ``zero`` tail of the rest (one
+        bucketed reduction over the whole backward), their model states
+        added; the loss's all-reduce counted once."""
+        k = cfg.fsdp_layers
+        if not k:
+            return self._dp_tail(cfg, local, n_tensors, topo, 0, fwd_s, bwd_s, self._fsdp_units())
+        elems, tensors = self._unit_params(sh, cfg.tp)
+        e3, t3 = sum(elems[1:k + 1]), sum(tensors[1:k + 1])
+        share = k / self._fsdp_units()
+        c3, o3, s3 = self._dp_tail(dataclasses.replace(cfg, zero=3, fsdp_layers=0), e3, t3, topo, 0,
+                                   fwd_s * share, bwd_s * share, k)
+        cz, oz, sz = self._dp_tail(dataclasses.replace(cfg, fsdp_layers=0), local - e3, n_tensors - t3, topo, 0,
+                                   fwd_s, bwd_s, 1)
+        loss = topo.collective_time("all_reduce", 4, 0) if cfg.dp > 1 else 0.0
+        return c3 + cz - loss, o3 + oz, {key: s3[key] + sz[key] for key in sz}
+
     def _optimizer_bytes(self, cfg: ParallelConfig, local: float) -> float:
         """Bytes the device's optimizer step moves for ``local`` trainable
         elements: torch's ops over this rank's shard (ZeRO >= 1 splits it over
@@ -788,6 +814,9 @@ class CostModel:
         """ZeRO-3's unsharded weights at the peak: the root's (outside the
         layers, kept for the whole step) and two layers' (the one running and
         the one prefetched), in the compute dtype."""
+        if cfg.fsdp_layers:     # the FSDP2 layers only: the root is not sharded
+            layers = self._unit_params(sh, cfg.tp)[0][1:1 + cfg.fsdp_layers]
+            return min(2, len(layers)) * max(layers) * self.itemsize
         if cfg.zero < 3 or (cfg.dp == 1 and cfg.offload == "none"):
             return 0.0
         try:
@@ -1011,8 +1040,8 @@ class CostModel:
         # model states, data-parallel communication, optimizer
         local_params, n_tensors = self._local_params(sh, tp)
         mb_fwd = fwd + tp_comm / 2
-        dp_comm, opt_time, states = self._dp_tail(cfg, local_params, n_tensors, topo, 0, mb_fwd,
-                                                  (passes - 1) * fwd + tp_comm / 2, self._fsdp_units())
+        dp_comm, opt_time, states = self._dp_tails(cfg, sh, local_params, n_tensors, topo, mb_fwd,
+                                                   (passes - 1) * fwd + tp_comm / 2)
         dp_comm += m * self._meeting_comm(cfg, global_batch // m, topo)
         activations = saved_outside + sum(inst_saved.values())
         recomputed = 0.0     # one layer's values materialised again while its backward runs

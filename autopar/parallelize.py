@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import api, ops
 from .compile.fx_utils import get_attr, matmuls_in_dtype, random_ops, retarget_devices, to_device
@@ -634,7 +635,8 @@ def apply_copies(prog: LocalProgram, graph: Graph, cfg: ParallelConfig, counted:
     stays one region. ``counted``: the loss divides by a count of the batch
     (:func:`weighs_parts`), so the copies' losses are weighted by their
     counts. Returns ``prog``."""
-    labels = layer_labels(prog.module, graph) if cfg.recompute != "none" or cfg.zero == 3 else None
+    labels = layer_labels(prog.module, graph) if cfg.recompute != "none" or cfg.zero == 3 or cfg.fsdp_layers \
+        else None
     counter = token_counter(graph) if counted else None
     if counter is not None:
         to_device(counter, local_device())
@@ -684,7 +686,7 @@ def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig,
     (``keeps``: the nodes whose outputs selective recompute keeps, the
     program's ``LocalProgram.keeps``); ZeRO-3 needs the regions too (one
     FSDP2 unit each). Returns ``module`` itself when neither is asked for."""
-    if cfg.recompute == "none" and cfg.zero != 3:
+    if cfg.recompute == "none" and cfg.zero != 3 and not cfg.fsdp_layers:
         return module
     return R_.apply_recompute(layer_regions(module, graph, keeps), cfg.recompute, ops.save_ops())
 
@@ -696,19 +698,21 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
     ``dp_shard_cp``: the cp ranks hold the same weights and their gradients
     are averaged with the dp ranks'; compute in the
     low precision, gradients reduced in ``reduce_dtype`` or fp32; ``offload``
-    keeps the shards on the host). Returns ``module``. Raises
+    keeps the shards on the host). With ``fsdp_layers=k``: the first k
+    layer regions only (the rest of ``module`` stays under the distributed
+    optimizer, :func:`apply_optimizer`). Returns ``module``. Raises
     :class:`UnsupportedError` when torch built no DeviceMesh."""
-    if cfg.zero != 3:
+    if cfg.zero != 3 and not cfg.fsdp_layers:
         return module
     if mesh.device_mesh is None:
-        raise UnsupportedError("zero=3 runs on torch FSDP2, which needs a torch DeviceMesh; "
-                               "init_device_mesh failed on this process group")
+        raise UnsupportedError(f"{'zero=3' if cfg.zero == 3 else 'fsdp_layers'} runs on torch FSDP2, which needs "
+                               "a torch DeviceMesh; init_device_mesh failed on this process group")
     low = LOW_PRECISION.get(cfg.precision)
     reduce = LOW_PRECISION.get(cfg.reduce_dtype) if cfg.reduce_dtype else (torch.float32 if low else None)
     dm = mesh.device_mesh
     shard_mesh = dm["dp", "cp"]._flatten("dp_cp") if cfg.cp > 1 else dm["dp"]
     return R_.fully_shard_regions(module, shard_mesh, param_dtype=low, reduce_dtype=reduce,
-                                  offload=cfg.offload == "optimizer")
+                                  offload=cfg.offload == "optimizer", layers=cfg.fsdp_layers or None)
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],
@@ -746,13 +750,18 @@ def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
     reduces gradients over dp (ZeRO 1/2, mixed precision, overlap; ``tied``
     copies summed first) and clips them (``max_grad_norm``, with ``copies``
     from :func:`grad_copies`), or None under FSDP2 (``zero=3``), which
-    reduces them itself (the ParallelModule clips then). With a low precision and no FSDP2, floating buffers (rotary
-    tables, masks) are cast to the compute dtype here, as the distributed
-    optimizer casts the parameters."""
+    reduces them itself (the ParallelModule clips then); with ``fsdp_layers``
+    the FSDP2 shards of those layers are the inner optimizer's second param
+    group (FSDP2 reduces their gradients, the distributed optimizer clips and
+    steps them with the rest). With a low precision and no FSDP2, floating
+    buffers (rotary tables, masks) are cast to the compute dtype here, as the
+    distributed optimizer casts the parameters."""
     factory = factory or (lambda ps: torch.optim.SGD(ps, lr=0.01))
     params = [p for p in nn.ModuleList(modules).parameters() if p.requires_grad]
     if cfg.zero == 3:
         return factory(params), None
+    sharded = [p for p in params if isinstance(p, DTensor)]     # fsdp_layers: FSDP2's own
+    params = [p for p in params if not isinstance(p, DTensor)]
     low = LOW_PRECISION.get(cfg.precision)
     if low is not None:
         for mod in modules:
@@ -763,7 +772,8 @@ def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
         params, factory, mesh.group("dp_cp" if cfg.cp > 1 else "dp"), zero=cfg.zero, precision=cfg.precision or "fp32",
         reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
         offload=cfg.offload == "optimizer", tied=list(tied), max_grad_norm=max_grad_norm,
-        grad_copies=[(t, (copies or {}).get(name, 1)) for name, t in local_tensors(modules).items()])
+        grad_copies=[(t, (copies or {}).get(name, 1)) for name, t in local_tensors(modules).items()],
+        sharded=sharded)
     return dist_opt.optimizer, dist_opt
 
 

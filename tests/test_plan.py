@@ -115,7 +115,8 @@ def test_parallel_schema_is_generated_from_the_strategy_keys(gpt_plan):
     assert list(schema["properties"]) == [k.name for k in FIELDS]
     # keys recorded only when changed (cp) are left out of plans at their default
     assert list(ParallelConfig().as_dict()) == [k.name for k in FIELDS if k.recorded == "always"]
-    assert list(ParallelConfig(cp=2, copies=2, tp=8, tp_mode="2.5d", tp_depth=2).as_dict()) == [k.name for k in FIELDS]
+    assert list(ParallelConfig(cp=2, copies=2, tp=8, tp_mode="2.5d", tp_depth=2, fsdp_layers=1).as_dict()) == \
+        [k.name for k in FIELDS]
     assert schema["properties"] == {k.name: k.schema() for k in FIELDS}
     # the keys of the first plans stay required; the later ones are optional for the plans written before them
     assert schema["required"] == ["dp", "tp", "pp", "microbatches", "schedule", "recompute", "zero"]

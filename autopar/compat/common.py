@@ -181,6 +181,9 @@ def common_losses(cfg: ParallelConfig, plan: Plan | None, framework: str) -> lis
     if cfg.copies > 1 and framework != "MindFormers":
         notes.append(f"copies={cfg.copies} (multi-copy parallel, MindSpore's micro_batch_interleave_num): no "
                      f"{framework} key")
+    if cfg.fsdp_layers:
+        notes.append(f"fsdp_layers={cfg.fsdp_layers} (that many layers under ZeRO-3, the rest under zero={cfg.zero}): "
+                     f"no {framework} key; written as zero={cfg.zero} for every layer")
     if getattr(cfg, "tp_mode", "1d") in ("mesh", "mesh3"):
         notes.append(f"tp_mode={cfg.tp_mode} (the tp group as a {' x '.join(map(str, cfg.tp_grid))} mesh whose "
                      f"per-op placements one program decides on every axis): {framework} has no such layout, so tp={cfg.tp} "

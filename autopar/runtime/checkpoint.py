@@ -247,19 +247,20 @@ def _local_state(pm) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]]
             else:
                 for p in dopt.params:
                     states[id(p)][s] = v
-        groups = [([key[id(p)] for p in dopt.params if id(p) in key], _hyper(g)) for g in inner.param_groups]
+        groups = [([key[id(p)] for p in dopt.params if id(p) in key], _hyper(inner.param_groups[0]))]
+        rest = inner.param_groups[1:]     # fsdp_layers: FSDP2's shards in a group of their own
     else:
-        groups = []
-        for g in inner.param_groups:
-            for p in g["params"]:
-                st = {}
-                for s, v in inner.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor) and v.shape == p.shape and (p.dim() > 0 or s != "step"):
-                        elementwise.add(s)
-                        v = full_tensor(v)
-                    st[s] = v
-                states[id(p)] = st
-            groups.append(([key[id(p)] for p in g["params"] if id(p) in key], _hyper(g)))
+        groups, rest = [], inner.param_groups
+    for g in rest:
+        for p in g["params"]:
+            st = {}
+            for s, v in inner.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and (p.dim() > 0 or s != "step"):
+                    elementwise.add(s)
+                    v = full_tensor(v)
+                st[s] = v
+            states[id(p)] = st
+        groups.append(([key[id(p)] for p in g["params"] if id(p) in key], _hyper(g)))
     return masters, states, elementwise, groups
 
 
@@ -530,7 +531,10 @@ def _restore_scheduler(current: dict, saved: dict) -> dict:
 
 def _load_optimizer(pm, inner: torch.optim.Optimizer, states: dict[int, dict], elementwise: set[str],
                     hyper_of: dict[int, dict]) -> None:
-    """Put the loaded per-parameter state and hyperparameters into ``inner``."""
+    """Put the loaded per-parameter state and hyperparameters into ``inner``
+    (a flat optimizer's master in its first param group, any other group's
+    parameters, FSDP2's shards of ``fsdp_layers``, one by one)."""
+    state, groups, i, rest = {}, [], 0, inner.param_groups
     if _is_flat(pm):
         dopt = pm.dist_optimizer
         st: dict[str, Any] = {}
@@ -543,13 +547,12 @@ def _load_optimizer(pm, inner: torch.optim.Optimizer, states: dict[int, dict], e
                 st[s] = _flat_shard(dopt, vec).to(dopt.master.device)
             else:
                 st[s] = next(states[id(p)][s] for p in dopt.params if s in states.get(id(p), {}))
-        (g,) = inner.param_groups
         saved = next((hyper_of[id(p)] for p in dopt.params if id(p) in hyper_of), {})
-        inner.load_state_dict({"state": {0: st} if st else {},
-                               "param_groups": [{**_restore_hyper(g, saved), "params": [0]}]})
-        return
-    state, groups, i = {}, [], 0
-    for g in inner.param_groups:
+        if st:
+            state[0] = st
+        groups.append({**_restore_hyper(inner.param_groups[0], saved), "params": [0]})
+        i, rest = 1, inner.param_groups[1:]
+    for g in rest:
         ids = []
         for p in g["params"]:
             if states.get(id(p)):

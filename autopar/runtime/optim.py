@@ -279,6 +279,12 @@ class DistributedOptimizer:
       hold besides the dp replicas (replicated over tp, tied copies), so
       that each element counts once. ``grad_norm`` is the last step's norm
       before clipping (None without clipping).
+    * ``sharded``: parameters another system keeps sharded over dp and
+      reduces itself (FSDP2's ``DTensor`` s of ``fsdp_layers``): their
+      gradients arrive reduced (the dp mean of this rank's shard); the inner
+      optimizer updates them in a second param group (the factory gets
+      ``[{"params": ...}, {"params": sharded}]``), clipping counts them, and
+      ``zero_grad`` clears them.
     """
 
     growth_interval = 1000   # fp16: good steps in a row before the loss scale doubles
@@ -287,8 +293,13 @@ class DistributedOptimizer:
                  dp_group: Any, *, zero: int = 0, precision: str = "fp32", reduce_dtype: Any = None,
                  bucket_mb: float = 25.0, overlap: bool = True, offload: bool = False,
                  tied: Iterable[tuple[torch.Tensor, Any]] = (), world_group: Any = None,
-                 max_grad_norm: float | None = None, grad_copies: Iterable[tuple[torch.Tensor, int]] = ()) -> None:
+                 max_grad_norm: float | None = None, grad_copies: Iterable[tuple[torch.Tensor, int]] = (),
+                 sharded: Iterable[torch.Tensor] = ()) -> None:
         bucket_mb = _check_options(zero, precision, bucket_mb)
+        grad_copies = list(grad_copies)
+        self.sharded: list[torch.Tensor] = [p for p in _unique(sharded) if p.requires_grad]
+        self._sharded_copies = [max(1, int(dict((id(t), n) for t, n in grad_copies).get(id(p), 1)))
+                                for p in self.sharded]
         self.params: list[torch.Tensor] = _trainable(params)
         self.device: torch.device = self.params[0].device
         self.zero, self.precision, self.overlap, self.offload = zero, precision, bool(overlap), bool(offload)
@@ -391,7 +402,7 @@ class DistributedOptimizer:
         self.tied_buckets = self._make_buckets(tied_order, True, len(self.overlapped))
         self.buckets = self.overlapped + self.tied_buckets
         self._where = {i: (b, off) for b in self.buckets for i, off in zip(b.params, b.offsets)}
-        self.optimizer = self._make_optimizer(factory, self.params)
+        self.optimizer = self._make_optimizer(factory, self._groups(self.params))
         self.padded_numel = self.shard_numel = sum(p.numel() for p in self.params)
 
     @torch.no_grad()
@@ -448,12 +459,18 @@ class DistributedOptimizer:
         else:
             self._mgrad = torch.zeros(S, dtype=self.master_dtype, device=mdev, pin_memory=pin)
         self.master.grad = self._mgrad
-        self.optimizer = self._make_optimizer(factory, [self.master])
+        self.optimizer = self._make_optimizer(factory, self._groups([self.master]))
         groups = self.optimizer.param_groups
-        if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not self.master:
+        if len(groups) != 1 + bool(self.sharded) or len(groups[0]["params"]) != 1 or \
+                groups[0]["params"][0] is not self.master:
             raise ValueError("in flat mode (zero>=1, bf16/fp16 or offload) the optimizer factory must build an "
-                             "optimizer over exactly the one flat master tensor it is given, in one param group; "
+                             "optimizer over exactly the one flat master tensor it is given, in one param group "
+                             "(and the FSDP2 shards of fsdp_layers in a second one); "
                              f"got {len(groups)} group(s). Per-group settings need zero=0, precision='fp32'")
+
+    def _groups(self, params: list) -> list:
+        """What the factory gets: ``params``, and the sharded ones in a param group of their own."""
+        return [{"params": params}, {"params": self.sharded}] if self.sharded else params
 
     @staticmethod
     def _make_optimizer(factory, params: list) -> torch.optim.Optimizer:
@@ -487,7 +504,7 @@ class DistributedOptimizer:
     def zero_grad(self) -> None:
         """Reset the grads and the accumulation buffers; call before a step's first microbatch."""
         self._drain()
-        for p in self.params:
+        for p in self.params + self.sharded:
             p.grad = None
         for b in self.buckets:
             self._unstage(_nbytes(b.staging))
@@ -559,8 +576,15 @@ class DistributedOptimizer:
         """Clip ``p.grad`` (the dp means, equal on every dp rank) by the global norm."""
         grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
         terms = [(g, 1.0 / (self.dp * self._copies.get(i, 1))) for i, g in grads]
-        self.grad_norm = clip_grad_norm_(terms, [g for _, g in grads], self.max_grad_norm, self.world_group,
-                                         self.device)
+        extra = self._sharded_terms()
+        self.grad_norm = clip_grad_norm_(terms + extra, [g for _, g in grads] + [g for g, _ in extra],
+                                         self.max_grad_norm, self.world_group, self.device)
+
+    def _sharded_terms(self) -> list[tuple[torch.Tensor, float]]:
+        """This rank's shards of the sharded parameters' reduced gradients,
+        each element one dp rank's alone, weighted 1 over its other copies."""
+        return [(g.to_local() if hasattr(g, "to_local") else g, 1.0 / n)
+                for p, n in zip(self.sharded, self._sharded_copies) if (g := p.grad) is not None]
 
     def _clip_flat(self, mg: torch.Tensor) -> None:
         """Clip this rank's reduced master-grad shard ``mg`` by the global norm.
@@ -579,7 +603,9 @@ class DistributedOptimizer:
                 if n > 1 and lo < hi:
                     seg = mg[b.shard_start + lo - lo_b:b.shard_start + hi - lo_b]
                     terms.append((seg, base * (1.0 / n - 1.0)))
-        self.grad_norm = clip_grad_norm_(terms, [mg], self.max_grad_norm, self.world_group, self.device)
+        extra = self._sharded_terms()
+        self.grad_norm = clip_grad_norm_(terms + extra, [mg] + [g for g, _ in extra], self.max_grad_norm,
+                                         self.world_group, self.device)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this object holds, by kind (see the module docstring for the per-element model).

@@ -603,7 +603,7 @@ class ParallelModule(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for name, t in self._local_tensors().items():
             p = self.param_placement.get(name, "R")
-            full = full_tensor(t) if self.fsdp else t.detach()
+            full = full_tensor(t)     # FSDP2's shards gathered (zero=3, fsdp_layers); plain tensors as they are
             if full.is_floating_point() and full.dtype != torch.float32:
                 full = full.float()    # bf16/fp16 weights (rounded copies of the fp32 master)
             if is_shard(p) and self.config.tp > 1:

@@ -218,6 +218,11 @@ class ParallelConfig:
         0, "ZeRO stage: optimizer state (1), plus gradients (2), plus weights (3) sharded over dp "
            "(MindSpore's optimizer parallel)", minimum=0, choices=ZERO_STAGES, required=True, shown="always",
         valid_label="valid stages", aliases=("zero_stage",))
+    fsdp_layers: int = _key(
+        0, "the first N repeated layers sharded over dp as FSDP2 units (ZeRO-3: weights, gradients and optimizer "
+           "state), the rest of the model under the zero stage given (0-2): a per-layer choice between ZeRO-3 "
+           "and ZeRO-1/2 on the dp axis; 0: none", minimum=0, recorded="changed",
+        aliases=("zero3_layers", "fsdp_units"))
     sequence_parallel: bool = _key(
         False, "Megatron sequence parallelism inside the tensor-parallel group (norms, dropout and residual adds "
                "split along the sequence); needs tp > 1",
@@ -429,6 +434,7 @@ def _check_rules(vals: dict[str, Any]) -> None:
         raise StrategyError("sequence_parallel=true splits the norm and dropout regions along the sequence inside "
                             "the tensor-parallel group: it needs tp > 1")
     _check_copies(vals)
+    _check_fsdp_layers(vals)
     tp_grid(vals["tp"], vals.get("tp_mode", "1d"), vals.get("tp_depth", 1))
     reduce_dtype = vals.get("reduce_dtype", "")
     if reduce_dtype and reduce_dtype != "fp32" and vals.get("precision") == "fp32":
@@ -455,6 +461,30 @@ def _check_copies(vals: dict[str, Any]) -> None:
     if vals.get("zero", 0) == 3:
         raise StrategyError(f"copies={copies} with zero=3: multi-copy parallel is not implemented under FSDP2 "
                             "yet; use zero<=2 or copies=1")
+
+
+def _check_fsdp_layers(vals: dict[str, Any]) -> None:
+    """The rules of ``fsdp_layers`` (some layers under ZeRO-3, the rest
+    under ``zero``): as ZeRO-3 itself, no pipeline and no fp16; the layers
+    not sharded need a ZeRO stage below 3 to be under; on the 1d tp axis
+    (and dp > 1, or nothing is sharded)."""
+    n = vals.get("fsdp_layers", 0)
+    if not n:
+        return
+    zero = vals.get("zero", 0)
+    if zero == 3:
+        raise StrategyError(f"fsdp_layers={n} with zero=3: zero=3 already shards every layer; give the stage "
+                            "the other layers run under (zero=0, 1 or 2) with fsdp_layers, or drop fsdp_layers")
+    clashes = [("pp", vals["pp"] > 1, "a pipeline (ZeRO-3 gathers every microbatch's weights again)"),
+               ("precision", vals.get("precision") == "fp16", "fp16 (FSDP2 has no dynamic loss scaling here)"),
+               ("copies", vals.get("copies", 1) > 1, "multi-copy parallel"),
+               ("offload", vals.get("offload", "none") != "none", "the optimizer state on the host"),
+               ("tp_mode", vals.get("tp_mode", "1d") != "1d", "a tp group laid out as a grid or mesh"),
+               ("dp", vals["dp"] * vals.get("cp", 1) == 1, "one data-parallel rank (nothing to shard over)")]
+    for key, bad, why in clashes:
+        if bad:
+            raise StrategyError(f"fsdp_layers={n} with {key}={vals.get(key)}: layers under ZeRO-3 are not "
+                                f"implemented with {why}; use fsdp_layers=0")
 
 
 def int_root(n: int, k: int) -> int | None:
