@@ -401,9 +401,10 @@ def check_runnable(graph: Graph, cfg: ParallelConfig) -> None:
     (:func:`samples_cross_ranks`), a batch split otherwise than over plain
     data parallelism (microbatches, so pipelines too, copies, a grid's rows, cp).
     (Graphs from either front end run every other strategy.)"""
-    if cfg.zero == 3 and cfg.precision == "fp16":
-        raise UnsupportedError("zero=3 with precision=fp16: FSDP2 has no dynamic loss scaling here; use bf16 "
-                               "(same exponent range as fp32, no scaling needed) or zero<=2")
+    if (cfg.zero == 3 or cfg.fsdp_layers) and cfg.precision == "fp16":
+        raise UnsupportedError(f"{'zero=3' if cfg.zero == 3 else 'fsdp_layers'} with precision=fp16: FSDP2 has no "
+                               "dynamic loss scaling here; use bf16 (same exponent range as fp32, no scaling needed) "
+                               "or zero<=2 without fsdp_layers")
     if cfg.copies > 1 and (cfg.pp > 1 or cfg.cp > 1 or cfg.zero == 3 or cfg.tp == 1):
         raise UnsupportedError(f"copies={cfg.copies} runs with tp > 1 and without pp, cp and zero=3; this plan has "
                                f"{cfg.to_string()}")

@@ -391,6 +391,7 @@ def _search(planner: Planner, progress, pipeline: bool, schedules: tuple[str, ..
         planner.drop_prefetched()
     pin_error = next((e for e in errors if e is not None), None)
     evaluated += _try_copies(planner, feasible, manual)
+    evaluated += _try_fsdp_layers(planner, feasible)
     if piped:
         def tick(fraction: float) -> None:
             if progress:
@@ -550,6 +551,64 @@ def _try_copies(planner: Planner, feasible: list, manual: Sharder) -> int:
             if est.fits:
                 feasible.append((est, c, sh))
                 best = min(best, est.step_time_s)
+    return count
+
+
+FSDP_TRIES = 2     # the fastest ZeRO-3 configurations fsdp_layers refines
+
+
+def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
+    """The dp axis per layer (``fsdp_layers``): for the :data:`FSDP_TRIES`
+    fastest ZeRO-3 configurations without a pipeline that fit (1d tp, no
+    copies or offload), the same with ZeRO-2 and ZeRO-1 for the parameters
+    outside the fewest leading layers that still fit under ZeRO-3. Such a
+    mix moves a subset of its ZeRO-3 form's bytes plus its ZeRO-1/2 form's,
+    so it is tried only where that form does not fit and is faster than the
+    best step found (a bound: no mix beats it). Memory falls with each layer
+    sharded (past the second, whose gather FSDP2 prefetches), so the count
+    is found by bisection; the placements are the ZeRO-3 configuration's
+    (:meth:`Planner._axis_key`: nothing is solved again). Appends what fits
+    to ``feasible``; returns how many were evaluated."""
+    if not feasible or not has_layers(planner.graph):
+        return 0
+    layers = units(planner.graph).layers
+    best = min(f[0].step_time_s for f in feasible)
+    bases = [(cfg, sh) for est, cfg, sh in sorted(feasible, key=lambda f: f[0].step_time_s)
+             if cfg.zero == 3 and cfg.pp == 1 and cfg.tp_mode == "1d" and cfg.copies == 1 and
+             cfg.offload == "none" and cfg.dp * cfg.cp > 1][:FSDP_TRIES]
+    count = 0
+    for cfg, sh in bases:
+        for z in (2, 1):
+            low = dataclasses.replace(cfg, zero=z)
+            est = planner.evaluate(low, sh)
+            count += 1
+            if est.fits or est.step_time_s >= best:     # found by its own line, or no mix can win
+                continue
+
+            def fits(k: int) -> tuple[bool, Estimate]:
+                e = planner.evaluate(dataclasses.replace(low, fsdp_layers=k), sh)
+                return e.fits, e
+            lo, hi = 1, layers
+            ok, top = fits(hi)
+            count += 1
+            if not ok:
+                continue
+            found = top
+            while lo < hi:          # the fewest layers that fit (1 apart: FSDP2 gathers two at a time)
+                mid = (lo + hi) // 2
+                ok, e = fits(mid)
+                count += 1
+                if ok:
+                    hi, found = mid, e
+                else:
+                    lo = mid + 1
+            if lo > 1:
+                ok, e = fits(1)
+                count += 1
+                if ok:
+                    found = e
+            feasible.append((found, dataclasses.replace(low, fsdp_layers=found.parallel["fsdp_layers"]), sh))
+            best = min(best, found.step_time_s)
     return count
 
 

@@ -392,13 +392,14 @@ class Planner:
             # the ILP also weighs what a weight costs per step (its gradient reduction and
             # optimizer update, spread over the microbatches) and, bounded, the memory
             bound = None
+            zero = 3 if cfg.fsdp_layers else cfg.zero     # a mix takes its ZeRO-3 form's decisions
             if sharder.memory_limit is not None:
                 # bounded: the memory depends on the recompute and ZeRO choices and, with a
                 # pipeline, on the stages and the schedule's microbatches in flight
-                bound = (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype) if cfg.pp == 1 else \
-                    (cfg.recompute, cfg.zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
+                bound = (cfg.recompute, zero, cfg.offload, cfg.reduce_dtype) if cfg.pp == 1 else \
+                    (cfg.recompute, zero, cfg.offload, cfg.reduce_dtype, cfg.pp, cfg.microbatches,
                      cfg.schedule, cfg.chunks)
-            ilp_key = (global_batch, min(cfg.zero, 1) if cfg.zero < 3 else 3, bound, self.solver)
+            ilp_key = (global_batch, min(zero, 1) if zero < 3 else 3, bound, self.solver)
             if cfg.cp > 1:     # the weights' gradients are reduced over dp x cp
                 ilp_key += (cfg.cp,)
             key = (model.precision, cfg.tp, cfg.dp, mb_global, sharder, ilp_key)
