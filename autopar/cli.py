@@ -30,6 +30,7 @@ from cost_models.memory import OPTIMIZERS
 
 from . import __version__, units
 from .errors import AutoparError
+from .spec import zero_words
 
 app = typer.Typer(
     name="autopar",
@@ -498,11 +499,9 @@ def show(
         example = next(k for k, v in params.items() if tuple(v) == pair)
         t.add_row(*pair, str(n), escape(example))
     out.print(t)
-    zero = p.parallel.get("zero", 0)
-    if zero and p.parallel.get("dp", 1) > 1:     # the dp column is the layout the tp program sees
-        what = {1: "optimizer state", 2: "gradients and optimizer state", 3: "weights, gradients and optimizer state"}
-        out.print(f"[dim]ZeRO-{zero} also shards the {what[zero]} of every parameter over dp={p.parallel['dp']}, "
-                  "whatever the dp column says[/]")
+    words = zero_words(p.parallel)
+    if words:     # the dp column is the layout the tp program sees
+        out.print(f"[dim]Besides: {words}, whatever the dp column says[/]")
 
     # per parameter, repeated layers collapsed (blocks.0, blocks.1 ... -> blocks.*)
     patterns: dict[str, dict[tuple, int]] = {}

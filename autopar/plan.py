@@ -31,7 +31,7 @@ import jsonschema
 from . import __version__, units
 from .errors import PlanError
 from .spec import (FIELDS, MESH_MODES, PIPELINE_SCHEDULES, PRECISIONS, ParallelConfig, json_schema, shard_blocks,
-                   shard_dim)
+                   shard_dim, zero_words)
 from .spec.placement import SEP
 
 PLAN_VERSION = 2
@@ -559,9 +559,7 @@ class Plan:
                                      f"bubble {pipe.get('bubble_fraction', 0):.1%}{span}"))
         sharded = sum(1 for v in d["params"].values() if any(p != "R" for p in v))
         par = d["parallel"]
-        zero = {1: "optimizer state", 2: "optimizer state and gradients", 3: "weights, gradients and optimizer state"}
-        by_zero = (f"; ZeRO-{par['zero']} shards {zero[par['zero']]} over dp={par['dp']}"
-                   if par.get("zero") and par.get("dp", 1) > 1 else "")
+        by_zero = f"; {words}" if (words := zero_words(par)) else ""
         rows.append(("params sharded", f"{sharded} of {len(d['params'])} parameter tensors by tp{by_zero}"))
         s = d["search"]
         if s.get("candidates"):

@@ -20,6 +20,7 @@ from typing import Any
 from . import units
 from .errors import PlanError
 from .plan import Plan
+from .spec import zero_words
 
 #: memory parts in stacking order, with their bar colours (also what the browser test looks for)
 MEMORY_COLORS = {"weights": "#1f77b4", "gradients": "#ff7f0e", "optimizer": "#2ca02c",
@@ -181,9 +182,8 @@ def _placements(plan: Plan) -> str:
         for pair, n in pairs.items():
             cells = "".join(f"<td class=\"{'shard' if p != 'R' else ''}\">{_e(p)}</td>" for p in pair)
             rows.append(f"<tr><td>{_e(pat)}</td>{cells}<td class=\"num\">{n}</td></tr>")
-    zero = plan.parallel.get("zero", 0)
-    note = (f"<p class=\"sub\">ZeRO-{zero} also shards {'the optimizer state' if zero == 1 else 'the gradients and optimizer state' if zero == 2 else 'the weights, gradients and optimizer state'} "
-            "over dp, whatever the dp placement says.</p>" if zero else "")
+    words = zero_words(plan.parallel)
+    note = f"<p class=\"sub\">Besides: {_e(words)}, whatever the dp placement says.</p>" if words else ""
     return (f"<h2>Parameter placements</h2><table><tr><th>parameter</th>{head}<th>tensors</th></tr>"
             + "".join(rows) + "</table>" + note)
 

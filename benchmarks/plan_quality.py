@@ -22,6 +22,8 @@ import autopar
 from autopar.cost import tp_valid_sizes
 from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
+from autopar.pipeline.partition import units
+from autopar.sharding import has_layers
 from autopar.spec import KEYS, RECOMPUTE, divisors
 from autopar.strategies.context import cp_choices
 
@@ -50,13 +52,17 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
     # none of this benchmark's models has (checked below), so it is not one either; copies (2, 4
     # where they divide the per-rank microbatch) with tp > 1 and ZeRO < 3 is
     # tp_mode / tp_depth (2D and 2.5D grids) are searched only when asked (plan(tp_modes=...)), so the
-    # default search this benchmark grades is 1D
+    # default search this benchmark grades is 1D; fsdp_layers (ZeRO-3 for the first k layers, ZeRO-1/2 for
+    # the rest) at k = 1, 2, 4, ... and every layer, with dp > 1 and no copies
     assert set(KEYS) == {"dp", "tp", "tp_mode", "tp_depth", "pp", "cp", "microbatches", "schedule", "chunks", "copies",
-                         "recompute", "zero", "sequence_parallel", "accumulate", "offload", "precision",
-                         "reduce_dtype", "overlap", "bucket_mb"}, \
+                         "recompute", "zero", "fsdp_layers", "sequence_parallel", "accumulate", "offload",
+                         "precision", "reduce_dtype", "overlap", "bucket_mb"}, \
         f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     assert cp_choices(graph, devices) == [1], f"{graph.name} attends over a long sequence: add cp to this grid"
     valid_tp = set(tp_valid_sizes(graph))
+    n_layers = units(graph).layers if has_layers(graph) else 0
+    layer_counts = sorted({k for k in (2 ** i for i in range(n_layers.bit_length())) if k <= n_layers} |
+                          ({n_layers} if n_layers else set()))
     out, rejected = [], 0
     for tp in divisors(devices):
         if tp not in valid_tp:
@@ -70,6 +76,8 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
                 for z in ZEROS:
                     for sp in ("", ",sequence_parallel=true") if tp > 1 else ("",):
                         out.append(f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z}{sp}")
+                        out += [f"dp={dp},tp={tp},pp=1,microbatches={mb},recompute={rc},zero={z},fsdp_layers={k}{sp}"
+                                for k in layer_counts if z in (1, 2) and dp > 1]
                         out += [f"dp={dp},tp={tp},pp=1,microbatches={mb},copies={n},recompute={rc},zero={z}{sp}"
                                 for n in (2, 4) if tp > 1 and z < 3 and batch // (dp * mb) % n == 0]
     out += [s for s in manual_grid(graph, devices, batch, quick=False) if ",pp=1," not in s]

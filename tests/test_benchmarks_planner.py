@@ -83,7 +83,11 @@ def test_manual_strategies_cover_the_grammar():
     # tp in {1, 2, 4} (dp 8, 4, 2); microbatches divide 8/dp; 3 recompute modes x 4 ZeRO stages;
     # with and without sequence parallelism where tp > 1; and copies 2 / 4 dividing the per-rank
     # microbatch with tp > 1 and ZeRO < 3 (tp=2: mb 1; tp=4: mb 1 x copies 2, 4 and mb 2 x copies 2)
-    assert len([s for s in strategies if ",pp=1," in s]) == (1 + 2 * (2 + 3)) * 3 * 4 + (1 + 3) * 3 * 3 * 2
+    # and fsdp_layers 1 and 2 with ZeRO 1 and 2 (every dp > 1 here; the one block is two layer units,
+    # its attention and its MLP)
+    assert len([s for s in strategies if ",pp=1," in s]) == (1 + 2 * (2 + 3)) * 3 * 4 + (1 + 3) * 3 * 3 * 2 + \
+        (1 + 2 * (2 + 3)) * 3 * 2 * 2
+    assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=2,fsdp_layers=1,sequence_parallel=true" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=1,copies=4,recompute=none,zero=2" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3,sequence_parallel=true" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3" in strategies

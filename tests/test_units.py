@@ -25,4 +25,4 @@ def test_plan_summary_reads_like_a_person_wrote_it():
     assert not re.search(r"\de[-+]\d", text), text          # no exponents
     assert not re.search(r"0\.0\d+ GiB", text), text        # no thousandths of a GiB
     flat = " ".join(re.sub("[│┌┐└┘├┤─┬┴┼]", " ", text).split())     # the table wraps long cells
-    assert "by tp; ZeRO-3 shards weights, gradients and optimizer state over dp=4" in flat
+    assert "by tp; ZeRO-3 shards the weights, gradients and optimizer state over dp=4" in flat

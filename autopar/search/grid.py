@@ -561,18 +561,18 @@ def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
     """The dp axis per layer (``fsdp_layers``): for the :data:`FSDP_TRIES`
     fastest ZeRO-3 configurations without a pipeline that fit (1d tp, no
     copies or offload), the same with ZeRO-2 and ZeRO-1 for the parameters
-    outside the fewest leading layers that still fit under ZeRO-3. Such a
-    mix moves a subset of its ZeRO-3 form's bytes plus its ZeRO-1/2 form's,
-    so it is tried only where that form does not fit and is faster than the
-    best step found (a bound: no mix beats it). Memory falls with each layer
-    sharded (past the second, whose gather FSDP2 prefetches), so the count
-    is found by bisection; the placements are the ZeRO-3 configuration's
-    (:meth:`Planner._axis_key`: nothing is solved again). Appends what fits
-    to ``feasible``; returns how many were evaluated."""
+    outside the fewest leading layers that still fit under ZeRO-3 (where
+    the ZeRO-1/2 form fits whole, its own line has it, and a mix only adds
+    gathers to it). Memory falls with each layer sharded (past the second,
+    whose gather FSDP2 prefetches) and time rises, so the count is found by
+    bisection; the placements are the ZeRO-3 configuration's
+    (:meth:`Planner._axis_key` keys a mix as ZeRO-3: nothing is solved
+    again, which is also why the ZeRO-1/2 form itself is not evaluated
+    here). Appends what fits to ``feasible``; returns how many were
+    evaluated."""
     if not feasible or not has_layers(planner.graph):
         return 0
     layers = units(planner.graph).layers
-    best = min(f[0].step_time_s for f in feasible)
     bases = [(cfg, sh) for est, cfg, sh in sorted(feasible, key=lambda f: f[0].step_time_s)
              if cfg.zero == 3 and cfg.pp == 1 and cfg.tp_mode == "1d" and cfg.copies == 1 and
              cfg.offload == "none" and cfg.dp * cfg.cp > 1][:FSDP_TRIES]
@@ -580,10 +580,6 @@ def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
     for cfg, sh in bases:
         for z in (2, 1):
             low = dataclasses.replace(cfg, zero=z)
-            est = planner.evaluate(low, sh)
-            count += 1
-            if est.fits or est.step_time_s >= best:     # found by its own line, or no mix can win
-                continue
 
             def fits(k: int) -> tuple[bool, Estimate]:
                 e = planner.evaluate(dataclasses.replace(low, fsdp_layers=k), sh)
@@ -608,7 +604,6 @@ def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
                 if ok:
                     found = e
             feasible.append((found, dataclasses.replace(low, fsdp_layers=found.parallel["fsdp_layers"]), sh))
-            best = min(best, found.step_time_s)
     return count
 
 

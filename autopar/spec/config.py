@@ -487,6 +487,23 @@ def _check_fsdp_layers(vals: dict[str, Any]) -> None:
                                 f"implemented with {why}; use fsdp_layers=0")
 
 
+ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state", 3: "weights, gradients and optimizer state"}
+
+
+def zero_words(parallel: dict[str, Any]) -> str:
+    """What a plan's ``parallel`` section shards over dp besides the tp
+    placements, in words ("" for none): the ZeRO stage's states of every
+    parameter, and with ``fsdp_layers`` the first layers' weights too."""
+    zero, dp, layers = parallel.get("zero", 0), parallel.get("dp", 1), parallel.get("fsdp_layers", 0)
+    if dp * parallel.get("cp", 1) == 1 or not (zero or layers):
+        return ""
+    words = f"ZeRO-{zero} shards the {ZERO_SHARDS[zero]} over dp={dp}" if zero else ""
+    if layers:
+        words += ("; " if words else "") + f"the first {layers} layers are under ZeRO-3 (FSDP2: their " \
+                 f"{ZERO_SHARDS[3]} sharded over dp={dp})"
+    return words
+
+
 def int_root(n: int, k: int) -> int | None:
     """The integer ``q`` with ``q ** k == n``, or None."""
     q = round(n ** (1.0 / k))
