@@ -185,6 +185,33 @@ def _times_copies(sums: tuple, n: int) -> tuple:
 _TRANSIENT = 2     # the place of the largest transient in CostModel._microbatch_sums' tuple
 
 
+def fsdp_layer_params(graph: Graph) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Per repeated-layer instance that holds trainable parameters of its own
+    (read by no node outside it: what the runtime's layer region of that name
+    owns, and FSDP2 shards under ``fsdp_layers``), in graph order: the
+    instance and its parameters as (node, elements). Left out: an instance
+    whose weights are all shared (ALBERT's one layer applied again and again:
+    they stay with the root), and one that is a lone BatchNorm (under data
+    parallelism it is synchronised over dp and runs in its parent). Empty for
+    a model without repeated layers. Computed once per graph."""
+    def compute() -> list[tuple[str, list[tuple[str, int]]]]:
+        own: dict[str, list[tuple[str, int]]] = {}
+        kinds: dict[str, set[str]] = {}
+        for nd in graph.nodes:
+            if nd.group is not None:
+                own.setdefault(nd.group, [])
+                if not nd.is_state:
+                    kinds.setdefault(nd.group, set()).add(nd.kind)
+            info = graph.params.get(nd.param) if nd.is_state else None
+            if info is None or info.is_buffer or not info.requires_grad:
+                continue
+            groups = {graph[c].group for c in graph.consumers(nd.name)}
+            if len(groups) == 1 and (g := next(iter(groups))) is not None:
+                own.setdefault(g, []).append((nd.name, info.numel))
+        return [(g, ps) for g, ps in own.items() if ps and kinds.get(g) != {"batchnorm"}]
+    return graph.memo(("fsdp_layer_params",), compute)
+
+
 def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: int) -> None:
     """Raise :class:`StrategyError` if ``cfg`` cannot run this model on ``devices``."""
     if cfg.devices != devices:
@@ -206,11 +233,11 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
         if cfg.stages > n_layers:
             raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
                                 f"{cfg.stages} repeated layers; {graph.name} has {n_layers}")
-    if cfg.fsdp_layers and cfg.fsdp_layers > (n_layers := units(graph).layers if has_layers(graph) else 0):
+    if cfg.fsdp_layers and cfg.fsdp_layers > (n_layers := len(fsdp_layer_params(graph))):
         raise StrategyError(f"fsdp_layers={cfg.fsdp_layers} shards that many repeated layers over dp, but "
-                            f"{graph.name} has {n_layers}" + ("" if n_layers else
-                                                               " (layers are repeated blocks, such as a ModuleList "
-                                                               "of alike transformer blocks)"))
+                            f"{graph.name} has {n_layers} with weights of their own" +
+                            ("" if n_layers else " (layers are repeated blocks, such as a ModuleList of alike "
+                                                 "transformer blocks; weights shared by every layer stay whole)"))
     if cfg.recompute != "none" and not has_layers(graph):
         raise StrategyError(f"recompute={cfg.recompute} runs each layer's forward again in its backward, but "
                             f"{graph.name} has no layers to cut it into (layers are repeated blocks, such as a "
@@ -791,8 +818,8 @@ class CostModel:
         k = cfg.fsdp_layers
         if not k:
             return self._dp_tail(cfg, local, n_tensors, topo, 0, fwd_s, bwd_s, self._fsdp_units())
-        elems, tensors = self._unit_params(sh, cfg.tp)
-        e3, t3 = sum(elems[1:k + 1]), sum(tensors[1:k + 1])
+        elems = self._fsdp_layer_elems(sh, cfg.tp, k)
+        e3, t3 = sum(elems), sum(len(ps) for _, ps in fsdp_layer_params(self.graph)[:k])
         share = k / self._fsdp_units()
         c3, o3, s3 = self._dp_tail(dataclasses.replace(cfg, zero=3, fsdp_layers=0), e3, t3, topo, 0,
                                    fwd_s * share, bwd_s * share, k)
@@ -800,6 +827,13 @@ class CostModel:
                                    fwd_s, bwd_s, 1)
         loss = topo.collective_time("all_reduce", 4, 0) if cfg.dp > 1 else 0.0
         return c3 + cz - loss, o3 + oz, {key: s3[key] + sz[key] for key in sz}
+
+    def _fsdp_layer_elems(self, sh: AxisSharding, tp: int, k: int) -> list[float]:
+        """Local elements of each of the first ``k`` layers' own parameters
+        (:func:`fsdp_layer_params`: what ``fsdp_layers=k`` shards over dp)."""
+        out = sh.out
+        return [sum(numel / tp if is_shard(out.get(name, R)) else numel for name, numel in ps)
+                for _, ps in fsdp_layer_params(self.graph)[:k]]
 
     def _optimizer_bytes(self, cfg: ParallelConfig, local: float) -> float:
         """Bytes the device's optimizer step moves for ``local`` trainable
@@ -815,7 +849,7 @@ class CostModel:
         layers, kept for the whole step) and two layers' (the one running and
         the one prefetched), in the compute dtype."""
         if cfg.fsdp_layers:     # the FSDP2 layers only: the root is not sharded
-            layers = self._unit_params(sh, cfg.tp)[0][1:1 + cfg.fsdp_layers]
+            layers = self._fsdp_layer_elems(sh, cfg.tp, cfg.fsdp_layers)
             return min(2, len(layers)) * max(layers) * self.itemsize
         if cfg.zero < 3 or (cfg.dp == 1 and cfg.offload == "none"):
             return 0.0

@@ -42,6 +42,7 @@ from .compile.regions import layer_labels, layer_regions
 from .compile.rewrite import Axis, LocalProgram, compile_local
 from .compile.stages import split_stages, tied_params
 from .compile.tokens import guard_empty_ratio, token_counter
+from .cost import fsdp_layer_params
 from .errors import CompileError, PlanError, StrategyError, UnsupportedError
 from .graph import Graph
 from .pipeline.partition import assign, even_layers, units
@@ -223,7 +224,7 @@ def apply_stages(prog: LocalProgram, graph: Graph, plan: Plan, cfg: ParallelConf
     pipeline) applied: ``(pipeline stages or None, modules, tied groups,
     placement of the local parameters, collectives per step)``."""
     if cfg.pp == 1:
-        modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg, prog.keeps), cfg, mesh)]
+        modules = [apply_fsdp(apply_recompute(prog.module, graph, cfg, prog.keeps), cfg, mesh, graph)]
         return None, modules, [], prog.param_placement, prog.comms
     pipe = apply_pipeline(prog, graph, plan, cfg, mesh)
     for st in pipe.stages:
@@ -692,16 +693,18 @@ def apply_recompute(module: nn.Module, graph: Graph, cfg: ParallelConfig,
     return R_.apply_recompute(layer_regions(module, graph, keeps), cfg.recompute, ops.save_ops())
 
 
-def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
+def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh, graph: Graph | None = None) -> nn.Module:
     """With ``zero=3``: ``module``'s layer regions, then the whole of it,
     sharded over the data-parallel ranks with torch FSDP2 (with context
     parallelism over ``dp x cp`` flattened into one axis, as torchtitan's
     ``dp_shard_cp``: the cp ranks hold the same weights and their gradients
     are averaged with the dp ranks'; compute in the
     low precision, gradients reduced in ``reduce_dtype`` or fp32; ``offload``
-    keeps the shards on the host). With ``fsdp_layers=k``: the first k
-    layer regions only (the rest of ``module`` stays under the distributed
-    optimizer, :func:`apply_optimizer`). Returns ``module``. Raises
+    keeps the shards on the host). With ``fsdp_layers=k``: the regions of
+    ``graph``'s first k layer instances with weights of their own
+    (:func:`autopar.cost.fsdp_layer_params`, as the cost model counts them;
+    the rest of ``module`` stays under the distributed optimizer,
+    :func:`apply_optimizer`). Returns ``module``. Raises
     :class:`UnsupportedError` when torch built no DeviceMesh."""
     if cfg.zero != 3 and not cfg.fsdp_layers:
         return module
@@ -712,8 +715,15 @@ def apply_fsdp(module: nn.Module, cfg: ParallelConfig, mesh: Mesh) -> nn.Module:
     reduce = LOW_PRECISION.get(cfg.reduce_dtype) if cfg.reduce_dtype else (torch.float32 if low else None)
     dm = mesh.device_mesh
     shard_mesh = dm["dp", "cp"]._flatten("dp_cp") if cfg.cp > 1 else dm["dp"]
+    layers = None
+    if cfg.fsdp_layers:
+        own = fsdp_layer_params(graph) if graph is not None else []
+        if len(own) < cfg.fsdp_layers:
+            raise StrategyError(f"fsdp_layers={cfg.fsdp_layers}: the model has {len(own)} layers with weights of "
+                                "their own")
+        layers = [g for g, _ in own[:cfg.fsdp_layers]]
     return R_.fully_shard_regions(module, shard_mesh, param_dtype=low, reduce_dtype=reduce,
-                                  offload=cfg.offload == "optimizer", layers=cfg.fsdp_layers or None)
+                                  offload=cfg.offload == "optimizer", layers=layers)
 
 
 def grad_copies(local: dict[str, torch.Tensor], placement: dict[str, str], tied: list[tuple[torch.Tensor, Any]],

@@ -19,11 +19,9 @@ from typing import Any, Callable, Iterable
 from rich.console import Console
 
 import autopar
-from autopar.cost import tp_valid_sizes
+from autopar.cost import fsdp_layer_params, tp_valid_sizes
 from autopar.errors import NoFeasibleStrategyError, StrategyError
 from autopar.graph import Graph
-from autopar.pipeline.partition import units
-from autopar.sharding import has_layers
 from autopar.spec import KEYS, RECOMPUTE, divisors
 from autopar.strategies.context import cp_choices
 
@@ -60,7 +58,7 @@ def manual_strategies(graph: Graph, devices: int, batch: int) -> tuple[list[str]
         f"the strategy grammar changed ({KEYS}): update this benchmark's grid"
     assert cp_choices(graph, devices) == [1], f"{graph.name} attends over a long sequence: add cp to this grid"
     valid_tp = set(tp_valid_sizes(graph))
-    n_layers = units(graph).layers if has_layers(graph) else 0
+    n_layers = len(fsdp_layer_params(graph))
     layer_counts = sorted({k for k in (2 ** i for i in range(n_layers.bit_length())) if k <= n_layers} |
                           ({n_layers} if n_layers else set()))
     out, rejected = [], 0

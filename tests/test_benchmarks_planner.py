@@ -77,16 +77,18 @@ def test_plan_quality_structure():
 
 def test_manual_strategies_cover_the_grammar():
     from autopar.api import as_graph
+    from autopar.cost import fsdp_layer_params
     g = as_graph("gpt:layers=1,hidden=32,heads=4,seq=8,vocab=64")
     strategies, rejected = plan_quality.manual_strategies(g, devices=8, batch=8)
     assert rejected == 1                                  # tp=8 does not divide 4 heads
     # tp in {1, 2, 4} (dp 8, 4, 2); microbatches divide 8/dp; 3 recompute modes x 4 ZeRO stages;
     # with and without sequence parallelism where tp > 1; and copies 2 / 4 dividing the per-rank
     # microbatch with tp > 1 and ZeRO < 3 (tp=2: mb 1; tp=4: mb 1 x copies 2, 4 and mb 2 x copies 2)
-    # and fsdp_layers 1 and 2 with ZeRO 1 and 2 (every dp > 1 here; the one block is two layer units,
-    # its attention and its MLP)
+    # and fsdp_layers 1, 2, 4 and 6 with ZeRO 1 and 2 (every dp > 1 here; the one block's repeated
+    # parts are six layer instances with weights of their own)
+    assert len(fsdp_layer_params(g)) == 6
     assert len([s for s in strategies if ",pp=1," in s]) == (1 + 2 * (2 + 3)) * 3 * 4 + (1 + 3) * 3 * 3 * 2 + \
-        (1 + 2 * (2 + 3)) * 3 * 2 * 2
+        (1 + 2 * (2 + 3)) * 3 * 2 * 4
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=2,fsdp_layers=1,sequence_parallel=true" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=1,copies=4,recompute=none,zero=2" in strategies
     assert "dp=2,tp=4,pp=1,microbatches=4,recompute=full,zero=3,sequence_parallel=true" in strategies

@@ -179,3 +179,27 @@ def test_checkpoint_of_the_mix_resumes_under_zero3_with_tp(results):
     for res in results:
         assert res["resumed"] == pytest.approx(ref, rel=1e-4)
 
+
+
+REAL = [("nanogpt", "dp=2,tp=2,zero=1,fsdp_layers=2"), ("tv-resnet18", "dp=4,zero=2,fsdp_layers=8")]
+
+
+def test_models_as_their_authors_write_them():
+    """nanoGPT (torch.export, a mask buffer sliced by T) and torchvision's
+    ResNet-18, whose lone BatchNorm layers of the downsampling blocks run in
+    their parent under dp (synchronised): its 8 layers with weights of their
+    own are the regions FSDP2 shards."""
+    from benchmarks import matrix
+    res = run_distributed(matrix.worker, 4, REAL, timeout=600)
+    for model, strategy in REAL:
+        assert matrix.check("fsdp", strategy, matrix.reference(model), [r[(model, strategy)] for r in res]) == "ok"
+
+
+def test_a_model_whose_layers_share_their_weights_is_refused():
+    from autopar.cost import fsdp_layer_params
+    from benchmarks.real_models import CASES
+    c = CASES["hf-albert"]()
+    g = autopar.trace(c.model, c.inputs, loss_fn=c.loss_fn, target=c.target)
+    assert fsdp_layer_params(g) == []
+    with pytest.raises(StrategyError, match="0 with weights of their own"):
+        autopar.evaluate(g, cluster="dgx-a100-80g", devices=4, global_batch=4, strategy="dp=4,zero=1,fsdp_layers=1")

@@ -211,7 +211,7 @@ def apply_recompute(module: nn.Module, mode: str, save_ops: frozenset = frozense
 
 def fully_shard_regions(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None = None,
                         reduce_dtype: torch.dtype | None = None, offload: bool = False,
-                        reshard_after_forward: bool = True, layers: int | None = None) -> nn.Module:
+                        reshard_after_forward: bool = True, layers: Sequence[str] | None = None) -> nn.Module:
     """ZeRO-3 with torch FSDP2 over the 1-D ``dp_mesh``: ``fully_shard`` on
     every region that has parameters, then on ``module`` (the root unit, with
     the parameters outside regions and those shared by several regions).
@@ -226,10 +226,11 @@ def fully_shard_regions(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.d
     ``reshard``, ...). FSDP2 shards no 0-d parameter (a learnable
     temperature: CLIP's ``logit_scale``): those stay whole on every rank
     (:func:`unsharded_params`), their gradients averaged by the runtime.
-    ``layers``: shard only the first that many regions with parameters and
-    not the root (``fsdp_layers``: the other parameters stay plain tensors,
-    under the distributed optimizer's ZeRO stage); each sharded region is
-    then a root of FSDP2's own.
+    ``layers``: shard only the regions of these names (the layer instances
+    of ``fsdp_layers``) and not the root: the other parameters stay plain
+    tensors, under the distributed optimizer's ZeRO stage; each sharded
+    region is then a root of FSDP2's own. Raises :class:`CompileError`
+    when one of them is not a region with parameters in ``module``.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     if dp_mesh is None or dp_mesh.ndim != 1:
@@ -238,10 +239,12 @@ def fully_shard_regions(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.d
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     off = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     scalars = {p for p in module.parameters() if p.dim() == 0} or None
-    units = [r for r in regions(module).values() if any(p.dim() for p in r.parameters())]
-    if layers is not None and not 0 < layers <= len(units):
-        raise CompileError(f"fsdp_layers={layers}: this program has {len(units)} layer regions with parameters")
-    for r in units[:layers]:
+    found = {k: r for k, r in regions(module).items() if any(p.dim() for p in r.parameters())}
+    missing = [k for k in layers or () if k not in found]
+    if missing:
+        raise CompileError(f"fsdp_layers={len(layers)}: layer {missing[0]!r} is not a region with parameters of "
+                           f"its own in this program (its regions with parameters: {', '.join(found) or 'none'})")
+    for r in ([found[k] for k in layers] if layers is not None else found.values()):
         fully_shard(r, mesh=dp_mesh, mp_policy=mp, offload_policy=off,
                     reshard_after_forward=reshard_after_forward, ignored_params=scalars)
     if layers is None:

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..cost import MEMORY_HEADROOM, Estimate, tp_valid_sizes
+from ..cost import MEMORY_HEADROOM, Estimate, fsdp_layer_params, tp_valid_sizes
 from ..errors import NoFeasibleStrategyError, StrategyError
 from ..graph import Graph
 from ..pipeline.partition import units
@@ -570,9 +570,9 @@ def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
     again, which is also why the ZeRO-1/2 form itself is not evaluated
     here). Appends what fits to ``feasible``; returns how many were
     evaluated."""
-    if not feasible or not has_layers(planner.graph):
+    layers = len(fsdp_layer_params(planner.graph))     # the layers with weights of their own
+    if not feasible or not layers:
         return 0
-    layers = units(planner.graph).layers
     bases = [(cfg, sh) for est, cfg, sh in sorted(feasible, key=lambda f: f[0].step_time_s)
              if cfg.zero == 3 and cfg.pp == 1 and cfg.tp_mode == "1d" and cfg.copies == 1 and
              cfg.offload == "none" and cfg.dp * cfg.cp > 1][:FSDP_TRIES]
