@@ -95,7 +95,10 @@ def test_copies_match_single_process(results, spec, strategy):
             got_k, v = torch.cat([got[k][:third], got[k][2 * third:]]), torch.cat([v[:third], v[2 * third:]])
             assert torch.allclose(got_k, v, rtol=1e-4, atol=1e-5), (strategy, k, (got_k - v).abs().max())
             continue
-        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-5), (strategy, k, (got[k] - v).abs().max())
+        # AdamW divides each step by the root of the squared gradient, so an element whose gradient
+        # cancels to near zero moves by its rounding (the copies sum a microbatch's halves in another
+        # order than one process): 1.19e-5 on hf-gpt2's c_fc weight on an AMD EPYC host, under 1e-5 on Intel
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=2e-5), (strategy, k, (got[k] - v).abs().max())
 
 
 @pytest.mark.parametrize("spec,strategy", RUNS)
