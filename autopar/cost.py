@@ -230,9 +230,10 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
                             f"valid sizes: {', '.join(map(str, valid))}")
     if cfg.pp > 1:
         n_layers = units(graph).layers
-        if cfg.stages > n_layers:
+        if cfg.stages > n_layers + 2:
             raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
-                                f"{cfg.stages} repeated layers; {graph.name} has {n_layers}")
+                                f"{cfg.stages - 2} repeated layers (one a stage; the first and the last stage may "
+                                f"hold the embedding and the head alone); {graph.name} has {n_layers}")
     if cfg.fsdp_layers and cfg.fsdp_layers > (n_layers := len(fsdp_layer_params(graph))):
         raise StrategyError(f"fsdp_layers={cfg.fsdp_layers} shards that many repeated layers over dp, but "
                             f"{graph.name} has {n_layers} with weights of their own" +

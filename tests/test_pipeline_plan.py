@@ -41,7 +41,9 @@ def test_partition_errors(gpt):
     with pytest.raises(StrategyError, match="stage 1 holds no layer"):
         pipe.assign(gpt, [2, 0, 2])
     with pytest.raises(StrategyError, match="at least 5 repeated layers"):
-        pipe.even_layers(4, 5)
+        pipe.even_layers(4, 7)
+    # one or two stages more than layers: the embedding (and the head) alone, as Llama 3's model chunks
+    assert pipe.even_layers(4, 5) == [0, 1, 1, 1, 1] and pipe.even_layers(4, 6) == [0, 1, 1, 1, 1, 0]
     mlp = api.as_graph("mlp:layers=1,hidden=32")
     if not mlp.groups:
         with pytest.raises(StrategyError, match="has none"):
@@ -199,8 +201,11 @@ def test_manual_pipeline_plan_records_the_stages(gpt, tmp_path):
     assert "schedule=1f1b" in p.strategy
     loaded = autopar.Plan.load(p.save(tmp_path / "p.json"))
     assert loaded.config == parse_strategy("pp=2,tp=2,microbatches=4,precision=fp32", 4)
-    with pytest.raises(StrategyError, match="5 pipeline stages need at least 5"):
-        autopar.plan(gpt, cluster="cpu", devices=5, global_batch=5, strategy="pp=5")
+    # 4 layers: 6 stages hold the embedding alone, one layer each, the head alone; 7 are too many
+    six = autopar.plan(gpt, cluster="cpu", devices=6, global_batch=6, strategy="pp=6")
+    assert six.data["pipeline"]["layers"] == [0, 1, 1, 1, 1, 0]
+    with pytest.raises(StrategyError, match="7 pipeline stages need at least 5"):
+        autopar.plan(gpt, cluster="cpu", devices=7, global_batch=7, strategy="pp=7")
 
 
 def test_search_finds_pipelines_where_they_pay():

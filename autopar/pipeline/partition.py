@@ -135,10 +135,16 @@ def check_layers(layers: Sequence[int], n_layers: int) -> None:
 
 def even_layers(n_layers: int, stages: int) -> list[int]:
     """Layers per stage as even as possible (the earlier stages get the
-    remainder last, as the last stage also carries the head)."""
+    remainder last, as the last stage also carries the head). With one or
+    two stages more than layers, one layer each and the embedding alone on
+    the first stage (and the head alone on the last): Llama 3's 126 layers
+    on 16 ranks of 8 model chunks."""
+    if stages > n_layers + 2:
+        raise StrategyError(f"{stages} pipeline stages need at least {stages - 2} repeated layers (a stage each, "
+                            f"the first and the last may hold the embedding and the head alone); the model has "
+                            f"{n_layers}")
     if stages > n_layers:
-        raise StrategyError(f"{stages} pipeline stages need at least {stages} repeated layers; "
-                            f"the model has {n_layers}")
+        return [0] + [1] * n_layers + [0] * (stages - n_layers - 1)
     base, extra = divmod(n_layers, stages)
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
