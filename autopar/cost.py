@@ -77,7 +77,7 @@ from .sharding import AxisSharding, attention_output_aliases, backward_reads, ba
 from .pipeline import partition as pipe
 from .pipeline.partition import units
 from .pipeline.schedule import Timeline, makespan_lower_bound, simulate_schedule
-from .spec import MESH_MODES, ParallelConfig, check_grid, divisors
+from .spec import MESH_MODES, ParallelConfig, check_fsdp_layers, check_grid, divisors
 from .spec.placement import P, R, joint_placement, mesh_pieces
 from .strategies import is_shard
 from .strategies.axis_cost import op_axis_time, shared_key, work_fraction
@@ -234,6 +234,7 @@ def check_config(graph: Graph, cfg: ParallelConfig, devices: int, global_batch: 
             raise StrategyError(f"pp={cfg.pp} x chunks={cfg.chunks} = {cfg.stages} pipeline stages need at least "
                                 f"{cfg.stages - 2} repeated layers (one a stage; the first and the last stage may "
                                 f"hold the embedding and the head alone); {graph.name} has {n_layers}")
+    check_fsdp_layers(cfg)
     if cfg.fsdp_layers and cfg.fsdp_layers > (n_layers := len(fsdp_layer_params(graph))):
         raise StrategyError(f"fsdp_layers={cfg.fsdp_layers} shards that many repeated layers over dp, but "
                             f"{graph.name} has {n_layers} with weights of their own" +
@@ -269,6 +270,7 @@ class CostCache:
     local_params: dict[tuple, tuple[float, int]] = field(default_factory=dict)
     units: dict[tuple, "UnitCosts"] = field(default_factory=dict)        # pipeline: per-unit sums
     unit_params: dict[tuple, tuple[list[float], list[float]]] = field(default_factory=dict)
+    fsdp_elems: dict[tuple, list[float]] = field(default_factory=dict)    # fsdp_layers: each layer's own
     timelines: dict[tuple, Timeline] = field(default_factory=dict)       # simulated schedules
     tp_comm: dict[tuple, dict] = field(default_factory=dict)   # (itemsize, tp, spans nodes) -> collective times
     layer_inputs: dict[tuple, tuple] = field(default_factory=dict)    # bytes of each layer's input
@@ -832,9 +834,13 @@ class CostModel:
     def _fsdp_layer_elems(self, sh: AxisSharding, tp: int, k: int) -> list[float]:
         """Local elements of each of the first ``k`` layers' own parameters
         (:func:`fsdp_layer_params`: what ``fsdp_layers=k`` shards over dp)."""
-        out = sh.out
-        return [sum(numel / tp if is_shard(out.get(name, R)) else numel for name, numel in ps)
-                for _, ps in fsdp_layer_params(self.graph)[:k]]
+        key = (id(sh), tp)
+        if key not in self.cache.fsdp_elems:
+            out = sh.out
+            self.cache.hold(sh)
+            self.cache.fsdp_elems[key] = [sum(numel / tp if is_shard(out.get(name, R)) else numel
+                                              for name, numel in ps) for _, ps in fsdp_layer_params(self.graph)]
+        return self.cache.fsdp_elems[key][:k]
 
     def _optimizer_bytes(self, cfg: ParallelConfig, local: float) -> float:
         """Bytes the device's optimizer step moves for ``local`` trainable

@@ -445,7 +445,7 @@ def _try_mesh(planner: Planner, feasible: list, modes: tuple[str, ...] = ("mesh"
     for est, cfg, _ in sorted(feasible, key=lambda f: f[0].step_time_s):
         if len(bases) >= MESH_TRIES:
             break
-        if cfg.tp < 4 or cfg.tp_mode != "1d" or all(cfg.tp % d for d in range(2, cfg.tp)):
+        if cfg.tp < 4 or cfg.tp_mode != "1d" or cfg.fsdp_layers or all(cfg.tp % d for d in range(2, cfg.tp)):
             continue
         base = dataclasses.replace(cfg, copies=1, sequence_parallel=False)
         if base in bases:

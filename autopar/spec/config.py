@@ -463,6 +463,13 @@ def _check_copies(vals: dict[str, Any]) -> None:
                             "yet; use zero<=2 or copies=1")
 
 
+def check_fsdp_layers(cfg: ParallelConfig) -> None:
+    """The rules of ``fsdp_layers`` for a configuration built without the
+    parser (the search's): :class:`StrategyError` where it breaks one."""
+    if cfg.fsdp_layers:
+        _check_fsdp_layers(cfg.as_dict())
+
+
 def _check_fsdp_layers(vals: dict[str, Any]) -> None:
     """The rules of ``fsdp_layers`` (some layers under ZeRO-3, the rest
     under ``zero``): as ZeRO-3 itself, no pipeline and no fp16; the layers
