@@ -92,8 +92,11 @@ def test_search_takes_the_fewest_layers_that_fit():
     assert plan.predicted["step_time_s"] < without.predicted["step_time_s"]
 
 
-RUNS = [(GPT, "dp=4,zero=1,fsdp_layers=1"), (LLAMA, "dp=2,tp=2,zero=2,fsdp_layers=2,accumulate=2"),
-        (GPT, "dp=2,tp=2,zero=0,fsdp_layers=1,recompute=full"), (LLAMA, "dp=4,zero=1,fsdp_layers=1,precision=bf16")]
+FP32 = [(GPT, "dp=4,zero=1,fsdp_layers=1"), (LLAMA, "dp=2,tp=2,zero=2,fsdp_layers=2,accumulate=2"),
+        (GPT, "dp=2,tp=2,zero=0,fsdp_layers=1,recompute=full"),
+        (LLAMA, "dp=2,cp=2,zero=2,fsdp_layers=2")]     # FSDP2 and the optimizer over dp x cp
+BF16 = (LLAMA, "dp=4,zero=1,fsdp_layers=1,precision=bf16")
+RUNS = FP32 + [BF16]
 CLIP = 0.05
 
 
@@ -151,7 +154,7 @@ def results(tmp_path_factory):
     return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("fsdp_layers")), timeout=600)
 
 
-@pytest.mark.parametrize("spec,strategy", RUNS[:3])
+@pytest.mark.parametrize("spec,strategy", FP32)
 def test_fp32_equals_one_process(results, spec, strategy):
     ref, weights, norm = _reference(spec, STEPS, CLIP)
     for rank, res in enumerate(results):
@@ -166,7 +169,7 @@ def test_fp32_equals_one_process(results, spec, strategy):
 
 
 def test_bf16_keeps_fp32_shards_and_bf16_weights(results):
-    spec, strategy = RUNS[3]
+    spec, strategy = BF16
     ref, _, _ = _reference(spec, STEPS, CLIP, "bf16")
     r = results[0][strategy]
     assert r["losses"] == pytest.approx(ref, rel=2e-2)

@@ -297,9 +297,9 @@ class DistributedOptimizer:
                  sharded: Iterable[torch.Tensor] = ()) -> None:
         bucket_mb = _check_options(zero, precision, bucket_mb)
         grad_copies = list(grad_copies)
+        copies_of = {id(t): int(n) for t, n in grad_copies}
         self.sharded: list[torch.Tensor] = [p for p in _unique(sharded) if p.requires_grad]
-        self._sharded_copies = [max(1, int(dict((id(t), n) for t, n in grad_copies).get(id(p), 1)))
-                                for p in self.sharded]
+        self._sharded_copies = [max(1, copies_of.get(id(p), 1)) for p in self.sharded]
         self.params: list[torch.Tensor] = _trainable(params)
         self.device: torch.device = self.params[0].device
         self.zero, self.precision, self.overlap, self.offload = zero, precision, bool(overlap), bool(offload)

@@ -579,32 +579,34 @@ def _try_fsdp_layers(planner: Planner, feasible: list) -> int:
     count = 0
     for cfg, sh in bases:
         for z in (2, 1):
-            low = dataclasses.replace(cfg, zero=z)
-
-            def fits(k: int) -> tuple[bool, Estimate]:
-                e = planner.evaluate(dataclasses.replace(low, fsdp_layers=k), sh)
-                return e.fits, e
-            lo, hi = 1, layers
-            ok, top = fits(hi)
-            count += 1
-            if not ok:
-                continue
-            found = top
-            while lo < hi:          # the fewest layers that fit (1 apart: FSDP2 gathers two at a time)
-                mid = (lo + hi) // 2
-                ok, e = fits(mid)
-                count += 1
-                if ok:
-                    hi, found = mid, e
-                else:
-                    lo = mid + 1
-            if lo > 1:
-                ok, e = fits(1)
-                count += 1
-                if ok:
-                    found = e
-            feasible.append((found, dataclasses.replace(low, fsdp_layers=found.parallel["fsdp_layers"]), sh))
+            found, n = _fewest_layers(planner, dataclasses.replace(cfg, zero=z), sh, layers)
+            count += n
+            if found is not None:
+                feasible.append(found)
     return count
+
+
+def _fewest_layers(planner: Planner, low: ParallelConfig, sh: Sharder, layers: int) -> tuple[tuple | None, int]:
+    """``(estimate, configuration, sharder)`` of ``low`` with the fewest
+    leading layers under ZeRO-3 that fit (None where even all do not), and
+    how many were evaluated: bisection over 1..``layers``, and 1 apart
+    (FSDP2 gathers one layer there, two from 2 on)."""
+    def fits(k: int) -> Estimate:
+        return planner.evaluate(dataclasses.replace(low, fsdp_layers=k), sh)
+    lo, hi, found, count = 1, layers, fits(layers), 1
+    if not found.fits:
+        return None, count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e, count = fits(mid), count + 1
+        if e.fits:
+            hi, found = mid, e
+        else:
+            lo = mid + 1
+    if lo > 1:
+        e, count = fits(1), count + 1
+        found = e if e.fits else found
+    return (found, dataclasses.replace(low, fsdp_layers=found.parallel["fsdp_layers"]), sh), count
 
 
 def _first_fits(planner: Planner, lines: list[list[ParallelConfig]], manual: Sharder,
