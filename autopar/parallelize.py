@@ -784,7 +784,7 @@ def apply_optimizer(modules: list[nn.Module], cfg: ParallelConfig, mesh: Mesh,
         reduce_dtype=cfg.reduce_dtype or None, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap,
         offload=cfg.offload == "optimizer", tied=list(tied), max_grad_norm=max_grad_norm,
         grad_copies=[(t, (copies or {}).get(name, 1)) for name, t in local_tensors(modules).items()],
-        sharded=sharded)
+        sharded=sharded, device=local_device())
     return dist_opt.optimizer, dist_opt
 
 

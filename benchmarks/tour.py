@@ -164,7 +164,7 @@ def run(models: list[str], timeout: float = 3600) -> dict[str, Any]:
                         "reference": ref[0] if ref else None, "local_numel": r0.get("local_numel"),
                         "full_numel": r0.get("full_numel"), "seconds": r0.get("s"),
                         "traceback": r0.get("traceback") or p.get("traceback")})
-        console.print(f"  {m:12s} {cl:9s} {col:8s} {st[:150]}")
+        console.print(f"  {m:12s} {cl:9s} {col:8s} {st[:150]}", markup=False)     # errors hold [brackets]
     return result(models, details)
 
 

@@ -209,3 +209,35 @@ def test_a_weight_moved_for_readers_on_two_stages_is_moved_on_each():
     loss.backward()
     for n, p in gm.named_parameters():
         torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+def _input_alone_worker(rank: int, world: int) -> dict:
+    """The example MLP (no embedding: its first unit holds no parameter) on 4
+    pipeline ranks: rank 0 runs the input alone, rank 3 the head alone."""
+    import autopar
+    from benchmarks.real_models import CASES
+    c = CASES["mlp"]()
+    pm = autopar.parallelize(c.model, c.inputs, loss_fn=c.loss_fn, example_target=c.target,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="pp=4,microbatches=4",
+                             max_grad_norm=0.5)
+    losses = [pm.train_step(c.inputs, c.target) for _ in range(3)]
+    return {"losses": losses, "norm": pm.grad_norm, "layers": pm.plan.data["pipeline"]["layers"],
+            "params": sum(p.numel() for p in pm.parameters())}
+
+
+def test_a_pipeline_rank_without_parameters_takes_part_in_the_step():
+    from benchmarks.real_models import CASES
+    res = run_distributed(_input_alone_worker, 4, timeout=300)
+    c = CASES["mlp"]()
+    opt = torch.optim.AdamW(c.model.parameters(), lr=1e-2)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = c.loss_fn(c.model(*c.inputs), c.target)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(c.model.parameters(), 0.5))
+        opt.step()
+        ref.append(loss.item())
+    assert res[0]["layers"] == [0, 1, 1, 0] and res[0]["params"] == 0
+    for r in res:
+        assert r["losses"] == pytest.approx(ref, rel=1e-4) and r["norm"] == pytest.approx(norm, rel=1e-4)

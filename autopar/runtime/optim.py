@@ -224,11 +224,11 @@ def _check_options(zero: Any, precision: Any, bucket_mb: Any) -> float:
     return bucket_mb
 
 
-def _trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The distinct trainable ``params``, checked: at least one, floating
-    point, all on one device (ValueError in words)."""
+def _trainable(params: Iterable[torch.Tensor], allow_empty: bool = False) -> list[torch.Tensor]:
+    """The distinct trainable ``params``, checked: at least one (unless
+    ``allow_empty``), floating point, all on one device (ValueError in words)."""
     out = [p for p in _unique(params) if p.requires_grad]
-    if not out:
+    if not out and not allow_empty:
         raise ValueError("DistributedOptimizer got no parameters with requires_grad=True")
     devices = {p.device for p in out}
     if len(devices) > 1:
@@ -279,6 +279,9 @@ class DistributedOptimizer:
       hold besides the dp replicas (replicated over tp, tied copies), so
       that each element counts once. ``grad_norm`` is the last step's norm
       before clipping (None without clipping).
+    * ``device``: where the buffers live when there are no parameters
+      (``params`` may be empty only then: a pipeline rank whose stages hold
+      the input alone still takes part in the step's collectives).
     * ``sharded``: parameters another system keeps sharded over dp and
       reduces itself (FSDP2's ``DTensor`` s of ``fsdp_layers``): their
       gradients arrive reduced (the dp mean of this rank's shard); the inner
@@ -294,14 +297,14 @@ class DistributedOptimizer:
                  bucket_mb: float = 25.0, overlap: bool = True, offload: bool = False,
                  tied: Iterable[tuple[torch.Tensor, Any]] = (), world_group: Any = None,
                  max_grad_norm: float | None = None, grad_copies: Iterable[tuple[torch.Tensor, int]] = (),
-                 sharded: Iterable[torch.Tensor] = ()) -> None:
+                 sharded: Iterable[torch.Tensor] = (), device: torch.device | None = None) -> None:
         bucket_mb = _check_options(zero, precision, bucket_mb)
         grad_copies = list(grad_copies)
         copies_of = {id(t): int(n) for t, n in grad_copies}
         self.sharded: list[torch.Tensor] = [p for p in _unique(sharded) if p.requires_grad]
         self._sharded_copies = [max(1, copies_of.get(id(p), 1)) for p in self.sharded]
-        self.params: list[torch.Tensor] = _trainable(params)
-        self.device: torch.device = self.params[0].device
+        self.params: list[torch.Tensor] = _trainable(params, allow_empty=device is not None)
+        self.device: torch.device = self.params[0].device if self.params else device
         self.zero, self.precision, self.overlap, self.offload = zero, precision, bool(overlap), bool(offload)
         self.bucket_mb = bucket_mb
         self.dp_group = dp_group
@@ -319,8 +322,9 @@ class DistributedOptimizer:
 
         cast = _PRECISIONS[precision]
         rdtype = _as_dtype(reduce_dtype)
-        dtypes = {p.dtype for p in self.params}
-        self.mode = "plain" if (zero == 0 and precision == "fp32" and not self.offload
+        dtypes = {p.dtype for p in self.params} or {torch.float32}
+        # no parameters: an empty flat buffer (torch optimizers refuse an empty parameter list)
+        self.mode = "plain" if (zero == 0 and precision == "fp32" and not self.offload and self.params
                                 and (rdtype is None or dtypes == {rdtype})) else "flat"
         if self.mode == "flat" and cast is None and len(dtypes) > 1:
             raise ValueError(f"zero={zero}/offload={offload} flattens the parameters, which needs one dtype; got "
