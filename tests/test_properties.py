@@ -70,6 +70,8 @@ def manual(draw) -> tuple[int, int, str]:
         keys.append("sequence_parallel=true")
     if pp > 1 and micro % pp == 0 and draw(st.booleans()):
         keys.append("schedule=interleaved")
+    if pp == 1 and dp > 1 and "zero=3" not in keys and draw(st.booleans()):
+        keys.append(f"fsdp_layers={draw(st.integers(1, 3))}")     # the first layers under ZeRO-3
     return devices, batch, ",".join(keys)
 
 
@@ -95,6 +97,10 @@ def _roundtrip(plan: autopar.Plan, graph, tmp_path) -> None:
 # found by this test: a tied head reads the embedding whole (R) while the weight is split (S(1)),
 # which Plan.check_graph took for an edited plan
 @example(spec="gpt:layers=1,hidden=8,heads=2,seq=4,vocab=16,tie=1", where=(2, 2, "dp=1,tp=2"))
+# the dp axis per layer: a mix that evaluates, and one with more layers than the model has
+@example(spec="llama:layers=2,hidden=16,heads=2,kv_heads=1,ffn=32,seq=8,vocab=32",
+         where=(4, 8, "dp=2,tp=2,zero=2,fsdp_layers=2,precision=bf16"))
+@example(spec="mlp:layers=1,inp=8,hidden=16,classes=4", where=(4, 4, "dp=4,zero=1,fsdp_layers=3"))
 def test_manual_strategies_evaluate_or_are_refused_clearly(spec, where, tmp_path_factory):
     devices, batch, strategy = where
     graph = _graph(spec)
