@@ -65,7 +65,10 @@ def traced_inplace_operators() -> Iterator[None]:
                 setattr(fx.Proxy, k, v)
 
 
-def _name(n: fx.Node) -> str:
+def op_name(n: fx.Node) -> str:
+    """The bare name of the op ``n`` runs: a method's name, an ATen
+    overload's (``aten.native_dropout.default`` -> ``native_dropout``), a
+    function's ``__name__``."""
     t = n.target
     if n.op == "call_method":
         return str(t)
@@ -82,13 +85,13 @@ def assigned(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def _inplace_form(n: fx.Node) -> tuple[str, Any, dict] | None:
     """``(description, out-of-place target, kwargs)`` of an in-place op, or None."""
-    if _name(n) == "copy_" and n.op in ("call_function", "call_method") and len(n.args) >= 2:
+    if op_name(n) == "copy_" and n.op in ("call_function", "call_method") and len(n.args) >= 2:
         return "copy_", assigned, {}
     if n.op == "call_function" and n.target in _OPERATORS:
-        return _name(n), _OPERATORS[n.target], dict(n.kwargs)
+        return op_name(n), _OPERATORS[n.target], dict(n.kwargs)
     if n.op == "call_function" and n.kwargs.get("inplace") is True:
-        return f"{_name(n)}(inplace=True)", n.target, {**n.kwargs, "inplace": False}
-    name = _name(n)
+        return f"{op_name(n)}(inplace=True)", n.target, {**n.kwargs, "inplace": False}
+    name = op_name(n)
     if not name.endswith("_") or name.endswith("__") or name.startswith("_"):
         return None
     base = name[:-1]
@@ -135,12 +138,12 @@ def _is_view(n: fx.Node) -> bool:
     of a tuple is a view only where the tuple holds views (``split``,
     ``chunk``, ``unbind``): the outputs of ``topk``, ``sort`` or ``max(dim)``
     are tensors of their own."""
-    if n.op not in ("call_method", "call_function") or _name(n) not in VIEWS or not n.args \
+    if n.op not in ("call_method", "call_function") or op_name(n) not in VIEWS or not n.args \
             or not isinstance(n.args[0], fx.Node):
         return False
-    if _name(n) in ("getitem", "__getitem__"):
+    if op_name(n) in ("getitem", "__getitem__"):
         src = n.args[0]
-        return _is_tensor(src) or _name(src) in VIEWS
+        return _is_tensor(src) or op_name(src) in VIEWS
     return True
 
 
@@ -175,7 +178,7 @@ def _slices_up(t: fx.Node, base: fx.Node) -> list[fx.Node] | None:
     else None."""
     chain = []
     while t is not base:
-        if not (isinstance(t.target, torch._ops.OpOverload) and _name(t) in _SCATTERS):
+        if not (isinstance(t.target, torch._ops.OpOverload) and op_name(t) in _SCATTERS):
             return None
         chain.append(t)
         t = t.args[0]
@@ -194,7 +197,7 @@ def _scatter_back(g: fx.Graph, n: fx.Node, new: fx.Node, chain: list[fx.Node], b
     with g.inserting_before(n):
         for v in chain:
             parent = v.args[0]
-            cur = g.call_function(_SCATTERS[_name(v)], (parent, cur, *v.args[1:]), dict(v.kwargs))
+            cur = g.call_function(_SCATTERS[op_name(v)], (parent, cur, *v.args[1:]), dict(v.kwargs))
             cur.meta = dict(parent.meta)
             order[cur] = order[n]
             now[parent] = cur

@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import ops
-from ..inplace import updates_state
+from ..inplace import op_name, updates_state
 from ..runtime.kernels import in_dtype
 
 __all__ = ["get_attr", "free_nodes", "retarget_devices", "to_device", "draws_random", "random_ops",
@@ -106,14 +106,6 @@ _RANDOM = frozenset({"bernoulli", "bernoulli_", "rand", "randn", "rand_like", "r
                      "cauchy_", "log_normal_", "random_", "poisson", "rrelu", "rrelu_with_noise"})
 
 
-def _name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, str):
-        return t
-    packet = getattr(t, "overloadpacket", None)         # aten.native_dropout.default -> native_dropout
-    return getattr(packet or t, "__name__", str(t)).split(".")[-1]
-
-
 def draws_random(node: fx.Node, owner: nn.Module) -> bool:
     """Whether ``node`` (of a graph of ``owner``) draws random numbers when
     run: dropout with ``p > 0`` in training mode (fx's ``F.dropout`` /
@@ -125,7 +117,7 @@ def draws_random(node: fx.Node, owner: nn.Module) -> bool:
         return isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
     if node.op not in ("call_function", "call_method"):
         return False
-    name = _name(node)
+    name = op_name(node)
     if "dropout" in name:
         p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
         train = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2
