@@ -600,6 +600,8 @@ def zoo(as_json: bool = JsonOpt) -> None:
     out.print(t)
     out.print("example: [bold]gpt:layers=2,hidden=64,heads=4,seq=16,vocab=128[/]  "
               "or a factory: [bold]path/to/file.py:make[/]")
+    out.print("a Hugging Face checkpoint's own config.json (a directory, the file or a Hub id): "
+              "[bold]hf:PATH[,seq=N,batch=N,FIELD=VALUE...][/]")
     out.print(f"batch: the example batch a model string is traced at ({zoo_.PLAN_BATCH}, so the batch dim is "
               "told apart from the others); the global batch is --global-batch")
 

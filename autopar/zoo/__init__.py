@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ..errors import ZooError
 from . import hf as _hf
+from . import hf_pretrained as _hf_pretrained
 from . import vision as _vision
 _vision.install_shim()   # before anything imports torchvision (transformers does): see zoo/vision.py
 from .models import (CNN, GPT, MLP, CNNConfig, GPTConfig, Llama, LlamaConfig, MLPConfig,
@@ -102,7 +103,7 @@ def build_for_planning(spec: str, *, batch: int | None = None) -> ZooModel:
     do: a zoo family at ``batch`` (default :data:`PLAN_BATCH`), a factory at
     the batch its example inputs have."""
     family = spec.split(":", 1)[0].strip().lower() if isinstance(spec, str) else ""
-    if family in _FAMILIES or family in _hf.FAMILIES or family in _vision.FAMILIES:
+    if family in _FAMILIES or family in _hf.FAMILIES or family in _vision.FAMILIES or family == _hf_pretrained.FAMILY:
         return build(spec, batch=batch or PLAN_BATCH)
     return build(spec)
 
@@ -134,6 +135,8 @@ def build(spec: str, *, device="meta", batch: int | None = None, seed: int | Non
         return _build_hf(head.lower(), rest, device, batch, seed)
     if head.lower() in _vision.FAMILIES:
         return _build_vision(head.lower(), rest, device, batch, seed)
+    if head.lower() == _hf_pretrained.FAMILY:
+        return _build_hf_pretrained(rest, device, batch, seed)
     if sep and "=" not in spec and spec.rpartition(":")[2].isidentifier():
         if batch is not None:
             warnings.warn(f"batch={batch} is ignored for factory {spec!r}: its example inputs "
@@ -144,7 +147,7 @@ def build(spec: str, *, device="meta", batch: int | None = None, seed: int | Non
 
 
 def _names() -> list[str]:
-    return [*_FAMILIES, *_hf.FAMILIES, *_vision.FAMILIES]
+    return [*_FAMILIES, *_hf.FAMILIES, *_vision.FAMILIES, f"{_hf_pretrained.FAMILY}:PATH"]
 
 
 def load(spec: str, *, device="meta") -> tuple[nn.Module, tuple]:
@@ -224,6 +227,26 @@ def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
     target = _randint(classes, target_shape, g, dev)
     name = family + ":" + ",".join(f"{k}={_hf_repr(cfg[k])}" for k in sorted(cfg))
     return ZooModel(name, model, inputs, _hf.loss_fn(family), target, dict(cfg))
+
+
+def _build_hf_pretrained(text: str, device, batch, seed) -> ZooModel:
+    """``hf:PATH[,key=value,...]``: the language model of a checkpoint's
+    ``config.json`` (:mod:`autopar.zoo.hf_pretrained`), without its weights."""
+    path, raw = _hf_pretrained.split(text)
+    config, settings = _hf_pretrained.configure(path, raw, batch)
+    dev = torch.device(device)
+
+    def construct():
+        with dev:
+            return _hf_pretrained.construct(path, config)
+
+    model = _seeded(construct, dev, seed)
+    g = torch.Generator().manual_seed(0)
+    shape = (settings["batch"], settings["seq"])
+    inputs = (_randint(config.vocab_size, shape, g, dev),)
+    target = _randint(config.vocab_size, shape, g, dev)
+    return ZooModel(_hf_pretrained.name(path, settings), model, inputs, _hf.hf_lm_loss, target,
+                    {"path": path, **settings})
 
 
 def _seeded(construct, dev: torch.device, seed: int | None):
