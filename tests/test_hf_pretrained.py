@@ -158,3 +158,11 @@ def test_trains_under_tensor_parallel_as_one_process(llama_dir):
     for losses, local in got:
         assert losses == pytest.approx(ref, abs=1e-4)
         assert local < full         # the weights are split, not replicated
+
+
+def test_attn_implementation_picks_the_kernel(llama_dir):
+    """``attn_implementation=eager``: the scores written out (matmul, softmax), as from_pretrained's keyword."""
+    kinds = lambda g: {nd.kind for nd in g.nodes}     # noqa: E731
+    eager = autopar.trace(f"hf:{llama_dir},attn_implementation=eager,batch=2")
+    assert "matmul" in kinds(eager) and "softmax" in kinds(eager) and "sdpa" not in kinds(eager)
+    assert "sdpa" in kinds(autopar.trace(f"hf:{llama_dir},batch=2"))

@@ -107,7 +107,8 @@ class GreedyCost:
         consumers, which are not decided yet: a partial output will be
         all-reduced later, and a shard is often gathered again (norms,
         residuals), so half a gather keeps cheap ops from starting sharded
-        chains. The graph's output has no consumer: :meth:`time` makes it whole."""
+        chains (of the output, or of the inputs it slices where smaller:
+        :meth:`_started`). The graph's output has no consumer: :meth:`time` makes it whole."""
         h = 0.0
         places = False
         for have, want, name in zip(cur, st.ins, nd.inputs):
@@ -124,8 +125,22 @@ class GreedyCost:
         if st.out == P:
             h += self.comm("all_reduce", self.sizes.get(nd.name, 0.0))
         elif is_shard(st.out) and not self._continues(nd, st, cur):
-            h += 0.5 * self.comm("all_gather", self.sizes.get(nd.name, 0.0))
+            h += 0.5 * self.comm("all_gather", self._started(nd, st, cur))
         return h
+
+    def _started(self, nd: Node, st: Strategy, cur: list[str | None]) -> float:
+        """Bytes of the look-ahead's gather for a chain ``st`` starts: the
+        output's, or, where the op reads a whole value as a shard (a slice,
+        no collective), at most the largest such input's: an op that grows
+        what it reads (attention's scores ``[B, H, T, T]`` from q and k
+        ``[B, H, T, D]``, written out in eager attention) would otherwise be
+        charged for gathering its output, 8x its inputs at T = 2048, D = 256,
+        and stay replicated on every rank, though the chain it starts ends
+        where the values are small again."""
+        out = self.sizes.get(nd.name, 0.0)
+        sliced = [self.sizes.get(name, 0.0) for have, want, name in zip(cur, st.ins, nd.inputs)
+                  if have == R and is_shard(want) and not self.graph[name].is_state]
+        return min(out, max(sliced)) if sliced else out
 
     def _continues(self, nd: Node, st: Strategy, cur: list[str | None]) -> bool:
         """Whether ``st`` goes on with a sharded chain: it reads a value

@@ -13,7 +13,8 @@ default the smaller of 2048 and the configuration's position limit),
 ``batch``, and any field of the configuration to override, read as the type
 the file gives it (``num_hidden_layers=2`` to try a shallow copy first; a
 field the file leaves out is read as an integer, a number, ``true``/``false``
-or ``none``). The model class is the file's ``architectures`` entry when it
+or ``none``; ``attn_implementation=eager`` picks the attention kernel as
+``from_pretrained``'s keyword does). The model class is the file's ``architectures`` entry when it
 is a language-model head (``...ForCausalLM``, ``...LMHeadModel``,
 ``...ForMaskedLM``), else ``AutoModelForCausalLM``'s choice. Other heads
 (classification, encoder-decoder, multimodal) need a factory file
@@ -116,6 +117,8 @@ def configure(path: str, raw: dict[str, str], batch: int | None) -> tuple[Any, d
     for key, value in raw.items():
         if key in ("seq", "batch"):
             settings[key] = _positive(key, value)
+        elif key == "attn_implementation":      # from_pretrained's keyword: the config keeps it privately
+            config._attn_implementation = settings[key] = value
         else:
             setattr(config, key, _read(key, getattr(config, key, None), value))
             settings[key] = getattr(config, key)
