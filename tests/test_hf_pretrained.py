@@ -1,6 +1,5 @@
 """``hf:PATH``: a Hugging Face model from its checkpoint's config.json (autopar/zoo/hf_pretrained.py)."""
 import json
-import warnings
 
 import pytest
 import torch
@@ -21,11 +20,7 @@ SAME_AS = ("hf-llama:num_hidden_layers=2,hidden_size=32,num_attention_heads=4,nu
            "intermediate_size=64,vocab_size=64,seq=16")
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.filterwarnings("ignore")     # transformers' and the trace's, not under test
 
 
 @pytest.fixture(scope="module")

@@ -211,12 +211,7 @@ def _build_hf(family: str, text: str, device, batch, seed) -> ZooModel:
     cfg = _hf.parse(family, text, batch)       # ZooError for a bad key or value
     config = _hf.make_config(family, cfg)      # ZooError without transformers
     dev = torch.device(device)
-
-    def construct():
-        with dev:
-            return _hf.construct(family, config)
-
-    model = _seeded(construct, dev, seed)
+    model = _seeded_on(dev, seed, lambda: _hf.construct(family, config))
 
     g = torch.Generator().manual_seed(0)
     in_shape, target_shape, classes = _hf.input_shapes(family, cfg)
@@ -235,18 +230,21 @@ def _build_hf_pretrained(text: str, device, batch, seed) -> ZooModel:
     path, raw = _hf_pretrained.split(text)
     config, settings = _hf_pretrained.configure(path, raw, batch)
     dev = torch.device(device)
-
-    def construct():
-        with dev:
-            return _hf_pretrained.construct(path, config)
-
-    model = _seeded(construct, dev, seed)
+    model = _seeded_on(dev, seed, lambda: _hf_pretrained.construct(path, config))
     g = torch.Generator().manual_seed(0)
     shape = (settings["batch"], settings["seq"])
     inputs = (_randint(config.vocab_size, shape, g, dev),)
     target = _randint(config.vocab_size, shape, g, dev)
     return ZooModel(_hf_pretrained.name(path, settings), model, inputs, _hf.hf_lm_loss, target,
                     {"path": path, **settings})
+
+
+def _seeded_on(dev: torch.device, seed: int | None, construct):
+    """``construct()`` with ``dev`` the default device, seeded as :func:`_seeded`."""
+    def on_device():
+        with dev:
+            return construct()
+    return _seeded(on_device, dev, seed)
 
 
 def _seeded(construct, dev: torch.device, seed: int | None):
