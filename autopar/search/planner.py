@@ -45,7 +45,7 @@ from .propagate import propagate
 if TYPE_CHECKING:
     from .grid import SearchResult
 
-MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated weight: manual tp shards every weight it can
+MANUAL_MEMORY_WEIGHT = 1e-6   # s per byte of replicated matrix: manual tp shards every matrix it can
 GREEDY_MEMORY_WEIGHT = 1e-15  # the greedy heuristic weighs time; memory only breaks ties
 NEAR_FIT = 1.25   # a Megatron plan within 25% of the memory: the memory-bounded ILP may still fit it
 MODES = ("grid", "ilp", "greedy")

@@ -29,6 +29,9 @@ from ..strategies.axis_cost import op_axis_time
 from ..strategies.redistribute import output_time
 from ..strategies.rules import Ctx, candidates
 
+#: seconds per byte of replicated weight that only breaks ties between equal times
+TIE_WEIGHT = 1e-15
+
 # AxisSharding, _instances, _numel, needs_grad, pin_signature, _SKIP and INF are
 # also read from here by the ILP (search.ilp)
 
@@ -45,9 +48,10 @@ def propagate(graph: Graph, n: int, shapes: dict[str, Shape | None], *,
     fraction)`` the forward time of a node doing ``fraction`` of its work.
     The graph's output (the loss) is made replicated. ``memory_weight``
     (seconds per byte of replicated weight state) trades memory for time: the
-    manual ``tp=N`` strategies use a large one, so every weight a rule can
-    split is split (Megatron-style), and only the communication pattern is
-    left to the cost model. ``pins`` fixes the placement of some nodes
+    manual ``tp=N`` strategies use a large one, so every matrix a rule can
+    split is split (Megatron-style; vectors, norm gains and biases, weigh as
+    tie-breaks: :meth:`GreedyCost._weight_of`), and only the communication
+    pattern is left to the cost model. ``pins`` fixes the placement of some nodes
     (parameters or op outputs); the rest is propagated from them. Only
     trainable weights weigh as memory: a buffer (rotary tables) stays where
     its consumers want it.
@@ -114,7 +118,7 @@ class GreedyCost:
         for have, want, name in zip(cur, st.ins, nd.inputs):
             if have is None and self.grad.get(name, False):
                 places = True
-                h += self.memory_weight * self.sizes.get(name, 0.0) * (1.0 if want == R else 1.0 / self.n)
+                h += self._weight_of(name) * self.sizes.get(name, 0.0) * (1.0 if want == R else 1.0 / self.n)
         if nd.name == self.graph.output:
             return h
         read_as = self._read_as(nd.name) if places and is_shard(st.out) else None
@@ -127,6 +131,18 @@ class GreedyCost:
         elif is_shard(st.out) and not self._continues(nd, st, cur):
             h += 0.5 * self.comm("all_gather", self._started(nd, st, cur))
         return h
+
+    def _weight_of(self, name: str) -> float:
+        """Seconds per replicated byte of parameter ``name``: ``memory_weight``
+        for a matrix (or any weight of two dims or more); a vector (a norm's
+        gain, a bias) weighs as a tie-break only, so that the time decides it.
+        Under manual ``tp=N`` the weight is large, and a norm written out in
+        its ops (Hugging Face's Gemma: ``x * (1 + weight)``) split its gain,
+        14 KB, for the price of its output's layout: the residual stream
+        split over the hidden dim, q, k and v then read row-parallel and
+        all-reduced, where Megatron keeps the gain whole and gathers once."""
+        shape = self.sizes.shapes.get(name)
+        return self.memory_weight if shape is None or len(shape) >= 2 else min(self.memory_weight, TIE_WEIGHT)
 
     def _started(self, nd: Node, st: Strategy, cur: list[str | None]) -> float:
         """Bytes of the look-ahead's gather for a chain ``st`` starts: the
