@@ -161,3 +161,12 @@ def test_attn_implementation_picks_the_kernel(llama_dir):
     eager = autopar.trace(f"hf:{llama_dir},attn_implementation=eager,batch=2")
     assert "matmul" in kinds(eager) and "softmax" in kinds(eager) and "sdpa" not in kinds(eager)
     assert "sdpa" in kinds(autopar.trace(f"hf:{llama_dir},batch=2"))
+
+
+def test_a_kernel_the_model_has_not_is_a_clear_error(tmp_path):
+    transformers.Gemma2Config(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=8, vocab_size=32,
+                              architectures=["Gemma2ForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ZooError, match="cannot build this configuration: Gemma2ForCausalLM does not support"):
+        zoo.build(f"hf:{tmp_path},attn_implementation=sdpa")
+    assert type(zoo.build(f"hf:{tmp_path},attn_implementation=eager").model).__name__ == "Gemma2ForCausalLM"

@@ -160,12 +160,14 @@ def construct(path: str, config: Any) -> Any:
         cls = getattr(transformers, arch, None)
         if cls is None:
             raise ZooError(f"hf:{path}: transformers {transformers.__version__} has no {arch}")
-        return cls(config)
+        build = lambda: cls(config)     # noqa: E731
+    else:
+        build = lambda: transformers.AutoModelForCausalLM.from_config(config)     # noqa: E731
     try:
-        return transformers.AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        raise ZooError(f"hf:{path}: no causal language model for this configuration: "
-                       f"{str(e).splitlines()[0]}") from None
+        return build()
+    except ValueError as e:     # an attention kernel the model has not, a configuration it refuses
+        raise ZooError(f"hf:{path}: transformers cannot build this configuration: "
+                       f"{str(e).strip().splitlines()[0]}") from None
 
 
 def name(path: str, settings: dict[str, Any]) -> str:
