@@ -170,3 +170,8 @@ def test_a_kernel_the_model_has_not_is_a_clear_error(tmp_path):
     with pytest.raises(ZooError, match="cannot build this configuration: Gemma2ForCausalLM does not support"):
         zoo.build(f"hf:{tmp_path},attn_implementation=sdpa")
     assert type(zoo.build(f"hf:{tmp_path},attn_implementation=eager").model).__name__ == "Gemma2ForCausalLM"
+
+
+def test_a_bare_config_json_in_the_working_directory(llama_dir, monkeypatch):
+    monkeypatch.chdir(llama_dir)
+    assert zoo.build("hf:config.json,seq=8").example_inputs[0].shape == (1, 8)

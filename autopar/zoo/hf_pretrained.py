@@ -72,7 +72,7 @@ def _transformers():
 def load_config(path: str) -> Any:
     """The ``transformers`` configuration at ``path`` (directory, file or Hub id)."""
     transformers = _transformers()
-    where = os.path.dirname(path) if os.path.basename(path) == "config.json" else path
+    where = (os.path.dirname(path) or ".") if os.path.basename(path) == "config.json" else path
     if os.path.isfile(path) and os.path.basename(path) != "config.json":
         raise ZooError(f"hf:{path}: a file must be named config.json (or give its directory)")
     try:
