@@ -104,6 +104,17 @@ def timed_run(name: str, run: Any, quick: bool, save_result: bool = True, log: A
     return result
 
 
+def quick_cli(module: str, doc: str, quick: list[str], main: Any) -> None:
+    """The command line of a benchmark with a ``--quick`` set of cases and
+    ``--no-save``: ``main(quick, save_result=...)``."""
+    import argparse
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"the quick cases ({', '.join(quick)})")
+    ap.add_argument("--no-save", action="store_true", help="print only: write no result")
+    args = ap.parse_args()
+    main(args.quick, save_result=not args.no_save)
+
+
 def each_case(keys: list[str], run: Any, failed: str = "error") -> list[dict[str, Any]]:
     """``run(key)`` for every key, each record printed as it comes with its
     ``wall_s``; a case that raises is a record ``{"case": key, failed: "Type:

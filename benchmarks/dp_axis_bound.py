@@ -30,7 +30,6 @@ Run: ``python -m benchmarks.dp_axis_bound [--quick]``; results in
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 from typing import Any, Iterator
@@ -42,7 +41,7 @@ from autopar.errors import StrategyError
 from autopar.search import grid as search_grid
 from autopar.search.grid import grid_configs
 from autopar.search.planner import MANUAL
-from benchmarks.common import each_case, timed_run
+from benchmarks.common import each_case, quick_cli, timed_run
 from benchmarks.mesh_search import LLAMA_70B
 from benchmarks.tensor2d import GPT_1_3B, GPT_6_7B, LLAMA_8B
 from benchmarks.tensor2d import NAMES as _NAMES
@@ -170,11 +169,7 @@ def main(quick: bool = False, save_result: bool = True) -> dict[str, Any]:
 
 
 def cli() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.dp_axis_bound", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"one case ({', '.join(QUICK)})")
-    ap.add_argument("--no-save", action="store_true", help="print only: write no result")
-    args = ap.parse_args()
-    main(args.quick, save_result=not args.no_save)
+    quick_cli("benchmarks.dp_axis_bound", __doc__, QUICK, main)
 
 
 if __name__ == "__main__":

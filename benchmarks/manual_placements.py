@@ -27,7 +27,6 @@ Run: ``python -m benchmarks.manual_placements [--quick]``; results in
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import warnings
@@ -36,7 +35,7 @@ from typing import Any
 
 import autopar
 from autopar.errors import ZooError
-from benchmarks.common import each_case, timed_run
+from benchmarks.common import each_case, quick_cli, timed_run
 
 CLUSTER, DEVICES, BATCH, SEQ = "dgx-h100", 64, 512, 2048
 STRATEGY = "dp=16,tp=4,microbatches=32,zero=1,precision=bf16"
@@ -133,12 +132,7 @@ def main(quick: bool = False, save_result: bool = True) -> dict[str, Any]:
 
 
 def cli() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.manual_placements",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"one model ({', '.join(QUICK)})")
-    ap.add_argument("--no-save", action="store_true", help="print only: write no result")
-    args = ap.parse_args()
-    main(args.quick, save_result=not args.no_save)
+    quick_cli("benchmarks.manual_placements", __doc__, QUICK, main)
 
 
 if __name__ == "__main__":
