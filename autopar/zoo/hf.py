@@ -100,12 +100,12 @@ def families() -> dict[str, dict[str, Any]]:
     return {name: dict(fam.keys) for name, fam in FAMILIES.items()}
 
 
-def _transformers():
+def _transformers(what: str = "the hf-* model families"):
+    """``transformers``, or :class:`ZooError` saying that ``what`` needs it."""
     try:
         import transformers
     except ImportError:
-        raise ZooError("the hf-* model families need Hugging Face transformers: "
-                       "pip install transformers") from None
+        raise ZooError(f"{what} need Hugging Face transformers: pip install transformers") from None
     return transformers
 
 

@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 from ..errors import ZooError
+from .hf import _transformers as hf_transformers
 
 FAMILY = "hf"
 #: the heads whose output is logits over the vocabulary at every position
@@ -61,10 +62,7 @@ def split(text: str) -> tuple[str, dict[str, str]]:
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ZooError("hf:PATH needs Hugging Face transformers: pip install transformers") from None
+    transformers = hf_transformers("hf:PATH model strings")
     transformers.logging.set_verbosity_error()
     return transformers
 
@@ -160,11 +158,8 @@ def construct(path: str, config: Any) -> Any:
         cls = getattr(transformers, arch, None)
         if cls is None:
             raise ZooError(f"hf:{path}: transformers {transformers.__version__} has no {arch}")
-        build = lambda: cls(config)     # noqa: E731
-    else:
-        build = lambda: transformers.AutoModelForCausalLM.from_config(config)     # noqa: E731
     try:
-        return build()
+        return cls(config) if arch is not None else transformers.AutoModelForCausalLM.from_config(config)
     except ValueError as e:     # an attention kernel the model has not, a configuration it refuses
         raise ZooError(f"hf:{path}: transformers cannot build this configuration: "
                        f"{str(e).strip().splitlines()[0]}") from None
